@@ -1,0 +1,53 @@
+"""What every backbone shares: a mixed-precision trunk, a float32 embedding head, width scaling."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+def autocast_dtype(device_type: str) -> torch.dtype:
+    """float16 on GPUs (paired with the GradScaler); bfloat16 on CPU, the only half type it autocasts."""
+    return torch.float16 if device_type == "cuda" else torch.bfloat16
+
+
+def scaled_width(channels: int, width_mult: float, what: str = "channel count") -> int:
+    """``channels * width_mult`` as a whole number, or a ValueError saying which multipliers work.
+
+    Widths are never rounded: rounding could break the divisibility that grouped convolutions and
+    attention heads rely on, and a silently different network is worse than a clear refusal.
+    """
+    scaled = channels * width_mult
+    if width_mult <= 0 or abs(scaled - round(scaled)) > 1e-9 or round(scaled) < 1:
+        raise ValueError(
+            f"width_mult={width_mult} gives a {what} of {channels} x {width_mult} = {scaled:g}, which "
+            f"is not a positive whole number; use a multiple of 1/{channels} such as 0.25 or 0.125."
+        )
+    return int(round(scaled))
+
+
+class FaceBackbone(nn.Module):
+    """An image -> embedding network split into a trunk and an embedding head.
+
+    With ``fp16=True`` the trunk runs under autocast and the head always in float32, so the
+    embedding the margin softmax sees is float32 whatever precision the caller asked for (the head
+    also leaves any autocast the caller opened, e.g. a training loop wrapping the whole step).
+    Subclasses implement ``forward_trunk`` and ``forward_head``; their parameters stay direct
+    attributes so that ``state_dict()`` keys are exactly arcface_torch's.
+    """
+
+    def __init__(self, fp16: bool = False) -> None:
+        super().__init__()
+        self.fp16 = fp16
+
+    def forward_trunk(self, x: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def forward_head(self, x: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        device_type = x.device.type
+        with torch.autocast(device_type, dtype=autocast_dtype(device_type), enabled=self.fp16):
+            x = self.forward_trunk(x)
+        with torch.autocast(device_type, enabled=False):
+            return self.forward_head(x.float())

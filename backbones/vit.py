@@ -1,0 +1,178 @@
+"""Vision transformer for 112x112 faces (patch 9, 144 tokens, no class token), arcface_torch names.
+
+Training behaviour follows arcface_torch: 10% of the patch tokens are dropped at random before the
+blocks and replaced by a learned mask token after them (``mask_ratio``), and stochastic depth
+(``drop_path_rate``) grows linearly to 0.1 over the blocks. Both are off in eval mode.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from backbones.base import FaceBackbone, scaled_width
+
+IMAGE_SIZE = 112
+PATCH_SIZE = 9
+NUM_HEADS = 8
+
+# (embed_dim, depth, recompute activations in training), as arcface_torch's vit_t / vit_s / vit_b.
+VIT_CONFIGS: dict[str, tuple[int, int, bool]] = {
+    "vit_t": (256, 12, False),
+    "vit_s": (512, 12, False),
+    "vit_b": (512, 24, True),
+}
+
+
+class DropPath(nn.Module):
+    """Stochastic depth: in training, zero a residual branch for a random subset of samples."""
+
+    def __init__(self, drop_prob: float) -> None:
+        super().__init__()
+        self.drop_prob = drop_prob
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.training or self.drop_prob == 0.0:
+            return x
+        keep = 1.0 - self.drop_prob
+        mask = x.new_empty((x.shape[0],) + (1,) * (x.dim() - 1)).bernoulli_(keep)
+        return x * mask / keep
+
+
+class Mlp(nn.Module):
+    def __init__(self, dim: int, hidden: int) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(dim, hidden)
+        self.act = nn.ReLU6()
+        self.fc2 = nn.Linear(hidden, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(self.act(self.fc1(x)))
+
+
+class Attention(nn.Module):
+    def __init__(self, dim: int, num_heads: int) -> None:
+        super().__init__()
+        self.num_heads = num_heads
+        self.qkv = nn.Linear(dim, dim * 3, bias=False)
+        self.proj = nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, tokens, dim = x.shape
+        qkv = self.qkv(x).reshape(batch, tokens, 3, self.num_heads, dim // self.num_heads)
+        q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)
+        # The fused kernel uses the same 1/sqrt(head_dim) scale as arcface_torch's explicit softmax.
+        out = F.scaled_dot_product_attention(q, k, v)
+        return self.proj(out.transpose(1, 2).reshape(batch, tokens, dim))
+
+
+class Block(nn.Module):
+    def __init__(self, dim: int, num_heads: int, drop_path: float) -> None:
+        super().__init__()
+        # Registration order fixes state_dict order; this is arcface_torch's.
+        self.norm1 = nn.LayerNorm(dim)
+        self.norm2 = nn.LayerNorm(dim)
+        self.attn = Attention(dim, num_heads)
+        self.drop_path = DropPath(drop_path)
+        self.mlp = Mlp(dim, dim * 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.drop_path(self.attn(self.norm1(x)))
+        return x + self.drop_path(self.mlp(self.norm2(x)))
+
+
+class PatchEmbed(nn.Module):
+    def __init__(self, embed_dim: int) -> None:
+        super().__init__()
+        self.proj = nn.Conv2d(3, embed_dim, kernel_size=PATCH_SIZE, stride=PATCH_SIZE)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(x).flatten(2).transpose(1, 2)
+
+
+class VisionTransformer(FaceBackbone):
+    def __init__(
+        self,
+        embed_dim: int,
+        depth: int,
+        num_features: int = 512,
+        dropout: float = 0.0,
+        fp16: bool = False,
+        width_mult: float = 1.0,
+        mask_ratio: float = 0.1,
+        drop_path_rate: float = 0.1,
+        using_checkpoint: bool = False,
+    ) -> None:
+        super().__init__(fp16)
+        embed_dim = scaled_width(embed_dim, width_mult, "ViT embedding width")
+        if embed_dim % NUM_HEADS:
+            raise ValueError(
+                f"width_mult={width_mult} gives a ViT embedding width of {embed_dim}, which does not "
+                f"split into {NUM_HEADS} attention heads; pick a width_mult giving a multiple of "
+                f"{NUM_HEADS}, such as 0.25 or 0.125."
+            )
+        if not 0.0 <= mask_ratio < 1.0:
+            raise ValueError(f"mask_ratio={mask_ratio} must be in [0, 1) (the share of patch tokens dropped).")
+        self.embed_dim = embed_dim
+        self.num_patches = (IMAGE_SIZE // PATCH_SIZE) ** 2
+        self.mask_ratio = mask_ratio
+        self.using_checkpoint = using_checkpoint
+        self.patch_embed = PatchEmbed(embed_dim)
+        self.pos_embed = nn.Parameter(torch.zeros(1, self.num_patches, embed_dim))
+        rates = [drop_path_rate * i / max(depth - 1, 1) for i in range(depth)]  # linear, as upstream
+        self.blocks = nn.ModuleList([Block(embed_dim, NUM_HEADS, rate) for rate in rates])
+        self.norm = nn.LayerNorm(embed_dim)
+        self.dropout = nn.Dropout(p=dropout)
+        self.feature = nn.Sequential(
+            nn.Linear(embed_dim * self.num_patches, embed_dim, bias=False),
+            nn.BatchNorm1d(embed_dim, eps=2e-5),
+            nn.Linear(embed_dim, num_features, bias=False),
+            nn.BatchNorm1d(num_features, eps=2e-5),
+        )
+        self.mask_token = nn.Parameter(torch.zeros(1, 1, embed_dim))
+        self._initialize()
+
+    def _initialize(self) -> None:
+        nn.init.normal_(self.mask_token, std=0.02)
+        nn.init.trunc_normal_(self.pos_embed, std=0.02)
+        for module in self.modules():
+            if isinstance(module, nn.Linear):
+                nn.init.trunc_normal_(module.weight, std=0.02)
+                if module.bias is not None:
+                    nn.init.zeros_(module.bias)
+            elif isinstance(module, nn.LayerNorm):
+                nn.init.ones_(module.weight)
+                nn.init.zeros_(module.bias)
+
+    def _keep_random_tokens(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each sample's randomly kept tokens, and the permutation that puts tokens back in place."""
+        batch, tokens, dim = x.shape
+        keep = int(tokens * (1 - self.mask_ratio))
+        shuffle = torch.rand(batch, tokens, device=x.device).argsort(dim=1)
+        restore = shuffle.argsort(dim=1)
+        kept = torch.gather(x, 1, shuffle[:, :keep, None].expand(-1, -1, dim))
+        return kept, restore
+
+    def _restore_tokens(self, x: torch.Tensor, restore: torch.Tensor) -> torch.Tensor:
+        batch, kept, dim = x.shape
+        masked = self.mask_token.to(x.dtype).expand(batch, restore.shape[1] - kept, dim)
+        return torch.gather(torch.cat([x, masked], dim=1), 1, restore[:, :, None].expand(-1, -1, dim))
+
+    def forward_trunk(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.patch_embed(x) + self.pos_embed
+        masking = self.training and self.mask_ratio > 0
+        if masking:
+            x, restore = self._keep_random_tokens(x)
+        for block in self.blocks:
+            if self.using_checkpoint and self.training:
+                x = checkpoint(block, x, use_reentrant=False)
+            else:
+                x = block(x)
+        x = self.norm(x.float())
+        if masking:
+            x = self._restore_tokens(x, restore)
+        return self.dropout(x.reshape(x.shape[0], self.num_patches * self.embed_dim))
+
+    def forward_head(self, x: torch.Tensor) -> torch.Tensor:
+        return self.feature(x)

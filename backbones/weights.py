@@ -1,0 +1,135 @@
+"""Loading a ``backbone.pth`` into a backbone, with errors that say which network the file fits."""
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from backbones.registry import NETWORKS, get_model
+
+logger = logging.getLogger(__name__)
+
+# Training checkpoints that wrap the backbone's state_dict under one of these keys are accepted too
+# (arcface_torch's checkpoint_gpu_*.pt uses the first).
+_WRAPPER_KEYS = ("state_dict_backbone", "backbone", "state_dict", "model")
+_DDP_PREFIX = "module."
+
+# The first weight of each network and its output width at width_mult 1: a file's width follows.
+_FIRST_LAYER: dict[str, tuple[str, int]] = {
+    **{name: ("conv1.weight", 64) for name in ("r18", "r34", "r50", "r100", "r200")},
+    "mbf": ("layers.0.layers.0.weight", 128),
+    "mbf_large": ("layers.0.layers.0.weight", 256),
+    "vit_t": ("patch_embed.proj.weight", 256),
+    "vit_s": ("patch_embed.proj.weight", 512),
+    "vit_b": ("patch_embed.proj.weight", 512),
+}
+
+
+class WeightsError(ValueError):
+    """A weights file that is unreadable or does not fit the requested backbone."""
+
+
+def _is_state_dict(obj: object) -> bool:
+    return isinstance(obj, dict) and bool(obj) and all(isinstance(v, torch.Tensor) for v in obj.values())
+
+
+def read_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
+    """The backbone state_dict stored in ``path`` (a plain state_dict or a checkpoint wrapping one)."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(
+            f"Weights file {path} does not exist; pass the backbone.pth written by training "
+            f"(e.g. output/backbone.pth)."
+        )
+    try:
+        obj = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as error:  # torch raises many types for a foreign or truncated file
+        raise WeightsError(f"{path} is not a readable PyTorch weights file ({error}); "
+                           f"pass a backbone.pth saved with torch.save.") from error
+    if isinstance(obj, dict) and not _is_state_dict(obj):
+        obj = next((obj[key] for key in _WRAPPER_KEYS if _is_state_dict(obj.get(key))), obj)
+    if not _is_state_dict(obj):
+        found = f"a dict with keys {sorted(obj)[:6]}" if isinstance(obj, dict) else type(obj).__name__
+        raise WeightsError(f"{path} holds {found}, not a backbone state_dict; pass the backbone.pth "
+                           f"written by training.")
+    if all(key.startswith(_DDP_PREFIX) for key in obj):
+        obj = {key[len(_DDP_PREFIX):]: value for key, value in obj.items()}
+    return obj
+
+
+def _shape_mismatches(expected: dict, found: dict) -> tuple[list[str], list[str], list[str]]:
+    """Keys the network has but the file lacks, keys only the file has, keys whose shapes differ."""
+    missing = [key for key in expected if key not in found]
+    unexpected = [key for key in found if key not in expected]
+    reshaped = [
+        f"{key} {list(found[key].shape)} in the file vs {list(expected[key].shape)} in the network"
+        for key in expected
+        if key in found and found[key].shape != expected[key].shape
+    ]
+    return missing, unexpected, reshaped
+
+
+def _fits(state_dict: dict, name: str, **options) -> bool:
+    with torch.device("meta"):
+        try:
+            model = get_model(name, **options)
+        except ValueError:
+            return False
+    return not any(_shape_mismatches(model.state_dict(), state_dict))
+
+
+def suggest_network(state_dict: dict[str, torch.Tensor]) -> str | None:
+    """'network r18, width_mult=0.5, num_features=512' for the network the weights fit, else None."""
+    embedding_keys = [key for key in state_dict if key.endswith("running_mean")]
+    if not embedding_keys:
+        return None
+    num_features = state_dict[embedding_keys[-1]].shape[0]
+    for name in NETWORKS:
+        first_key, base_width = _FIRST_LAYER[name]
+        if first_key not in state_dict:
+            continue
+        width_mult = state_dict[first_key].shape[0] / base_width
+        if _fits(state_dict, name, width_mult=width_mult, num_features=num_features):
+            return f"network {name}, width_mult={width_mult:g}, num_features={num_features}"
+    return None
+
+
+def _describe(items: list[str], what: str) -> str:
+    shown = ", ".join(items[:3]) + (", ..." if len(items) > 3 else "")
+    return f"{len(items)} {what} ({shown})"
+
+
+def load_backbone(
+    network: str,
+    weights: str | Path,
+    device: str | torch.device = "cpu",
+    **model_options,
+) -> nn.Module:
+    """Backbone ``network`` built with ``model_options`` (see get_model), weights loaded strictly, in eval mode.
+
+    Raises FileNotFoundError for a missing file and WeightsError naming the missing, unexpected and
+    mis-shaped keys (and the network the file does fit, when one does) for anything else.
+    """
+    model = get_model(network, **model_options)
+    state_dict = read_state_dict(weights)
+    missing, unexpected, reshaped = _shape_mismatches(model.state_dict(), state_dict)
+    if missing or unexpected or reshaped:
+        problems = [
+            _describe(items, what)
+            for items, what in ((missing, "missing keys"), (unexpected, "unexpected keys"),
+                                (reshaped, "shape mismatches"))
+            if items
+        ]
+        options = ", ".join(f"{k}={v}" for k, v in model_options.items())
+        suggestion = suggest_network(state_dict)
+        fix = (f"it fits {suggestion}; use that." if suggestion
+               else "pass the network (and width/embedding size) it was trained with.")
+        raise WeightsError(
+            f"{weights} does not fit network {network}{f' ({options})' if options else ''}: "
+            f"{'; '.join(problems)}; {fix}"
+        )
+    model.load_state_dict(state_dict, strict=True)
+    logger.info("Loaded %s weights from %s", network, weights)
+    return model.to(device).eval()
