@@ -1,0 +1,39 @@
+"""Decoding record payloads to uint8 RGB tensors and cutting them into square views."""
+from __future__ import annotations
+
+import torch
+from torchvision.io import ImageReadMode, decode_image
+
+from facedata.errors import DataError
+
+IMAGE_SIZE = 112
+
+
+class BadImageError(DataError):
+    """A payload that no decoder accepts (the one per-record problem ``skip_bad_records`` may skip)."""
+
+
+def decode(payload: bytes, where: str) -> torch.Tensor:
+    """JPEG/PNG bytes -> uint8 (3, H, W) RGB; grayscale and alpha images are converted to RGB."""
+    if not payload:
+        raise BadImageError(f"{where} holds no image bytes; re-pack the dataset or pass skip_bad_records=True")
+    try:
+        # libjpeg-turbo for JPEG (the decoder cv2 uses too), libpng for PNG.
+        return decode_image(torch.frombuffer(bytearray(payload), dtype=torch.uint8), mode=ImageReadMode.RGB)
+    except RuntimeError as err:
+        raise BadImageError(f"{where} is not a decodable image ({str(err).splitlines()[0]}); re-pack the dataset "
+                            "or pass skip_bad_records=True to skip such records") from None
+
+
+def split_views(image: torch.Tensor, num_views: int, where: str) -> torch.Tensor:
+    """(3, H, V*H) -> (V, 3, H, H): the V square views a record holds side by side."""
+    _, height, width = image.shape
+    if width != num_views * height:
+        hint = (f"set num_views to {width // height}" if width % height == 0
+                else "re-pack it with tools/pack_rec.py")
+        raise DataError(f"{where} is {height}x{width} (HxW) but num_views={num_views} needs width "
+                        f"{num_views}*{height}={num_views * height}; {hint}")
+    if height != IMAGE_SIZE:
+        raise DataError(f"{where} holds {height}x{height} views but training needs {IMAGE_SIZE}x{IMAGE_SIZE}; "
+                        "re-pack with tools/pack_rec.py, which resizes or pads to 112x112")
+    return image.view(3, height, num_views, height).permute(2, 0, 1, 3)

@@ -1,0 +1,152 @@
+"""The training loader: a seeded distributed order, resumable mid-epoch, batches on the device.
+
+The order of an epoch is exactly ``DistributedSampler(shuffle=True, drop_last=True, seed=seed)``'s.
+Each index travels to the workers together with its epoch, so a sample's randomness never depends
+on worker state, and a loader restored from ``state_dict()`` yields the very batches an
+uninterrupted run would have yielded next.
+"""
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+
+import torch
+from torch.utils.data import DataLoader, Dataset, default_collate
+
+from facedata.errors import DataError
+
+log = logging.getLogger(__name__)
+
+
+class EpochOrder:
+    """This rank's sample indices per epoch, cut into batches, starting after a given batch."""
+
+    def __init__(self, num_samples: int, batch_size: int, rank: int, world_size: int, seed: int,
+                 drop_last: bool) -> None:
+        self.num_samples, self.batch_size = num_samples, batch_size
+        self.rank, self.world_size, self.seed, self.drop_last = rank, world_size, seed, drop_last
+        self.epoch, self.start_batch = 0, 0
+        self.per_rank = num_samples // world_size
+
+    def __len__(self) -> int:
+        full, rest = divmod(self.per_rank, self.batch_size)
+        return full if self.drop_last or rest == 0 else full + 1
+
+    def indices(self, epoch: int) -> torch.Tensor:
+        generator = torch.Generator().manual_seed(self.seed + epoch)
+        order = torch.randperm(self.num_samples, generator=generator)
+        return order[:self.per_rank * self.world_size][self.rank::self.world_size]
+
+    def __iter__(self) -> Iterator[list[tuple[int, int]]]:
+        indices = self.indices(self.epoch).tolist()
+        for batch in range(self.start_batch, len(self)):
+            yield [(self.epoch, i) for i in indices[batch * self.batch_size:(batch + 1) * self.batch_size]]
+
+
+class _EpochIndexed(Dataset):
+    """Maps ``(epoch, index)`` to ``dataset.load(index, epoch)`` inside the workers."""
+
+    def __init__(self, dataset) -> None:
+        self.dataset = dataset
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, epoch_index: tuple[int, int]):
+        epoch, index = epoch_index
+        return self.dataset.load(index, epoch)
+
+
+class FaceLoader:
+    """Iterates ``(images uint8 (B, V, 3, 112, 112), labels int64 (B,))`` already on ``device``."""
+
+    def __init__(self, dataset, batch_size: int, rank: int, world_size: int, seed: int, num_workers: int,
+                 device: torch.device, drop_last: bool) -> None:
+        self.dataset, self.device = dataset, device
+        self.order = EpochOrder(len(dataset), batch_size, rank, world_size, seed, drop_last)
+        if len(self.order) == 0:
+            raise DataError(f"the dataset's {len(dataset)} samples give rank {rank} of {world_size} no batch of "
+                             f"{batch_size}; lower batch_size or use more data")
+        on_gpu = device.type == "cuda"
+        self._loader = DataLoader(_EpochIndexed(dataset), batch_sampler=self.order, num_workers=num_workers,
+                                  collate_fn=default_collate, pin_memory=on_gpu,
+                                  persistent_workers=num_workers > 0)
+        self._consumed = 0
+        self.skipped = 0
+
+    def __len__(self) -> int:
+        return len(self.order)
+
+    def set_epoch(self, epoch: int) -> None:
+        if epoch != self.order.epoch:
+            self.order.epoch, self._consumed = epoch, 0
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        if self._consumed >= len(self):
+            self._consumed = 0  # another pass over the same epoch, as a DataLoader without set_epoch
+        self.order.start_batch = self._consumed
+        batches = self._loader if self.device.type != "cuda" else _prefetch_to_gpu(self._loader, self.device)
+        for images, labels, skipped in batches:
+            self._consumed += 1
+            self._note_skipped(int(skipped.sum()))
+            yield images.to(self.device), labels.to(self.device)
+
+    def _note_skipped(self, count: int) -> None:
+        if count:
+            self.skipped += count
+            log.warning("%d bad records skipped in this batch, %d so far", count, self.skipped)
+
+    def state_dict(self) -> dict:
+        order = self.order
+        return {"epoch": order.epoch, "batches_consumed": self._consumed, "batch_size": order.batch_size,
+                "world_size": order.world_size, "seed": order.seed, "skipped": self.skipped}
+
+    def load_state_dict(self, state: dict) -> None:
+        order = self.order
+        if state["seed"] != order.seed:
+            log.warning("the saved loader used seed %d, this one %d: the resumed order differs", state["seed"],
+                        order.seed)
+        consumed = state["batches_consumed"]
+        saved_global_batch = state["batch_size"] * state["world_size"]
+        if saved_global_batch != order.batch_size * order.world_size:
+            # Another world or batch size cannot replay the same order; keep the share of the epoch done.
+            consumed = consumed * saved_global_batch // (order.batch_size * order.world_size)
+            log.warning("resuming with a global batch of %d instead of %d: the sample order of the resumed "
+                        "epoch differs from the original run", order.batch_size * order.world_size,
+                        saved_global_batch)
+        order.epoch, self._consumed, self.skipped = state["epoch"], consumed, state["skipped"]
+
+
+def _prefetch_to_gpu(batches, device: torch.device):
+    """Copies the next batch host->device on a side stream while the current one is being used."""
+    stream = torch.cuda.Stream(device)
+
+    def stage(batch):
+        images, labels, skipped = batch
+        with torch.cuda.stream(stream):
+            moved = (images.to(device, non_blocking=True), labels.to(device, non_blocking=True))
+            ready = torch.cuda.Event()
+            ready.record(stream)
+        return moved, skipped, ready
+
+    staged = None
+    for batch in batches:
+        upcoming = stage(batch)
+        if staged is not None:
+            yield _hand_over(*staged, device)
+        staged = upcoming
+    if staged is not None:
+        yield _hand_over(*staged, device)
+
+
+def _hand_over(tensors, skipped: torch.Tensor, ready: torch.cuda.Event, device: torch.device):
+    current = torch.cuda.current_stream(device)
+    current.wait_event(ready)
+    for tensor in tensors:
+        tensor.record_stream(current)  # the allocator must not reuse this memory before compute ends
+    return (*tensors, skipped)
+
+
+def build_loader(dataset, batch_size: int, *, rank: int = 0, world_size: int = 1, seed: int = 0,
+                 num_workers: int = 2, device: torch.device | str = "cpu", drop_last: bool = True) -> FaceLoader:
+    return FaceLoader(dataset, batch_size, rank, world_size, seed, num_workers, torch.device(device), drop_last)
