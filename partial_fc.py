@@ -1,0 +1,284 @@
+"""Partial FC: the class-sharded, sampled margin softmax, for V views of every sample.
+
+Each rank holds a contiguous range of class centres. One forward:
+
+1. all-gather the labels and check them (every rank raises the same error before any embedding
+   collective, so a bad label never hangs the job);
+2. sample this rank's centres once (every positive class of the step + random negatives) and use
+   that one subset for all V views;
+3. all-gather the L2-normalised embeddings of all views (autograd-aware: its backward is a
+   reduce-scatter, so every view's embeddings receive exactly their own gradient);
+4. one fused, memory-lean sharded softmax cross-entropy over all views at once
+   (``_ShardedMarginSoftmax``), float32 even under autocast;
+5. return ``sum_v w_v * CE_v``: the same scalar on every rank, with an ordinary backward.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from losses import CombinedMarginLoss
+from utils.distributed import is_initialized, rank, world
+
+NORM_EPS = 1e-12  # F.normalize's default; rows shorter than this are divided by it instead
+COLUMN_CHUNK_ELEMENTS = 1 << 24  # bounds the (N, chunk) temporaries of the softmax passes
+
+
+def class_range(num_classes: int, rank: int, world_size: int) -> tuple[int, int]:
+    """(first class id, count) held by ``rank``: contiguous ranges, the first ranks one larger."""
+    base, extra = divmod(num_classes, world_size)
+    start = rank * base + min(rank, extra)
+    return start, base + (1 if rank < extra else 0)
+
+
+class PartialFC(nn.Module):
+    """Sharded margin softmax over ``num_classes`` centres for one or several embedding views.
+
+    ``view_weights`` (default: equal, summing to 1) weight each view's mean cross-entropy, so a
+    single-view learning rate carries over to V views.
+    """
+
+    def __init__(self, margin_loss: CombinedMarginLoss, embedding_size: int, num_classes: int,
+                 sample_rate: float = 1.0, fp16: bool = False,
+                 view_weights: Sequence[float] | None = None):
+        super().__init__()
+        if not 0.0 < sample_rate <= 1.0:
+            raise ValueError(f"sample_rate={sample_rate} must lie in (0, 1] (1.0 uses every class centre)")
+        self.margin_loss = margin_loss
+        self.embedding_size = embedding_size
+        self.num_classes = num_classes
+        self.sample_rate = sample_rate
+        self.fp16 = fp16
+        self.view_weights = None if view_weights is None else tuple(float(w) for w in view_weights)
+        self.rank, self.world_size = rank(), world()
+        if num_classes < self.world_size:
+            raise ValueError(f"num_classes={num_classes} is smaller than the {self.world_size} processes: "
+                             "every rank needs at least one class centre")
+        self.class_start, self.num_local = class_range(num_classes, self.rank, self.world_size)
+        self.weight = nn.Parameter(torch.normal(0, 0.01, (self.num_local, embedding_size)))
+        self.last_view_losses = torch.zeros(0)
+        self.last_sampled_classes: torch.Tensor | None = None
+
+    def extra_repr(self) -> str:
+        return (f"num_classes={self.num_classes}, local={self.class_start}..{self.class_start + self.num_local - 1}, "
+                f"embedding_size={self.embedding_size}, sample_rate={self.sample_rate}, fp16={self.fp16}")
+
+    def forward(self, embeddings: torch.Tensor | Sequence[torch.Tensor], labels: torch.Tensor) -> torch.Tensor:
+        views = [embeddings] if isinstance(embeddings, torch.Tensor) else list(embeddings)
+        weights = self._view_weights(len(views))
+        self._check_shapes(views, labels)
+
+        global_labels = _all_gather_labels(labels.reshape(-1).long())
+        self._check_labels(global_labels)
+
+        local_labels = global_labels - self.class_start
+        local_labels[(local_labels < 0) | (local_labels >= self.num_local)] = -1
+        index, local_labels = self._sample(local_labels)
+        self.last_sampled_classes = None if index is None else (index + self.class_start).detach()
+
+        dtype = torch.promote_types(torch.promote_types(torch.float32, views[0].dtype), self.weight.dtype)
+        local = torch.stack(views).to(dtype)  # (V, B, D): one gather and one GEMM for all views
+        normalized = nn.functional.normalize(local, dim=-1, eps=NORM_EPS)
+        gathered = _AllGatherRows.apply(normalized.reshape(-1, self.embedding_size))
+
+        num_views, batch = len(views), labels.numel()
+        global_batch = batch * self.world_size
+        # gathered rows are ordered (rank, view, sample): repeat labels and view weights to match
+        row_labels = local_labels.view(self.world_size, 1, batch).expand(-1, num_views, -1).reshape(-1)
+        row_coef = (torch.tensor(weights, dtype=dtype, device=gathered.device) / global_batch)
+        row_coef = row_coef.view(1, num_views, 1).expand(self.world_size, -1, batch).reshape(-1)
+
+        with torch.autocast(gathered.device.type, enabled=False):
+            loss, row_losses = _ShardedMarginSoftmax.apply(
+                gathered, self.weight, index, row_labels, row_coef, self.margin_loss,
+                torch.float16 if self.fp16 else None)
+        self.last_view_losses = row_losses.view(self.world_size, num_views, batch).mean(dim=(0, 2)).detach()
+        return loss
+
+    def _view_weights(self, num_views: int) -> tuple[float, ...]:
+        if self.view_weights is None:
+            return (1.0 / num_views,) * num_views
+        if len(self.view_weights) != num_views:
+            raise ValueError(f"view_weights has {len(self.view_weights)} entries but {num_views} views were "
+                             f"given: set view_weights in the config to {num_views} numbers (or None for equal)")
+        return self.view_weights
+
+    def _check_shapes(self, views: list[torch.Tensor], labels: torch.Tensor) -> None:
+        for v, emb in enumerate(views):
+            if emb.dim() != 2 or emb.shape[1] != self.embedding_size or emb.shape[0] != labels.numel():
+                raise ValueError(f"view {v} embeddings have shape {tuple(emb.shape)}, expected "
+                                 f"({labels.numel()}, {self.embedding_size}) to match the labels and "
+                                 "embedding_size: check embedding_size in the config and the backbone")
+
+    def _check_labels(self, global_labels: torch.Tensor) -> None:
+        bad = (global_labels < 0) | (global_labels >= self.num_classes)
+        if bool(bad.any()):
+            position = int(torch.nonzero(bad)[0])
+            batch = global_labels.numel() // self.world_size
+            raise ValueError(
+                f"label {int(global_labels[position])} (sample {position % batch} on rank {position // batch}) "
+                f"is outside [0, {self.num_classes}): set num_classes to more than the largest label "
+                "in the data, or fix the dataset's labels")
+
+    def _sample(self, local_labels: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """Pick this rank's centres for the step: all positives plus random negatives.
+
+        Returns (sorted local indices or None for all, labels re-indexed into that subset).
+        """
+        num_sample = int(self.sample_rate * self.num_local)
+        if self.sample_rate >= 1.0 or num_sample >= self.num_local:
+            return None, local_labels
+        device = self.weight.device
+        positive = torch.unique(local_labels[local_labels >= 0]).to(device)
+        scores = torch.rand(self.num_local, device=device)
+        scores[positive] = 2.0  # above any random score: positives are always kept
+        index = torch.topk(scores, k=max(num_sample, positive.numel()))[1].sort()[0]
+        remapped = local_labels.clone()
+        has_target = local_labels >= 0
+        remapped[has_target] = torch.searchsorted(index, local_labels[has_target].to(device)).to(remapped.device)
+        return index, remapped
+
+
+def _all_gather_labels(labels: torch.Tensor) -> torch.Tensor:
+    if not is_initialized():
+        return labels.clone()
+    out = labels.new_empty(labels.numel() * world())
+    dist.all_gather_single(out, labels.contiguous())
+    return out
+
+
+class _AllGatherRows(torch.autograd.Function):
+    """All-gather rows along dim 0; backward sums every rank's gradient for our rows.
+
+    The summed gradient is then multiplied by the world size. Why: the loss is global, so the exact
+    gradient for the backbone is the *sum* over ranks of each rank's backbone gradient, but
+    DistributedDataParallel *averages* gradients over ranks. Scaling here makes DDP's average equal
+    that sum, so the backbone receives exactly the gradient of the global loss.
+    """
+
+    @staticmethod
+    def forward(ctx, rows: torch.Tensor) -> torch.Tensor:
+        if not is_initialized():
+            return rows.clone()
+        out = rows.new_empty((rows.shape[0] * world(), *rows.shape[1:]))
+        dist.all_gather_single(out, rows.contiguous())
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        if not is_initialized():
+            return grad
+        world_size = world()
+        mine = grad.new_empty((grad.shape[0] // world_size, *grad.shape[1:]))
+        dist.reduce_scatter_single(mine, grad.contiguous())
+        return mine.mul_(world_size)
+
+
+class _ShardedMarginSoftmax(torch.autograd.Function):
+    """Loss and per-row losses of the margin softmax over all ranks' class shards.
+
+    Inputs: normalised embeddings X (N, D) of the whole global batch (all views), this rank's
+    centres W (C, D) (rows ``index`` of it when sampling), local labels (N,) (-1: target not
+    here), per-row loss weights (N,).
+
+    Memory: the gradient of a cross-entropy is known once the softmax is, so the forward turns a
+    single (N, C) buffer from cosines into logits, softmax and finally the logits' gradient, in
+    place; the backward needs only that buffer. Centres are never normalised as a (C, D) copy:
+    cos = (X W^T) / |w_c|, and the normalisation's backward is the per-row projection
+    ``dW_c = M_c - (M_c . w_c) w_c / |w_c|^2`` with ``M = (G / |w|)^T X``.
+    """
+
+    @staticmethod
+    def forward(ctx, x, weight, index, labels, row_coef, margin: CombinedMarginLoss, gemm_dtype):
+        dtype = x.dtype
+        centres = weight if index is None else weight.index_select(0, index)
+        centres = centres.to(dtype)
+        norms = centres.norm(dim=1)
+        inv_norm = 1.0 / norms.clamp_min(NORM_EPS)
+
+        logits = _matmul(x, centres.t(), gemm_dtype, dtype)  # (N, C), becomes cos, logits, softmax, grad
+        logits.mul_(inv_norm)
+        rows = torch.nonzero(labels >= 0).squeeze(1)
+        cols = labels[rows].to(logits.device)
+        target_cos = logits[rows, cols]
+        dirty = None
+        if margin.interclass_filtering_threshold > 0:
+            dirty = margin.filtered(logits, labels)
+            logits.masked_fill_(dirty, 0.0)
+        with torch.enable_grad():
+            cos_leaf = target_cos.detach().requires_grad_(True)
+            target_logit = margin.target_logit(cos_leaf)
+            (target_slope,) = torch.autograd.grad(target_logit.sum(), cos_leaf)
+        target_logit = target_logit.detach()
+        logits.mul_(margin.s)
+        logits[rows, cols] = target_logit
+
+        row_max = logits.max(dim=1).values if logits.shape[1] else torch.full_like(row_coef, -torch.inf)
+        _all_reduce(row_max, dist.ReduceOp.MAX)
+        # one all-reduce carries both the exp-sums and the target logits (zero where not ours)
+        stats = torch.zeros((2, logits.shape[0]), dtype=dtype, device=logits.device)
+        for chunk in _column_chunks(logits):
+            chunk.sub_(row_max[:, None]).exp_()
+            stats[0] += chunk.sum(dim=1)
+        stats[1, rows] = target_logit
+        _all_reduce(stats, dist.ReduceOp.SUM)
+        sum_exp, global_target_logit = stats
+        row_losses = sum_exp.log() + row_max - global_target_logit
+        loss = (row_losses * row_coef).sum()
+
+        # d loss / d cos: coef * s * softmax off-target, coef * slope * (p - 1) on the target
+        target_prob = logits[rows, cols] / sum_exp[rows]
+        logits.mul_((row_coef * margin.s / sum_exp)[:, None])
+        logits[rows, cols] = row_coef[rows] * target_slope * (target_prob - 1.0)
+        if dirty is not None:
+            logits.masked_fill_(dirty, 0.0)
+
+        ctx.save_for_backward(x, weight, centres, index, inv_norm, norms, logits)
+        ctx.gemm_dtype = gemm_dtype
+        ctx.consumed = False
+        ctx.mark_non_differentiable(row_losses)
+        return loss, row_losses
+
+    @staticmethod
+    def backward(ctx, grad_loss, _grad_row_losses):
+        if ctx.consumed:
+            raise RuntimeError("PartialFC's loss can be back-propagated once per forward (its gradient "
+                               "buffer is consumed in place): run the forward again instead of retain_graph")
+        ctx.consumed = True
+        x, weight, centres, index, inv_norm, norms, grad_cos = ctx.saved_tensors
+        dtype = x.dtype
+        scaled = grad_cos.mul_(inv_norm * grad_loss)  # G / |w|, used by both GEMMs; buffer reused
+        grad_x = _matmul(scaled, centres, ctx.gemm_dtype, dtype) if ctx.needs_input_grad[0] else None
+        grad_weight = None
+        if ctx.needs_input_grad[1]:
+            grad_centres = _matmul(scaled.t(), x, ctx.gemm_dtype, dtype)
+            along = torch.bmm(grad_centres.unsqueeze(1), centres.unsqueeze(2)).view(-1)
+            # rows clamped to NORM_EPS were divided by a constant: no projection term there
+            along.mul_(torch.where(norms > NORM_EPS, inv_norm * inv_norm, 0.0))
+            grad_centres.addcmul_(centres, along[:, None], value=-1.0)
+            grad_centres = grad_centres.to(weight.dtype)
+            if index is None:
+                grad_weight = grad_centres
+            else:
+                grad_weight = torch.zeros_like(weight).index_copy_(0, index, grad_centres)
+        return grad_x, grad_weight, None, None, None, None, None
+
+
+def _matmul(a: torch.Tensor, b: torch.Tensor, gemm_dtype: torch.dtype | None, out_dtype: torch.dtype):
+    if gemm_dtype is None:
+        return a @ b
+    return (a.to(gemm_dtype) @ b.to(gemm_dtype)).to(out_dtype)
+
+
+def _column_chunks(matrix: torch.Tensor):
+    step = max(1, COLUMN_CHUNK_ELEMENTS // max(1, matrix.shape[0]))
+    for start in range(0, matrix.shape[1], step):
+        yield matrix[:, start:start + step]
+
+
+def _all_reduce(tensor: torch.Tensor, op) -> None:
+    if is_initialized():
+        dist.all_reduce(tensor, op=op)
