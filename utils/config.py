@@ -1,0 +1,180 @@
+"""Configuration: configs/base.py, then an experiment file, then `--set key=value` overrides.
+
+A config file is plain Python whose module-level names are the keys (names starting with `_`,
+imported modules, functions and classes are helpers, not keys). configs/base.py defines every key
+and annotates its type; anything else is an error naming the key and the closest valid one.
+"""
+from __future__ import annotations
+
+import ast
+import difflib
+import os
+import runpy
+import types
+import typing
+from collections.abc import Sequence
+from pathlib import Path
+from types import SimpleNamespace
+
+BASE_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "base.py"
+
+
+class ConfigError(ValueError):
+    """A configuration the user wrote cannot be used; the message says which key and how to fix it."""
+
+
+def load_config(path: str | os.PathLike, overrides: Sequence[str] = ()) -> SimpleNamespace:
+    """The merged configuration: base defaults, the file's values, then each `key=value` override.
+
+    `output` left empty becomes `output/<config file name>`.
+    """
+    defaults, types_by_key = _read_base()
+    values = dict(defaults)
+    source = str(path)
+    for key, value in _read_config_file(Path(path)).items():
+        values[key] = _checked(key, value, types_by_key, f"config file {source}")
+    for item in overrides:
+        key, value = _parse_override(item, types_by_key)
+        values[key] = _checked(key, value, types_by_key, f"--set {item}")
+    if not values["output"]:
+        values["output"] = os.path.join("output", Path(path).stem)
+    _check_values(values)
+    return SimpleNamespace(**values)
+
+
+def _read_base() -> tuple[dict, dict]:
+    names = _module_names(BASE_CONFIG)
+    annotations = names.pop("__annotations__", {})
+    return _keys_of(names), annotations
+
+
+def _read_config_file(path: Path) -> dict:
+    if path.suffix != ".py":
+        raise ConfigError(f"config {path} is not a Python file; pass a configs/*.py file such as configs/synthetic_pair.py")
+    if not path.is_file():
+        raise ConfigError(f"config file {path} does not exist; pass an existing configs/*.py file such as configs/synthetic_pair.py")
+    return _keys_of(_module_names(path))
+
+
+def _module_names(path: Path) -> dict:
+    try:
+        return runpy.run_path(str(path))
+    except SyntaxError as error:
+        raise ConfigError(f"config file {path} has a syntax error on line {error.lineno}: {error.msg}; fix that line") from None
+    except Exception as error:  # a config is user code: any failure is reported as the file's fault
+        raise ConfigError(f"config file {path} failed to run ({type(error).__name__}: {error}); fix the file") from None
+
+
+def _keys_of(names: dict) -> dict:
+    helpers = (types.ModuleType, types.FunctionType, type)
+    return {k: v for k, v in names.items() if not k.startswith("_") and not isinstance(v, helpers)}
+
+
+def _parse_override(item: str, types_by_key: dict) -> tuple[str, object]:
+    key, sep, text = item.partition("=")
+    key = key.strip()
+    if not sep or not key:
+        raise ConfigError(f"--set {item!r} is not key=value; write e.g. --set lr=0.05")
+    _require_known(key, types_by_key, f"--set {item}")
+    try:
+        value = ast.literal_eval(text)
+    except (ValueError, SyntaxError):
+        value = text  # bare words such as --set network=r18 are strings
+    if _accepts_str(types_by_key[key]) and not _matches(value, types_by_key[key]):
+        value = text
+    return key, value
+
+
+def _require_known(key: str, types_by_key: dict, where: str) -> None:
+    if key in types_by_key:
+        return
+    close = difflib.get_close_matches(key, list(types_by_key), n=1, cutoff=0.0)
+    raise ConfigError(f"unknown config key {key!r} in {where}; did you mean {close[0]!r}? (every key is listed in configs/base.py)")
+
+
+def _checked(key: str, value, types_by_key: dict, where: str):
+    _require_known(key, types_by_key, where)
+    expected = types_by_key[key]
+    if not _matches(value, expected):
+        raise ConfigError(f"config key {key!r} must be {_type_name(expected)}, not {type(value).__name__} {value!r} "
+                          f"(from {where}); see configs/base.py")
+    return _coerced(value, expected)
+
+
+def _matches(value, expected) -> bool:
+    origin = typing.get_origin(expected)
+    if origin in (types.UnionType, typing.Union):
+        return any(_matches(value, option) for option in typing.get_args(expected))
+    if expected is type(None):
+        return value is None
+    if expected is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if expected is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if origin in (tuple, list) or expected in (tuple, list):
+        if not isinstance(value, (tuple, list)):
+            return False
+        element = typing.get_args(expected)[:1]
+        return not element or all(_matches(item, element[0]) for item in value)
+    if origin is dict or expected is dict:
+        return isinstance(value, dict)
+    return isinstance(value, expected)
+
+
+def _coerced(value, expected):
+    """The value in the annotated shape: ints given for floats become floats, lists become tuples."""
+    if typing.get_origin(expected) in (types.UnionType, typing.Union):
+        option = next(option for option in typing.get_args(expected) if _matches(value, option))
+        return _coerced(value, option)
+    if expected is float:
+        return float(value)
+    if typing.get_origin(expected) is tuple or expected is tuple:
+        element = typing.get_args(expected)[:1]
+        return tuple(_coerced(item, element[0]) for item in value) if element else tuple(value)
+    return value
+
+
+def _accepts_str(expected) -> bool:
+    return expected is str or str in typing.get_args(expected)
+
+
+def _type_name(expected) -> str:
+    return expected.__name__ if isinstance(expected, type) else str(expected)
+
+
+_CHOICES = {"optimizer": ("sgd", "adamw"), "view_source": ("record", "identity", "augment")}
+_POSITIVE = ("num_views", "embedding_size", "batch_size", "gradient_acc", "num_epoch", "frequent", "verbose")
+
+
+def _check_values(values: dict) -> None:
+    """Value checks no single component could make on its own (types are already right)."""
+    for key, allowed in _CHOICES.items():
+        if values[key] not in allowed:
+            raise ConfigError(f"config key {key!r} is {values[key]!r}; use one of {', '.join(map(repr, allowed))}")
+    for key in _POSITIVE:
+        if values[key] < 1:
+            raise ConfigError(f"config key {key!r} must be at least 1, not {values[key]}")
+    if values["fp16"] and values["bf16"]:
+        raise ConfigError("config keys 'fp16' and 'bf16' are both True; choose one (--set bf16=False)")
+    if len(values["margin_list"]) != 3:
+        raise ConfigError(f"config key 'margin_list' must hold three numbers (m1, m2, m3), not {values['margin_list']!r}")
+    if not 0.0 < values["sample_rate"] <= 1.0:
+        raise ConfigError(f"config key 'sample_rate' must be in (0, 1], not {values['sample_rate']}")
+    weights = values["view_weights"]
+    if weights is not None and len(weights) != values["num_views"]:
+        raise ConfigError(f"config key 'view_weights' has {len(weights)} weights but num_views is {values['num_views']}; "
+                          "give one weight per view or None")
+    if values["warmup_epoch"] > values["num_epoch"]:
+        raise ConfigError(f"config key 'warmup_epoch' ({values['warmup_epoch']}) exceeds num_epoch ({values['num_epoch']})")
+
+
+def check_data_path(cfg: SimpleNamespace) -> None:
+    """A missing data folder is reported before any process group, model or loader is built."""
+    if cfg.rec == "synthetic":
+        return
+    if not cfg.rec:
+        raise ConfigError("config key 'rec' is empty; set it to the folder holding train.rec/train.idx "
+                          "(e.g. --set rec=/data/ms1mv3) or to \"synthetic\"")
+    if not os.path.exists(cfg.rec):
+        raise ConfigError(f"data folder {cfg.rec!r} (config key 'rec') does not exist; point rec at the folder "
+                          "holding train.rec/train.idx, e.g. --set rec=/data/ms1mv3")
