@@ -1,0 +1,70 @@
+"""The LR schedule against arcface_torch's PolyScheduler arithmetic, written out independently."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from utils.lr_scheduler import build_scheduler
+
+
+def upstream_lr(last_epoch: int, base_lr: float, warmup_steps: int, max_steps: int) -> float:
+    """arcface_torch lr_scheduler.PolyScheduler.get_lr for a given last_epoch (power 2)."""
+    if last_epoch < warmup_steps:
+        return base_lr * float(last_epoch) / float(warmup_steps)
+    return base_lr * pow(1 - float(last_epoch - warmup_steps) / float(max_steps - warmup_steps), 2)
+
+
+def lrs_seen_by_optimizer(base_lr: float, warmup: int, total: int, steps: int) -> list[float]:
+    weight = torch.nn.Parameter(torch.zeros(2))
+    centres = torch.nn.Parameter(torch.zeros(3, 2))
+    optimizer = torch.optim.SGD([{"params": [weight]}, {"params": [centres]}], lr=base_lr, momentum=0.9)
+    scheduler = build_scheduler(optimizer, warmup, total)
+    seen = []
+    for _ in range(steps):
+        assert optimizer.param_groups[0]["lr"] == optimizer.param_groups[1]["lr"]
+        seen.append(optimizer.param_groups[0]["lr"])
+        optimizer.step()
+        scheduler.step()
+    return seen
+
+
+@pytest.mark.parametrize("warmup, total", [(0, 50), (10, 50), (7, 7)])
+def test_lr_per_step_matches_upstream_formula(warmup, total):
+    seen = lrs_seen_by_optimizer(0.1, warmup, total, total)
+    expected = [upstream_lr(step, 0.1, warmup, total) for step in range(total)]
+    assert seen == pytest.approx(expected, rel=1e-12, abs=1e-15)
+    if warmup:
+        assert seen[0] == 0.0 and seen[warmup - 1] == pytest.approx(0.1 * (warmup - 1) / warmup)
+    if warmup < total:
+        assert seen[warmup] == pytest.approx(0.1)
+    assert seen[-1] >= 0.0
+
+
+def test_lr_after_the_last_step_is_zero_not_negative_or_growing():
+    seen = lrs_seen_by_optimizer(0.1, 0, 10, 15)
+    assert seen[10:] == [0.0] * 5
+
+
+def test_state_dict_resumes_at_the_same_lr():
+    weight = torch.nn.Parameter(torch.zeros(2))
+    optimizer = torch.optim.SGD([weight], lr=0.2)
+    scheduler = build_scheduler(optimizer, 5, 40)
+    for _ in range(17):
+        optimizer.step()
+        scheduler.step()
+    saved_opt, saved_sched = optimizer.state_dict(), scheduler.state_dict()
+
+    fresh_weight = torch.nn.Parameter(torch.zeros(2))
+    fresh_optimizer = torch.optim.SGD([fresh_weight], lr=0.2)
+    fresh = build_scheduler(fresh_optimizer, 5, 40)
+    fresh_optimizer.load_state_dict(saved_opt)
+    fresh.load_state_dict(saved_sched)
+    assert fresh_optimizer.param_groups[0]["lr"] == pytest.approx(upstream_lr(17, 0.2, 5, 40))
+    fresh_optimizer.step()
+    fresh.step()
+    assert fresh_optimizer.param_groups[0]["lr"] == pytest.approx(upstream_lr(18, 0.2, 5, 40))
+
+
+def test_empty_schedule_is_refused():
+    with pytest.raises(ValueError, match="at least one step"):
+        build_scheduler(torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1), 0, 0)

@@ -1,0 +1,31 @@
+"""arcface_torch's learning-rate schedule: linear warmup, then polynomial (power 2) decay to zero.
+
+The schedule is a pure function of the optimizer-step count, so a resumed run (whatever its
+world size) lands on exactly the learning rate the uninterrupted run would have used.
+"""
+from __future__ import annotations
+
+from functools import partial
+
+import torch
+from torch.optim.lr_scheduler import LambdaLR
+
+
+def poly_factor(step: int, warmup_steps: int, total_steps: int, power: float = 2.0) -> float:
+    """Multiplier of the base LR for the optimizer step numbered `step` (0-based).
+
+    Upstream's PolyScheduler: `step / warmup_steps` during warmup, then
+    `(1 - (step - warmup_steps) / (total_steps - warmup_steps)) ** power`, zero from total_steps on.
+    """
+    if step < warmup_steps:
+        return step / warmup_steps
+    if step >= total_steps:
+        return 0.0
+    return (1.0 - (step - warmup_steps) / (total_steps - warmup_steps)) ** power
+
+
+def build_scheduler(optimizer: torch.optim.Optimizer, warmup_steps: int, total_steps: int) -> LambdaLR:
+    """A scheduler stepped once per optimizer step; its state_dict is just the step count."""
+    if total_steps < 1:
+        raise ValueError(f"the LR schedule needs at least one step, got total_steps={total_steps}")
+    return LambdaLR(optimizer, partial(poly_factor, warmup_steps=warmup_steps, total_steps=total_steps))
