@@ -1,0 +1,87 @@
+"""Verification during training on the main rank: upstream's CallBackVerification, made strict."""
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Sequence
+
+from torch import nn
+
+from eval.verification import VerificationSet, load_bin, test
+from utils.distributed import broadcast_object, is_main
+
+logger = logging.getLogger(__name__)
+
+
+def resolve_target(target: str, rec_prefix: str) -> tuple[str, str]:
+    """``(name, path)`` of a val_targets entry: an existing path, or a name looked up as
+    ``rec_prefix/<name>.bin`` (upstream's rule)."""
+    if os.path.isfile(target):
+        path = target
+    else:
+        path = os.path.join(rec_prefix, target if target.endswith(".bin") else target + ".bin")
+    return os.path.splitext(os.path.basename(path))[0], path
+
+
+def _missing_targets_message(targets: Sequence[str], rec_prefix: str) -> str | None:
+    for target in targets:
+        _, path = resolve_target(target, rec_prefix)
+        if not os.path.isfile(path):
+            return (f"val_targets entry {target!r}: no verification set at {path}; put {os.path.basename(path)} "
+                    f"in {rec_prefix or 'the rec folder'}, list its full path, or remove it from val_targets")
+    return None
+
+
+class VerificationCallback:
+    """Every ``frequent`` steps, accuracy on each ``.bin`` set, logged as upstream logs it.
+
+    Only the main rank loads and evaluates; on the others every call does nothing.
+    """
+
+    def __init__(self, frequent: int, val_targets: Sequence[str], rec_prefix: str,
+                 image_size: tuple[int, int] = (112, 112), batch_size: int = 64, summary_writer=None) -> None:
+        if frequent < 1:
+            raise ValueError(f"the verification interval (verbose) must be at least 1 step, got {frequent}")
+        self.frequent = frequent
+        self.batch_size = batch_size
+        self.summary_writer = summary_writer
+        self.sets: dict[str, VerificationSet] = {}
+        self.highest: dict[str, float] = {}
+        self.last_step = 0
+        # The main rank checks the paths and every rank raises its verdict, so no rank is left
+        # waiting at the next collective for one that has stopped.
+        problem = _missing_targets_message(val_targets, rec_prefix) if is_main() else None
+        problem = broadcast_object(problem)
+        if problem is not None:
+            raise FileNotFoundError(problem)
+        if is_main():
+            for target in val_targets:
+                name, path = resolve_target(target, rec_prefix)
+                self.sets[name] = load_bin(path, image_size)
+                self.highest[name] = 0.0
+
+    def __call__(self, global_step: int, backbone: nn.Module) -> dict[str, float] | None:
+        """``{name: Accuracy-Flip}`` when ``global_step`` is a positive multiple of ``frequent``, else None."""
+        self.last_step = global_step
+        if global_step > 0 and global_step % self.frequent == 0 and is_main():
+            return self.evaluate_now(backbone, global_step)
+        return None
+
+    def evaluate_now(self, backbone: nn.Module, global_step: int | None = None) -> dict[str, float]:
+        """Evaluate every set now (e.g. after the last step), logged at ``global_step`` (default:
+        the last step seen); ``{}`` on ranks other than the main one."""
+        if not is_main():
+            return {}
+        step = self.last_step if global_step is None else global_step
+        results = {}
+        for name, data_set in self.sets.items():
+            _, _, accuracy, std, xnorm, _ = test(data_set, backbone, self.batch_size, 10)
+            self.highest[name] = max(self.highest[name], accuracy)
+            logger.info("[%s][%d]XNorm: %f", name, step, xnorm)
+            logger.info("[%s][%d]Accuracy-Flip: %1.5f+-%1.5f", name, step, accuracy, std)
+            logger.info("[%s][%d]Accuracy-Highest: %1.5f", name, step, self.highest[name])
+            if self.summary_writer is not None:
+                self.summary_writer.add_scalar(name, accuracy, step)
+                self.summary_writer.add_scalar(f"xnorm/{name}", xnorm, step)
+            results[name] = accuracy
+        return results

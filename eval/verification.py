@@ -1,0 +1,265 @@
+"""Pair verification on insightface ``.bin`` sets (lfw, cfp_fp, agedb_30, ...), as arcface_torch does.
+
+A ``.bin`` file is a pickle of ``(bins, issame)``: 2N encoded images (``bytes`` or uint8 numpy
+arrays of the encoded bytes) and N booleans; pair i is images (2i, 2i+1). Accuracy is 10-fold:
+the squared-L2 threshold (0..4 step 0.01) that is best on nine folds is scored on the tenth.
+
+Command line (prints the familiar lines, writes a ROC plot and the raw scores next to the weights):
+
+    python -m eval.verification --network r50 --weights output/backbone.pth --bins lfw.bin cfp_fp.bin
+"""
+from __future__ import annotations
+
+import argparse
+import io
+import logging
+import os
+import pickle
+import sys
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+from PIL import Image
+from torch import nn
+
+from eval.embedding import embed
+from eval.roc import tar_at_far
+
+logger = logging.getLogger(__name__)
+
+ACCURACY_THRESHOLDS = np.arange(0, 4, 0.01)
+VAL_THRESHOLDS = np.arange(0, 4, 0.001)
+VAL_FAR = 1e-3
+TAR_FARS = (1e-3, 1e-4)
+
+VerificationSet = tuple[list[torch.Tensor], list[bool]]
+
+
+class _BinUnpickler(pickle.Unpickler):
+    """Unpickles lists, bytes, bools and numpy arrays only: a .bin file cannot run code on load."""
+
+    _ALLOWED = {
+        ("numpy.core.multiarray", "_reconstruct"), ("numpy._core.multiarray", "_reconstruct"),
+        ("numpy.core.multiarray", "scalar"), ("numpy._core.multiarray", "scalar"),
+        ("numpy", "ndarray"), ("numpy", "dtype"), ("_codecs", "encode"),
+    }
+
+    def find_class(self, module: str, name: str):
+        if (module, name) not in self._ALLOWED:
+            raise pickle.UnpicklingError(f"it refers to {module}.{name}, which a verification set never holds")
+        if module.startswith("numpy.core"):
+            module = "numpy._core" + module[len("numpy.core"):]  # numpy 2 renamed the package
+        return super().find_class(module, name)
+
+
+def _read_pickle(path: str):
+    with open(path, "rb") as f:
+        raw = f.read()
+    try:
+        return _BinUnpickler(io.BytesIO(raw)).load()
+    except UnicodeDecodeError:
+        # Written by Python 2 (the published lfw.bin & co.): its str entries are the JPEG bytes.
+        return _BinUnpickler(io.BytesIO(raw), encoding="bytes").load()
+
+
+def _decode(entry, image_size: tuple[int, int]) -> np.ndarray:
+    """One encoded image -> uint8 RGB (H, W, 3) at ``image_size`` (H, W)."""
+    encoded = entry.tobytes() if isinstance(entry, np.ndarray) else bytes(entry)
+    with Image.open(io.BytesIO(encoded)) as image:
+        rgb = image.convert("RGB")
+    height, width = image_size
+    if rgb.size != (width, height):
+        rgb = rgb.resize((width, height), Image.BILINEAR)
+    return np.array(rgb)  # a writable copy: torch refuses to wrap read-only buffers
+
+
+def load_bin(path: str, image_size: tuple[int, int] = (112, 112)) -> VerificationSet:
+    """``([original, h-flipped], issame)``: uint8 tensors ``(2N, 3, H, W)`` and N booleans.
+
+    Images of another size are resized to ``image_size``. Stays uint8 to keep memory at a quarter
+    of float32; ``test`` normalises batch by batch.
+    """
+    if not os.path.isfile(path):
+        raise ValueError(f"verification set {path} does not exist; check the path (or val_targets / rec)")
+    try:
+        bins, issame = _read_pickle(path)
+    except (pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError, ImportError) as error:
+        raise ValueError(f"{path} is not a verification .bin (a pickle of (images, issame)): {error}") from None
+    issame = [bool(flag) for flag in issame]
+    if len(bins) != 2 * len(issame):
+        raise ValueError(f"{path} holds {len(bins)} images for {len(issame)} pairs; a .bin needs exactly "
+                         f"two images per pair")
+    if not issame:
+        raise ValueError(f"{path} holds no pairs")
+    height, width = image_size
+    original = torch.empty((len(bins), 3, height, width), dtype=torch.uint8)
+    for index, entry in enumerate(bins):
+        try:
+            original[index] = torch.from_numpy(_decode(entry, image_size)).permute(2, 0, 1)
+        except (OSError, ValueError, TypeError) as error:
+            raise ValueError(f"{path}: image {index} cannot be decoded ({error}); the file is damaged or "
+                             f"not an insightface .bin") from None
+    logger.info("loaded %s: %d pairs", path, len(issame))
+    return [original, original.flip(3)], issame
+
+
+def _fold_splits(num_pairs: int, nrof_folds: int) -> list[tuple[np.ndarray, np.ndarray]]:
+    """Contiguous folds as sklearn's unshuffled KFold makes them (first folds one larger).
+
+    Fewer pairs than folds: one fold per pair; a single pair is its own train and test set.
+    """
+    indices = np.arange(num_pairs)
+    folds = min(nrof_folds, num_pairs)
+    if folds < 2:
+        return [(indices, indices)]
+    tests = np.array_split(indices, folds)
+    return [(np.setdiff1d(indices, test), test) for test in tests]
+
+
+def _accepts_below(dist: np.ndarray, thresholds: np.ndarray) -> np.ndarray:
+    """For each threshold, how many of ``dist`` are strictly below it (the pairs called "same")."""
+    return np.searchsorted(np.sort(dist), thresholds, side="left")
+
+
+def _confusion(dist: np.ndarray, issame: np.ndarray, thresholds: np.ndarray):
+    """True/false accepts and the genuine/impostor counts of each threshold (``dist < threshold``)."""
+    true_accepts = _accepts_below(dist[issame], thresholds)
+    false_accepts = _accepts_below(dist[~issame], thresholds)
+    return true_accepts, false_accepts, int(issame.sum()), int((~issame).sum())
+
+
+def _rate(count: np.ndarray, total: int) -> np.ndarray:
+    return count / total if total else np.zeros(count.shape)
+
+
+def _roc_and_accuracy(dist: np.ndarray, issame: np.ndarray, folds) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    tprs, fprs, accuracy = [], [], []
+    for train, test in folds:
+        tp, fp, n_same, n_diff = _confusion(dist[train], issame[train], ACCURACY_THRESHOLDS)
+        best = int(np.argmax((tp + n_diff - fp) / train.size))  # first threshold of the best accuracy
+        tp, fp, n_same, n_diff = _confusion(dist[test], issame[test], ACCURACY_THRESHOLDS)
+        tprs.append(_rate(tp, n_same))
+        fprs.append(_rate(fp, n_diff))
+        accuracy.append((tp[best] + n_diff - fp[best]) / test.size)
+    return np.mean(tprs, axis=0), np.mean(fprs, axis=0), np.asarray(accuracy, dtype=np.float64)
+
+
+def _threshold_at_far(far: np.ndarray, far_target: float) -> float:
+    """The distance threshold where the (non-decreasing) FAR curve reaches ``far_target``, linear
+    between thresholds; 0 when no threshold reaches it.
+
+    Upstream calls scipy's ``interp1d(far, thresholds, kind="slinear")``, which newer scipy refuses
+    for the repeated FAR values every such curve has; this is what it computed: on a run of equal
+    FAR values equal to the target, the run's last threshold.
+    """
+    if far.max() < far_target:
+        return 0.0
+    low = int(np.searchsorted(far, far_target, side="right")) - 1  # last point with FAR <= target
+    if far[low] == far_target:
+        return float(VAL_THRESHOLDS[low])
+    step = (far_target - far[low]) / (far[low + 1] - far[low])
+    return float(VAL_THRESHOLDS[low] + step * (VAL_THRESHOLDS[low + 1] - VAL_THRESHOLDS[low]))
+
+
+def _val_at_far(dist: np.ndarray, issame: np.ndarray, folds, far_target: float) -> tuple[float, float, float]:
+    """Upstream's VAL: threshold interpolated to ``far_target`` on the train folds, VAL/FAR on the test fold."""
+    vals, fars = [], []
+    for train, test in folds:
+        _, fp, _, n_diff = _confusion(dist[train], issame[train], VAL_THRESHOLDS)
+        threshold = _threshold_at_far(_rate(fp, n_diff), far_target)
+        tp, fp, n_same, n_diff = _confusion(dist[test], issame[test], np.array([threshold]))
+        vals.append(float(_rate(tp, n_same)[0]))
+        fars.append(float(_rate(fp, n_diff)[0]))
+    return float(np.mean(vals)), float(np.std(vals)), float(np.mean(fars))
+
+
+def evaluate(embeddings: np.ndarray, issame: Sequence[bool], nrof_folds: int = 10):
+    """``(tpr, fpr, accuracy, val, val_std, far)`` of pairs ``(embeddings[2i], embeddings[2i+1])``.
+
+    tpr/fpr: per accuracy threshold, averaged over test folds; accuracy: one value per fold;
+    val/val_std/far: VAL at FAR 1e-3 as upstream computes it.
+    """
+    embeddings = np.asarray(embeddings, dtype=np.float64)
+    issame = np.asarray(issame, dtype=bool)
+    if embeddings.shape[0] != 2 * issame.size:
+        raise ValueError(f"{embeddings.shape[0]} embeddings for {issame.size} pairs; need two per pair")
+    dist = np.sum(np.square(embeddings[0::2] - embeddings[1::2]), axis=1)
+    folds = _fold_splits(issame.size, nrof_folds)
+    tpr, fpr, accuracy = _roc_and_accuracy(dist, issame, folds)
+    val, val_std, far = _val_at_far(dist, issame, folds, VAL_FAR)
+    return tpr, fpr, accuracy, val, val_std, far
+
+
+def _l2_normalize(x: np.ndarray) -> np.ndarray:
+    return x / np.maximum(np.linalg.norm(x, axis=1, keepdims=True), 1e-12)
+
+
+def test(data_set: VerificationSet, backbone: nn.Module, batch_size: int, nfolds: int = 10):
+    """``(acc1, std1, acc2, std2, xnorm, embeddings_list)`` of one loaded set.
+
+    acc1/std1: accuracy of the original images alone (upstream leaves it 0); acc2/std2: of the
+    flip-summed embeddings; xnorm: mean embedding norm over both; embeddings_list: [original, flipped].
+    The backbone runs in eval mode without autograd; its modes are restored afterwards.
+    """
+    images, issame = data_set
+    embeddings_list = [embed(backbone, view, batch_size) for view in images]
+    xnorm = float(np.mean(np.linalg.norm(np.concatenate(embeddings_list), axis=1)))
+    accuracy1 = evaluate(_l2_normalize(embeddings_list[0]), issame, nfolds)[2]
+    accuracy2 = evaluate(_l2_normalize(embeddings_list[0] + embeddings_list[1]), issame, nfolds)[2]
+    return (float(accuracy1.mean()), float(accuracy1.std()), float(accuracy2.mean()), float(accuracy2.std()),
+            xnorm, embeddings_list)
+
+
+def pair_scores(embeddings_list: Sequence[np.ndarray]) -> np.ndarray:
+    """Cosine similarity of each pair's flip-summed embeddings (higher = more alike)."""
+    fused = _l2_normalize(embeddings_list[0] + embeddings_list[1])
+    return np.sum(fused[0::2] * fused[1::2], axis=1)
+
+
+def _set_name(path: str) -> str:
+    return os.path.splitext(os.path.basename(path))[0]
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    from eval.cli import add_model_arguments, build_backbone, exit_on_user_error, output_prefix
+    from eval.roc import roc_points, save_roc_plot
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    add_model_arguments(parser)
+    parser.add_argument("--bins", nargs="+", required=True, help=".bin verification sets to evaluate")
+    parser.add_argument("--batch-size", type=int, default=64)
+    parser.add_argument("--nfolds", type=int, default=10)
+    args = parser.parse_args(argv)
+
+    with exit_on_user_error():
+        backbone = build_backbone(args)
+        prefix = output_prefix(args.weights)
+        curves = {}
+        for path in args.bins:
+            name = _set_name(path)
+            data_set = load_bin(path)
+            acc1, std1, acc2, std2, xnorm, embeddings_list = test(data_set, backbone, args.batch_size, args.nfolds)
+            fused = _l2_normalize(embeddings_list[0] + embeddings_list[1])
+            val, val_std, far = evaluate(fused, data_set[1], args.nfolds)[3:]
+            scores = pair_scores(embeddings_list)
+            labels = np.asarray(data_set[1])
+            print(f"[{name}]XNorm: {xnorm:f}")
+            print(f"[{name}]Accuracy: {acc1:1.5f}+-{std1:1.5f}")
+            print(f"[{name}]Accuracy-Flip: {acc2:1.5f}+-{std2:1.5f}")
+            print(f"[{name}]Validation rate: {val:2.5f}+-{val_std:2.5f} @ FAR={far:2.5f}")
+            for target_far, tar in tar_at_far(scores, labels, TAR_FARS).items():
+                print(f"[{name}]TAR@FAR={target_far:g}: {tar:1.5f}")
+            scores_path = f"{prefix}_{name}_scores.npy"
+            np.save(scores_path, scores)
+            print(f"[{name}]scores (cosine, one per pair, in .bin order): {scores_path}")
+            fpr, tpr, _ = roc_points(scores, labels)
+            curves[name] = (fpr, tpr)
+        plot_path = f"{prefix}_verification_roc.png"
+        save_roc_plot(curves, plot_path, title=f"ROC of {os.path.basename(args.weights)}")
+        print(f"ROC plot: {plot_path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

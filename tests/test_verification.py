@@ -1,0 +1,330 @@
+"""eval.verification and eval.callback: .bin loading, 10-fold accuracy, embedding, the training callback.
+
+References are computed here independently: upstream's loop-per-threshold algorithm with sklearn's
+KFold and a segment-by-segment walk of the FAR curve, dense float64 embeddings from one direct forward pass, ROC points by hand.
+"""
+from __future__ import annotations
+
+import io
+import json
+import logging
+import os
+import pickle
+import re
+import shutil
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+from torch import nn
+
+from eval.callback import VerificationCallback
+from eval.roc import roc_points, tar_at_far
+from eval.verification import evaluate, load_bin
+from eval.verification import test as verification_test
+from tests.distributed_helpers import run_world
+
+FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures", "recordio")
+VERIFY_BIN = os.path.join(FIXTURES, "verify.bin")
+VERIFY_NP_BIN = os.path.join(FIXTURES, "verify_np.bin")
+
+torch.set_num_threads(1)
+
+
+# ---------------------------------------------------------------------------------------------
+# Independent reference: upstream's calculate_roc / calculate_val, one threshold at a time.
+
+def _reference_accuracy(threshold, dist, issame):
+    predict = np.less(dist, threshold)
+    tp = np.sum(predict & issame)
+    fp = np.sum(predict & ~issame)
+    tn = np.sum(~predict & ~issame)
+    fn = np.sum(~predict & issame)
+    tpr = 0 if tp + fn == 0 else tp / (tp + fn)
+    fpr = 0 if fp + tn == 0 else fp / (fp + tn)
+    return tpr, fpr, (tp + tn) / dist.size
+
+
+def _reference_val_far(threshold, dist, issame):
+    predict = np.less(dist, threshold)
+    with np.errstate(invalid="ignore"):  # a fold without genuine pairs: nan, as upstream
+        return np.sum(predict & issame) / np.sum(issame), np.sum(predict & ~issame) / np.sum(~issame)
+
+
+def _reference_threshold_at_far(far, thresholds, target):
+    """Walk the piecewise-linear FAR(threshold) curve to the last segment starting at or below target
+    (what scipy's interp1d(kind="slinear") returned before it refused repeated FAR values)."""
+    if far.max() < target:
+        return 0.0
+    for i in range(len(far) - 1):
+        if far[i] <= target < far[i + 1]:
+            return thresholds[i] + (target - far[i]) / (far[i + 1] - far[i]) * (thresholds[i + 1] - thresholds[i])
+    return thresholds[-1]
+
+
+def reference_evaluate(embeddings, issame, nrof_folds=10):
+    from sklearn.model_selection import KFold  # imported here: spawned test workers need not load it
+
+    issame = np.asarray(issame)
+    dist = np.sum((embeddings[0::2] - embeddings[1::2]) ** 2, axis=1)
+    folds = list(KFold(n_splits=nrof_folds, shuffle=False).split(np.arange(issame.size)))
+    thresholds = np.arange(0, 4, 0.01)
+    tprs = np.zeros((nrof_folds, thresholds.size))
+    fprs = np.zeros((nrof_folds, thresholds.size))
+    accuracy = np.zeros(nrof_folds)
+    for f, (train, test_set) in enumerate(folds):
+        train_acc = [_reference_accuracy(t, dist[train], issame[train])[2] for t in thresholds]
+        for i, t in enumerate(thresholds):
+            tprs[f, i], fprs[f, i], _ = _reference_accuracy(t, dist[test_set], issame[test_set])
+        accuracy[f] = _reference_accuracy(thresholds[np.argmax(train_acc)], dist[test_set], issame[test_set])[2]
+    thresholds = np.arange(0, 4, 0.001)
+    vals, fars = np.zeros(nrof_folds), np.zeros(nrof_folds)
+    for f, (train, test_set) in enumerate(folds):
+        far_train = np.array([_reference_val_far(t, dist[train], issame[train])[1] for t in thresholds])
+        threshold = _reference_threshold_at_far(far_train, thresholds, 1e-3)
+        vals[f], fars[f] = _reference_val_far(threshold, dist[test_set], issame[test_set])
+    return tprs.mean(0), fprs.mean(0), accuracy, vals.mean(), vals.std(), fars.mean()
+
+
+def planted_pairs(num_pairs, dim, noise, seed):
+    """Unit embeddings: genuine pairs are noisy copies of one vector, impostor pairs independent."""
+    rng = np.random.default_rng(seed)
+    issame = rng.random(num_pairs) < 0.5
+    first = rng.standard_normal((num_pairs, dim))
+    second = np.where(issame[:, None], first + noise * rng.standard_normal((num_pairs, dim)),
+                      rng.standard_normal((num_pairs, dim)))
+    embeddings = np.empty((2 * num_pairs, dim))
+    embeddings[0::2], embeddings[1::2] = first, second
+    return embeddings / np.linalg.norm(embeddings, axis=1, keepdims=True), issame.tolist()
+
+
+@pytest.mark.parametrize("num_pairs, noise, seed", [(200, 1.0, 0), (57, 0.7, 1)])
+def test_evaluate_equals_brute_force_reference(num_pairs, noise, seed):
+    embeddings, issame = planted_pairs(num_pairs, 16, noise, seed)
+    got = evaluate(embeddings, issame, nrof_folds=10)
+    want = reference_evaluate(embeddings, issame, nrof_folds=10)
+    for name, g, w in zip(("tpr", "fpr", "accuracy", "val", "val_std", "far"), got, want):
+        np.testing.assert_allclose(g, w, rtol=0, atol=1e-12, err_msg=name)
+    assert 0.6 < got[2].mean() < 1.0  # the planted structure is found, imperfectly
+
+
+def test_evaluate_is_perfect_on_separable_pairs_and_chance_on_random_ones():
+    embeddings, issame = planted_pairs(400, 32, 0.0, 3)  # genuine pairs identical: distance 0
+    _, _, accuracy, val, _, _ = evaluate(embeddings, issame)
+    assert accuracy.tolist() == [1.0] * 10 and val == 1.0
+
+    rng = np.random.default_rng(4)
+    random_embeddings = rng.standard_normal((2 * 3000, 32))
+    random_embeddings /= np.linalg.norm(random_embeddings, axis=1, keepdims=True)
+    accuracy = evaluate(random_embeddings, (rng.random(3000) < 0.5).tolist())[2]
+    assert abs(accuracy.mean() - 0.5) < 0.04
+
+
+def test_evaluate_handles_fewer_pairs_than_folds():
+    embeddings, issame = planted_pairs(3, 8, 0.0, 5)
+    accuracy = evaluate(embeddings, issame, nrof_folds=10)[2]
+    assert accuracy.shape == (3,) and np.all((accuracy >= 0) & (accuracy <= 1))
+    with pytest.raises(ValueError, match="two per pair"):
+        evaluate(embeddings[:5], issame)
+
+
+# ---------------------------------------------------------------------------------------------
+# .bin loading
+
+def test_fixture_bins_load_with_bytes_and_numpy_entries():
+    expected = json.load(open(os.path.join(FIXTURES, "expected.json")))["files"]["verify"]
+    (original, flipped), issame = load_bin(VERIFY_BIN)
+    (original_np, flipped_np), issame_np = load_bin(VERIFY_NP_BIN)
+    assert issame == issame_np == expected["issame"]
+    assert original.shape == (2 * expected["pairs"], 3, 112, 112) and original.dtype == torch.uint8
+    # Pixel sums of the images as mxnet's cv2 decoded them when writing the fixture.
+    assert original.sum(dim=(1, 2, 3)).tolist() == expected["decoded_rgb_sums"]
+    assert torch.equal(original, original_np) and torch.equal(flipped, flipped_np)
+    assert torch.equal(flipped, torch.from_numpy(original.numpy()[:, :, :, ::-1].copy()))
+
+
+def _jpeg(color, size):
+    buffer = io.BytesIO()
+    Image.new("RGB", size, color).save(buffer, format="JPEG", quality=100)
+    return buffer.getvalue()
+
+
+def _write_pickle(path, obj, protocol=pickle.HIGHEST_PROTOCOL):
+    with open(path, "wb") as f:
+        pickle.dump(obj, f, protocol=protocol)
+    return str(path)
+
+
+def test_load_bin_resizes_other_sizes_and_reads_numpy_issame(tmp_path):
+    bins = [_jpeg((200, 40, 90), (96, 128)), np.frombuffer(_jpeg((10, 250, 30), (150, 150)), np.uint8)]
+    path = _write_pickle(tmp_path / "odd.bin", (bins, np.array([False])), protocol=2)
+    (original, _), issame = load_bin(path, image_size=(112, 112))
+    assert original.shape == (2, 3, 112, 112) and issame == [False]
+    means = original.float().mean(dim=(2, 3))
+    np.testing.assert_allclose(means.numpy(), [[200, 40, 90], [10, 250, 30]], atol=3)
+
+
+class _Exploit:
+    def __reduce__(self):
+        return (os.system, ("echo pwned",))
+
+
+@pytest.mark.parametrize("make, message", [
+    (lambda d: str(d / "absent.bin"), "does not exist"),
+    (lambda d: (d / "text.bin").write_text("hello") and str(d / "text.bin"), "not a verification .bin"),
+    (lambda d: _write_pickle(d / "odd.bin", ([_jpeg((0, 0, 0), (112, 112))] * 3, [True])), "two images per pair"),
+    (lambda d: _write_pickle(d / "broken.bin", ([b"not a jpeg", b"x"], [True])), "image 0 cannot be decoded"),
+    (lambda d: _write_pickle(d / "exploit.bin", ([_Exploit()], [True])), "posix.system|os.system"),
+])
+def test_load_bin_errors_name_the_file(tmp_path, make, message):
+    path = make(tmp_path)
+    with pytest.raises(ValueError, match=message) as error:
+        load_bin(path)
+    assert path in str(error.value)
+
+
+# ---------------------------------------------------------------------------------------------
+# test(): batched embedding
+
+class TinyNet(nn.Module):
+    """A CNN with BatchNorm (eval and train mode differ) and a frozen layer that must stay frozen."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.conv = nn.Conv2d(3, 4, 5, stride=8)
+        self.bn = nn.BatchNorm2d(4)
+        self.frozen = nn.BatchNorm2d(4)
+        self.fc = nn.Linear(4 * 14 * 14, 8)
+        with torch.no_grad():
+            for bn in (self.bn, self.frozen):
+                bn.running_mean.uniform_(-0.1, 0.1)
+                bn.running_var.uniform_(0.5, 1.5)
+
+    def forward(self, x):
+        return self.fc(self.frozen(self.bn(self.conv(x))).flatten(1))
+
+
+def reference_embeddings(model, images):
+    """Dense float64 forward of the whole set at once, in eval mode."""
+    model = model.double().eval()
+    with torch.no_grad():
+        out = model(images.double() / 127.5 - 1.0).numpy()
+    model.float()
+    return out
+
+
+def test_three_pairs_embed_with_batch_ten_and_match_a_direct_forward():
+    (original, flipped), issame = load_bin(VERIFY_BIN)
+    data_set = ([original[:6], flipped[:6]], issame[:3])
+    model = TinyNet().train()
+    model.frozen.eval()
+
+    acc1, std1, acc2, std2, xnorm, embeddings_list = verification_test(data_set, model, batch_size=10, nfolds=10)
+
+    assert model.training and model.bn.training and not model.frozen.training
+    want = [reference_embeddings(TinyNet(), view) for view in (original[:6], flipped[:6])]
+    for got, ref in zip(embeddings_list, want):
+        assert got.shape == (6, 8)
+        np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(xnorm, np.linalg.norm(np.concatenate(want), axis=1).mean(), rtol=1e-5)
+    fused = want[0] + want[1]
+    accuracy2 = reference_evaluate(fused / np.linalg.norm(fused, axis=1, keepdims=True), issame[:3], 3)[2]
+    accuracy1 = reference_evaluate(want[0] / np.linalg.norm(want[0], axis=1, keepdims=True), issame[:3], 3)[2]
+    assert (acc2, std2) == pytest.approx((accuracy2.mean(), accuracy2.std()))
+    assert (acc1, std1) == pytest.approx((accuracy1.mean(), accuracy1.std()))
+
+    for batch_size in (1, 4, 64):
+        again = verification_test(data_set, model, batch_size=batch_size)[5]
+        np.testing.assert_allclose(again[0], embeddings_list[0], rtol=1e-5, atol=1e-6)
+
+
+# ---------------------------------------------------------------------------------------------
+# ROC / TAR
+
+def test_tar_at_far_matches_hand_computed_values():
+    # Impostors: 0.9 0.5 0.4 0.2 0.1 ; genuine: 0.95 0.85 0.6 0.5 0.3 (0.5 is a tie across classes).
+    scores = np.array([0.9, 0.95, 0.5, 0.85, 0.4, 0.6, 0.2, 0.5, 0.1, 0.3])
+    labels = np.array([0, 1, 0, 1, 0, 1, 0, 1, 0, 1])
+    fpr, tpr, thresholds = roc_points(scores, labels)
+    np.testing.assert_allclose(fpr, [0, 0, 0.2, 0.2, 0.2, 0.4, 0.6, 0.6, 0.8, 1.0])
+    np.testing.assert_allclose(tpr, [0, 0.2, 0.2, 0.4, 0.6, 0.8, 0.8, 1.0, 1.0, 1.0])
+    assert thresholds[0] == np.inf and thresholds[-1] == 0.1
+    # FAR 0.1 < 1/5: no impostor may pass -> only 0.95. FAR 0.2: threshold down to 0.6 -> 3 of 5.
+    # FAR 0.4: down to the tie at 0.5 -> 4 of 5. FAR 0.59: still 4 of 5.
+    assert tar_at_far(scores, labels, (0.1, 0.2, 0.4, 0.59, 1.0)) == {0.1: 0.2, 0.2: 0.6, 0.4: 0.8, 0.59: 0.8,
+                                                                      1.0: 1.0}
+    with pytest.raises(ValueError, match="genuine and impostor"):
+        tar_at_far(scores[labels == 1], labels[labels == 1])
+
+
+# ---------------------------------------------------------------------------------------------
+# VerificationCallback
+
+UPSTREAM_LINES = [
+    r"\[(lfw|verify_np)\]\[(\d+)\]XNorm: \d+\.\d{6}$",
+    r"\[(lfw|verify_np)\]\[(\d+)\]Accuracy-Flip: \d\.\d{5}\+-\d\.\d{5}$",
+    r"\[(lfw|verify_np)\]\[(\d+)\]Accuracy-Highest: \d\.\d{5}$",
+]
+
+
+def test_callback_logs_upstream_lines_writes_tensorboard_and_restores_modes(tmp_path, caplog):
+    from torch.utils.tensorboard import SummaryWriter
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    shutil.copy(VERIFY_BIN, tmp_path / "lfw.bin")
+    writer = SummaryWriter(str(tmp_path / "tb"))
+    callback = VerificationCallback(frequent=3, val_targets=["lfw", VERIFY_NP_BIN], rec_prefix=str(tmp_path),
+                                    batch_size=7, summary_writer=writer)
+    model = TinyNet().train()
+    caplog.set_level(logging.INFO, logger="eval.callback")
+
+    assert callback(0, model) is None and callback(2, model) is None and not caplog.records
+    results = callback(3, model)
+    assert set(results) == {"lfw", "verify_np"} and model.training and model.bn.training
+    lines = [record.getMessage() for record in caplog.records]
+    assert len(lines) == 6
+    for line, pattern in zip(lines, UPSTREAM_LINES * 2):
+        match = re.match(pattern, line)
+        assert match and match.group(2) == "3", line
+    assert f"Accuracy-Flip: {results['lfw']:1.5f}+-" in lines[1]
+
+    final = callback.evaluate_now(model)
+    assert final == results  # same weights, same numbers; logged at the last step seen
+    assert "[lfw][3]XNorm" in caplog.records[-6].getMessage()
+    writer.close()
+    events = EventAccumulator(str(tmp_path / "tb"))
+    events.Reload()
+    assert {"lfw", "verify_np", "xnorm/lfw"} <= set(events.Tags()["scalars"])
+    assert [e.step for e in events.Scalars("lfw")] == [3, 3]
+    assert events.Scalars("lfw")[0].value == pytest.approx(results["lfw"])
+
+
+def test_callback_rejects_a_missing_target_naming_the_key_and_path(tmp_path):
+    with pytest.raises(FileNotFoundError, match=r"val_targets entry 'agedb_30'.*agedb_30\.bin"):
+        VerificationCallback(frequent=1, val_targets=["agedb_30"], rec_prefix=str(tmp_path))
+
+
+def _callback_in_world(rank, world_size, rec_prefix):
+    try:
+        VerificationCallback(frequent=2, val_targets=["lfw", "missing"], rec_prefix=rec_prefix)
+        missing_error = None
+    except FileNotFoundError as error:
+        missing_error = str(error)
+    model = nn.parallel.DistributedDataParallel(TinyNet())
+    callback = VerificationCallback(frequent=2, val_targets=["lfw"], rec_prefix=rec_prefix, batch_size=16)
+    result = callback(4, model)
+    torch.distributed.barrier()  # the non-main rank must not be stuck waiting for the main one
+    return missing_error, result, sorted(callback.sets), model.training
+
+
+def test_callback_evaluates_on_the_main_rank_only_through_ddp(tmp_path):
+    shutil.copy(VERIFY_BIN, tmp_path / "lfw.bin")
+    main, other = run_world(_callback_in_world, 2, str(tmp_path))
+    # Every rank raises the main rank's verdict on a missing set, so none waits for a dead one.
+    assert all(error is not None and "missing.bin" in error for error in (main[0], other[0]))
+    _, main_result, main_sets, main_training = main
+    _, other_result, other_sets, _ = other
+    assert set(main_result) == {"lfw"} and main_sets == ["lfw"] and main_training
+    assert other_result is None and other_sets == []
