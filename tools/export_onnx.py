@@ -1,0 +1,98 @@
+"""Export a trained backbone to ONNX and check the export with onnxruntime.
+
+    python tools/export_onnx.py --network r50 --weights output/backbone.pth
+    python tools/export_onnx.py --network r18 --weights backbone.pth --width-mult 0.25 --output r18.onnx
+
+The model takes ``data``: float32 (batch, 3, 112, 112) RGB in [-1, 1] (any batch size) and returns
+``embedding``: float32 (batch, num_features), not yet L2-normalised (as arcface_torch's export).
+After writing the file, it runs onnxruntime and PyTorch on the same random batch and prints the
+largest absolute difference.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import warnings
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from backbones import NETWORKS, load_backbone  # noqa: E402
+
+INPUT_NAME = "data"
+OUTPUT_NAME = "embedding"
+OPSET = 18
+
+
+def export_onnx(model: nn.Module, path: Path) -> None:
+    """Write ``model`` (eval mode, float32, CPU) to ``path`` with a dynamic batch dimension."""
+    example = torch.zeros(2, 3, 112, 112)
+    with warnings.catch_warnings():
+        # The exporter warns about its own internals (e.g. opset conversions), nothing a user can act on.
+        warnings.simplefilter("ignore")
+        program = torch.onnx.export(
+            model, (example,), input_names=[INPUT_NAME], output_names=[OUTPUT_NAME],
+            dynamic_shapes=({0: torch.export.Dim("batch")},), opset_version=OPSET, dynamo=True,
+            verbose=False,
+        )
+    # Write next to the target and rename, so an interrupted export never leaves a truncated file.
+    partial = path.with_name(path.name + ".partial")
+    program.save(str(partial))
+    os.replace(partial, path)
+
+
+def onnxruntime_difference(model: nn.Module, path: Path, batch: int, seed: int = 0) -> tuple[float, float]:
+    """(largest |onnxruntime - PyTorch|, largest |PyTorch|) over one random batch in [-1, 1]."""
+    import onnxruntime
+
+    images = torch.rand(batch, 3, 112, 112, generator=torch.Generator().manual_seed(seed)) * 2 - 1
+    session = onnxruntime.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    exported = session.run([OUTPUT_NAME], {INPUT_NAME: images.numpy()})[0]
+    with torch.no_grad():
+        reference = model(images).numpy()
+    return float(np.abs(exported - reference).max()), float(np.abs(reference).max())
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--network", required=True, choices=NETWORKS, help="backbone the weights belong to")
+    parser.add_argument("--weights", required=True, type=Path, help="backbone.pth written by training")
+    parser.add_argument("--width-mult", type=float, default=1.0, help="width the weights were trained with")
+    parser.add_argument("--num-features", type=int, default=512, help="embedding size (config embedding_size)")
+    parser.add_argument("--output", type=Path, help="ONNX file to write (default: model.onnx next to --weights)")
+    parser.add_argument("--force", action="store_true", help="overwrite --output if it exists")
+    parser.add_argument("--check-batch", type=int, default=3,
+                        help="random images for the onnxruntime check (not the export's batch: shows it is dynamic)")
+    args = parser.parse_args(argv)
+    if args.output and not args.output.parent.is_dir():
+        parser.error(f"--output {args.output}: folder {args.output.parent} does not exist")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    output = args.output or args.weights.parent / "model.onnx"
+    try:
+        if output.exists() and not args.force:
+            raise FileExistsError(f"{output} already exists; pass --force to overwrite it or --output another path.")
+        model = load_backbone(args.network, args.weights, width_mult=args.width_mult,
+                              num_features=args.num_features)
+    except (OSError, ValueError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 1
+    export_onnx(model, output)
+    difference, scale = onnxruntime_difference(model, output, args.check_batch)
+    print(f"wrote {output}: input '{INPUT_NAME}' (batch, 3, 112, 112) float32 in [-1, 1], "
+          f"output '{OUTPUT_NAME}' (batch, {args.num_features})")
+    print(f"onnxruntime vs PyTorch on {args.check_batch} random images: max abs difference "
+          f"{difference:.3g} (largest output magnitude {scale:.3g})")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
