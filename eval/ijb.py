@@ -1,0 +1,241 @@
+"""IJB-B / IJB-C 1:1 template verification, as arcface_torch's eval_ijbc.py computes it.
+
+Dataset layout (the published release, ``<target>`` = ``ijbb`` or ``ijbc``)::
+
+    ROOT/loose_crop/<image files>
+    ROOT/meta/<target>_name_5pts_score.txt      name x1 y1 ... x5 y5 detector_score   (one face a line)
+    ROOT/meta/<target>_face_tid_mid.txt         name template_id media_id            (same order)
+    ROOT/meta/<target>_template_pair_label.txt  template_id template_id 1|0
+
+Each face is aligned to the ArcFace template by its 5 landmarks and embedded with its mirror image
+(embeddings summed); face features are averaged within a media (a video's frames count once),
+media features summed into a template feature, and template pairs scored by cosine similarity.
+
+Command line (prints the TAR table, writes the ROC plot and the raw scores next to the weights):
+
+    python -m eval.ijb --network r50 --weights output/backbone.pth --root IJB_release/IJBC --target IJBC
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from PIL import Image
+from torch import nn
+from torch.utils.data import DataLoader, Dataset
+
+from eval.alignment import align_face
+from eval.embedding import embed_batches, eval_mode, unwrap
+from eval.roc import tar_at_far
+
+IJB_FARS = (1e-6, 1e-5, 1e-4, 1e-3, 1e-2, 1e-1)
+
+
+@dataclass(frozen=True)
+class IJBMeta:
+    """One IJB protocol: per face (file order) and per template pair."""
+
+    image_paths: list[str]
+    landmarks: np.ndarray        # (faces, 5, 2) x, y in the loose crop
+    detector_scores: np.ndarray  # (faces,)
+    templates: np.ndarray        # (faces,) template id
+    medias: np.ndarray           # (faces,) media id
+    pairs: np.ndarray            # (pairs, 2) template ids
+    labels: np.ndarray           # (pairs,) 1 genuine, 0 impostor
+
+
+def meta_path(root: str, target: str, kind: str) -> str:
+    return os.path.join(root, "meta", f"{target.lower()}_{kind}.txt")
+
+
+def _split_lines(path: str, columns: int) -> list[list[str]]:
+    if not os.path.isfile(path):
+        raise ValueError(f"IJB meta file {path} does not exist; --root must hold meta/ and loose_crop/ and "
+                         f"--target name the protocol (IJBB or IJBC)")
+    with open(path) as f:
+        rows = [line.split() for line in f if line.strip()]
+    if not rows:
+        raise ValueError(f"IJB meta file {path} is empty")
+    for number, row in enumerate(rows, start=1):
+        if len(row) != columns:
+            raise ValueError(f"{path} line {number} has {len(row)} fields, expected {columns}")
+    return rows
+
+
+def _numbers(path: str, rows: list[list[str]], dtype) -> np.ndarray:
+    try:
+        return np.asarray(rows, dtype=dtype)
+    except ValueError as error:
+        raise ValueError(f"{path} holds a field that is not a number ({error})") from None
+
+
+def read_meta(root: str, target: str) -> IJBMeta:
+    """Read and cross-check the three meta files of ``target`` under ``root``."""
+    faces_path = meta_path(root, target, "name_5pts_score")
+    ids_path = meta_path(root, target, "face_tid_mid")
+    pairs_path = meta_path(root, target, "template_pair_label")
+    faces = _split_lines(faces_path, 12)
+    ids = _split_lines(ids_path, 3)
+    if len(faces) != len(ids):
+        raise ValueError(f"{faces_path} lists {len(faces)} faces but {ids_path} lists {len(ids)}; they must "
+                         f"describe the same faces line by line")
+    for number, (face, face_ids) in enumerate(zip(faces, ids), start=1):
+        if face[0] != face_ids[0]:
+            raise ValueError(f"line {number}: {faces_path} names {face[0]} but {ids_path} names "
+                             f"{face_ids[0]}; the files must list the faces in the same order")
+    points = _numbers(faces_path, [row[1:] for row in faces], np.float64)
+    template_media = _numbers(ids_path, [row[1:] for row in ids], np.int64)
+    pair_rows = _numbers(pairs_path, _split_lines(pairs_path, 3), np.int64)
+
+    unknown = np.setdiff1d(pair_rows[:, :2], template_media[:, 0])
+    if unknown.size:
+        raise ValueError(f"{pairs_path} pairs template {unknown[0]}, which no face in {ids_path} belongs to")
+    if not np.isin(pair_rows[:, 2], (0, 1)).all():
+        raise ValueError(f"{pairs_path}: the third column must be 1 (same person) or 0 (different)")
+    crops = os.path.join(root, "loose_crop")
+    image_paths = [os.path.join(crops, row[0]) for row in faces]
+    missing = next((path for path in image_paths if not os.path.isfile(path)), None)
+    if missing is not None:
+        raise ValueError(f"face image {missing} (listed in {faces_path}) does not exist; is --root the "
+                         f"folder holding loose_crop/?")
+    return IJBMeta(image_paths=image_paths, landmarks=points[:, :10].reshape(-1, 5, 2),
+                   detector_scores=points[:, 10], templates=template_media[:, 0], medias=template_media[:, 1],
+                   pairs=pair_rows[:, :2], labels=pair_rows[:, 2])
+
+
+class AlignedFaces(Dataset):
+    """uint8 ``(3, 112, 112)`` aligned crops, decoded in DataLoader workers."""
+
+    def __init__(self, image_paths: Sequence[str], landmarks: np.ndarray) -> None:
+        self.image_paths = list(image_paths)
+        self.landmarks = landmarks
+
+    def __len__(self) -> int:
+        return len(self.image_paths)
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        path = self.image_paths[index]
+        try:
+            with Image.open(path) as image:
+                rgb = np.array(image.convert("RGB"))
+        except OSError as error:
+            raise ValueError(f"face image {path} cannot be decoded ({error})") from None
+        return align_face(torch.from_numpy(rgb).permute(2, 0, 1), self.landmarks[index])
+
+
+def embed_faces(backbone: nn.Module, faces: Dataset, batch_size: int = 128, workers: int = 0,
+                flip: bool = True) -> np.ndarray:
+    """``(faces, D)`` embeddings, each summed with its mirror image's when ``flip``."""
+    loader = DataLoader(faces, batch_size=batch_size, num_workers=workers)
+    chunks = []
+    with eval_mode(unwrap(backbone)) as model:
+        for batch in loader:
+            if flip:
+                both = embed_batches(model, [torch.cat([batch, batch.flip(3)])])
+                chunks.append(both[:len(batch)] + both[len(batch):])
+            else:
+                chunks.append(embed_batches(model, [batch]))
+    return np.concatenate(chunks)
+
+
+def face_features(embeddings: np.ndarray, detector_scores: np.ndarray, normalize_faces: bool = False,
+                  use_detector_score: bool = True) -> np.ndarray:
+    """Per-face features before pooling, upstream's defaults: the embedding's norm is kept as a
+    quality signal (``normalize_faces`` drops it) and weighted by the detector score."""
+    features = np.asarray(embeddings, dtype=np.float64)
+    if normalize_faces:
+        features = features / np.maximum(np.linalg.norm(features, axis=1, keepdims=True), 1e-12)
+    if use_detector_score:
+        features = features * np.asarray(detector_scores, dtype=np.float64)[:, None]
+    return features
+
+
+def template_features(features: np.ndarray, templates: np.ndarray,
+                      medias: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``(template_ids, unit features)``: the mean of each (template, media) group, summed per
+    template, L2-normalised. ``template_ids`` is sorted; row i belongs to ``template_ids[i]``."""
+    template_ids, template_index = np.unique(templates, return_inverse=True)
+    groups, group_index = np.unique(np.stack([template_index, medias]), axis=1, return_inverse=True)
+    group_index = group_index.ravel()
+    media_sums = np.zeros((groups.shape[1], features.shape[1]))
+    np.add.at(media_sums, group_index, features)
+    media_means = media_sums / np.bincount(group_index)[:, None]
+    pooled = np.zeros((template_ids.size, features.shape[1]))
+    np.add.at(pooled, groups[0], media_means)
+    return template_ids, pooled / np.maximum(np.linalg.norm(pooled, axis=1, keepdims=True), 1e-12)
+
+
+def pair_scores(template_ids: np.ndarray, features: np.ndarray, pairs: np.ndarray) -> np.ndarray:
+    """Cosine similarity of each template pair (rows of ``features`` are unit vectors)."""
+    first = features[np.searchsorted(template_ids, pairs[:, 0])]
+    second = features[np.searchsorted(template_ids, pairs[:, 1])]
+    return np.sum(first * second, axis=1)
+
+
+def tar_table(scores: np.ndarray, labels: np.ndarray) -> dict[float, float]:
+    """TAR at FAR 1e-6 .. 1e-1 (see ``eval.roc.tar_at_far`` for the exact rule)."""
+    return tar_at_far(scores, labels, IJB_FARS)
+
+
+def format_tar_table(rows: Mapping[str, Mapping[float, float]]) -> str:
+    """Upstream's table: one row per method, TAR in percent with two decimals per FAR column."""
+    header = ["Methods"] + [str(far) for far in IJB_FARS]
+    body = [[name] + [f"{table[far] * 100:.2f}" for far in IJB_FARS] for name, table in rows.items()]
+    widths = [max(len(row[i]) for row in [header] + body) for i in range(len(header))]
+    rule = "+" + "+".join("-" * (w + 2) for w in widths) + "+"
+
+    def line(cells: list[str]) -> str:
+        return "|" + "|".join(f" {cell:^{w}} " for cell, w in zip(cells, widths)) + "|"
+
+    return "\n".join([rule, line(header), rule, *map(line, body), rule])
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    from eval.cli import add_model_arguments, build_backbone, exit_on_user_error, output_prefix
+    from eval.roc import roc_points, save_roc_plot
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    add_model_arguments(parser)
+    parser.add_argument("--root", required=True, help="IJB folder holding meta/ and loose_crop/")
+    parser.add_argument("--target", default="IJBC", help="IJBC or IJBB: the meta file prefix")
+    parser.add_argument("--batch-size", type=int, default=128)
+    parser.add_argument("--workers", type=int, default=min(8, os.cpu_count() or 1),
+                        help="processes decoding and aligning images")
+    parser.add_argument("--no-flip", action="store_true", help="embed the images only, not their mirror images")
+    parser.add_argument("--no-detector-score", action="store_true", help="do not weight faces by detector score")
+    parser.add_argument("--normalize-faces", action="store_true",
+                        help="L2-normalise each face before pooling (drops the norm as a quality signal)")
+    args = parser.parse_args(argv)
+
+    with exit_on_user_error():
+        meta = read_meta(args.root, args.target)
+        backbone = build_backbone(args)
+        print(f"{args.target}: {len(meta.image_paths)} faces, {np.unique(meta.templates).size} templates, "
+              f"{len(meta.labels)} pairs")
+        embeddings = embed_faces(backbone, AlignedFaces(meta.image_paths, meta.landmarks), args.batch_size,
+                                 args.workers, flip=not args.no_flip)
+        features = face_features(embeddings, meta.detector_scores, args.normalize_faces,
+                                 use_detector_score=not args.no_detector_score)
+        template_ids, templates = template_features(features, meta.templates, meta.medias)
+        scores = pair_scores(template_ids, templates, meta.pairs)
+
+        method = f"{args.network}-{args.target}"
+        print(format_tar_table({method: tar_table(scores, meta.labels)}))
+        prefix = output_prefix(args.weights)
+        scores_path = f"{prefix}_{args.target.lower()}_scores.npy"
+        np.save(scores_path, scores)
+        print(f"scores (cosine, one per line of {meta_path(args.root, args.target, 'template_pair_label')}): "
+              f"{scores_path}")
+        plot_path = f"{prefix}_{args.target.lower()}_roc.png"
+        save_roc_plot({method: roc_points(scores, meta.labels)[:2]}, plot_path, title=f"ROC on {args.target}")
+        print(f"ROC plot: {plot_path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
