@@ -59,11 +59,11 @@ class CombinedMarginLoss:
         """``cos(m1 * theta + m2)``, made finite at +-1 and monotonic past theta* (module docstring)."""
         if not self._angular:
             return cos
-        eps = max(CLAMP_EPS, torch.finfo(cos.dtype).eps)
-        theta = torch.acos(cos.clamp(-1.0 + eps, 1.0 - eps))
+        wide = cos.to(torch.promote_types(cos.dtype, torch.float32))  # half-precision acos/cos wobble
+        theta = torch.acos(wide.clamp(-1.0 + CLAMP_EPS, 1.0 - CLAMP_EPS))
         angular = torch.cos(self.m1 * theta + self.m2)
-        linear = cos - self._cos_theta_star - 1.0
-        return torch.where(cos >= self._cos_theta_star, angular, linear)
+        linear = wide - self._cos_theta_star - 1.0
+        return torch.where(wide >= self._cos_theta_star, angular, linear).to(cos.dtype)
 
     def target_logit(self, cos: torch.Tensor) -> torch.Tensor:
         """The target logit for target cosines; differentiable with the configured gradient."""
