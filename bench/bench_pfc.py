@@ -1,0 +1,150 @@
+"""PartialFC forward+backward time and peak memory, as ratios to a dense reference, on this CPU.
+
+    .venv/bin/python bench/bench_pfc.py [--classes 10000 100000 1000000] [--device cuda]
+
+The reference is what a user would write without Partial FC: ``nn.Linear`` on normalised
+weights, the same margin, ``F.cross_entropy``, over the same 256 embeddings (batch 128 x 2
+views, D=512). Every (implementation, C) runs in a fresh process, so each peak is its own:
+peak memory is the high-water mark of one forward+backward minus what was resident once the
+weights existed (CPU: VmHWM after resetting it; CUDA: max_memory_allocated). Time is the mean
+of a few steps after one warm-up step, all measured in this run.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from losses import CombinedMarginLoss  # noqa: E402
+from partial_fc import PartialFC  # noqa: E402
+
+BATCH, VIEWS, DIM = 128, 2, 512
+IMPLEMENTATIONS = ("dense", "pfc@1.0", "pfc@0.1")
+
+
+class DenseReference(torch.nn.Module):
+    def __init__(self, num_classes: int, margin: CombinedMarginLoss):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.normal(0, 0.01, (num_classes, DIM)))
+        self.margin = margin
+
+    def forward(self, views, labels):
+        embeddings = torch.cat(views)
+        cos = F.linear(F.normalize(embeddings), F.normalize(self.weight))
+        return F.cross_entropy(self.margin(cos, labels.repeat(len(views))), labels.repeat(len(views)))
+
+
+def _resident_bytes(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError(f"{field} missing from /proc/self/status")
+
+
+def _reset_peak(device: torch.device) -> int:
+    """Start a new high-water mark; return the bytes in use now."""
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        return torch.cuda.memory_allocated()
+    Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM to the current VmRSS
+    return _resident_bytes("VmRSS")
+
+
+def _peak(device: torch.device) -> int:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        return torch.cuda.max_memory_allocated()
+    return _resident_bytes("VmHWM")
+
+
+def measure(implementation: str, num_classes: int, device: torch.device, steps: int, fp16: bool) -> dict:
+    torch.manual_seed(0)
+    margin = CombinedMarginLoss(64.0, 1.0, 0.5, 0.0)
+    if implementation == "dense":
+        head = DenseReference(num_classes, margin)
+    else:
+        head = PartialFC(margin, DIM, num_classes, sample_rate=float(implementation.split("@")[1]), fp16=fp16)
+    head = head.to(device)
+    views = [torch.randn(BATCH, DIM, device=device, requires_grad=True) for _ in range(VIEWS)]
+    labels = torch.randint(0, num_classes, (BATCH,), device=device)
+
+    def step():
+        head.weight.grad = None
+        with torch.autocast(device.type, dtype=torch.float16, enabled=fp16 and device.type == "cuda"):
+            loss = head(views, labels)
+        loss.backward()
+
+    baseline = _reset_peak(device)
+    step()
+    peak_above = _peak(device) - baseline
+    times = []
+    for _ in range(steps):
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        step()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    seconds = sum(times) / len(times)
+    gemm_flop = 3 * 2 * BATCH * VIEWS * DIM * num_classes  # forward + two backward GEMMs, dense classes
+    if implementation != "dense":
+        gemm_flop *= min(1.0, float(implementation.split("@")[1]))
+    return dict(seconds=seconds, peak_above=peak_above, tflops=gemm_flop / seconds / 1e12)
+
+
+def run_in_subprocess(implementation: str, num_classes: int, args) -> dict:
+    command = [sys.executable, __file__, "--worker", implementation, str(num_classes), "--device", args.device,
+               "--threads", str(args.threads)] + (["--fp16"] if args.fp16 else [])
+    done = subprocess.run(command, capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        raise RuntimeError(f"{implementation} at C={num_classes} failed:\n{done.stderr[-2000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--classes", type=int, nargs="+", default=[10_000, 100_000, 1_000_000])
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--fp16", action="store_true", help="fp16 autocast and fp16 logits GEMMs (CUDA)")
+    parser.add_argument("--worker", nargs=2, metavar=("IMPL", "C"), help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    device = torch.device(args.device)
+
+    if args.worker:
+        implementation, num_classes = args.worker[0], int(args.worker[1])
+        steps = 5 if num_classes <= 100_000 else 2
+        print(json.dumps(measure(implementation, num_classes, device, steps, args.fp16)))
+        return
+
+    print(f"PartialFC vs dense reference: batch {BATCH} x {VIEWS} views, D={DIM}, world 1, {device.type}, "
+          f"{args.threads} threads{', fp16' if args.fp16 else ''}. One fresh process per row.")
+    if device.type == "cpu":
+        print("CPU note: this machine's 2 cores may be shared; GPU figures need `--device cuda --fp16` "
+              "on a GPU (bench/gpu.sh).")
+    header = f"{'classes':>9} {'impl':>8} {'ms/step':>10} {'x time':>7} {'MiB above W':>12} {'x memory':>9} {'TFLOP/s':>8}"
+    print(header)
+    print("-" * len(header))
+    for num_classes in args.classes:
+        results = {impl: run_in_subprocess(impl, num_classes, args) for impl in IMPLEMENTATIONS}
+        dense = results["dense"]
+        for impl, r in results.items():
+            print(f"{num_classes:>9} {impl:>8} {r['seconds'] * 1e3:>10.1f} {r['seconds'] / dense['seconds']:>7.2f} "
+                  f"{r['peak_above'] / 2**20:>12.1f} {r['peak_above'] / dense['peak_above']:>9.2f} {r['tflops']:>8.3f}")
+        sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    main()
