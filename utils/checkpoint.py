@@ -1,0 +1,289 @@
+"""Checkpoints: everything a run needs to continue exactly, written so that a crash never costs
+the previous one.
+
+Layout of a run folder:
+- `checkpoint.pt`: one file, written by rank 0: backbone, the FULL class-centre matrix (gathered
+  from every rank's shard) and its optimizer state, the rest of the optimizer state, LR scheduler,
+  grad scaler, step/epoch, every rank's loader position and RNG states, the config and the model
+  identity (network, its kwargs, embedding size, class count). Because the centres are stored
+  whole, a run can resume on any number of processes: each rank slices its own range again.
+- `backbone.pth`: the plain backbone state_dict (unwrapped, CPU tensors), as arcface_torch saves
+  it, so either project loads the other's with strict=True.
+
+Writes go to a hidden temporary file in the same folder, are fsynced, then renamed over the old
+file (`os.replace` is atomic), and the folder is fsynced. A crash at any moment leaves either the
+old or the new complete file; leftover temporaries start with "." and are never read, and are
+removed by the next save.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import random
+from collections.abc import Mapping
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from partial_fc import class_range
+from utils.distributed import barrier, is_initialized, is_main, rank, world
+
+CHECKPOINT_NAME = "checkpoint.pt"
+BACKBONE_NAME = "backbone.pth"
+FORMAT = "pairface-checkpoint-1"
+_TMP_PREFIX = ".tmp-"
+
+log = logging.getLogger(__name__)
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint cannot be written, read, or does not fit this run; the message says why and what to do."""
+
+
+def atomic_save(obj, path: str | os.PathLike) -> None:
+    """torch.save `obj` to `path` so that `path` is always either the old or the new complete file."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    for stale in path.parent.glob(f"{_TMP_PREFIX}{path.name}.*"):
+        stale.unlink(missing_ok=True)  # left by a process killed mid-write
+    tmp = path.parent / f"{_TMP_PREFIX}{path.name}.{os.getpid()}"
+    try:
+        with open(tmp, "wb") as handle:
+            torch.save(obj, handle)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, path)
+    except BaseException as error:  # including KeyboardInterrupt: never leave a half-written file behind
+        tmp.unlink(missing_ok=True)
+        cause = _os_error(error)
+        if cause is None:
+            raise
+        raise CheckpointError(f"could not write {path} ({cause.strerror or cause}); the previous {path.name} "
+                              "is untouched: free disk space or choose another output folder") from error
+    _fsync_dir(path.parent)
+
+
+def _os_error(error: BaseException | None) -> OSError | None:
+    """The OSError behind `error`: torch.save reports a failed write (disk full, file too large) as a
+    RuntimeError raised while handling it."""
+    while error is not None and not isinstance(error, OSError):
+        error = error.__cause__ or error.__context__
+    return error
+
+
+def _fsync_dir(folder: Path) -> None:
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def cpu_state_dict(module: nn.Module) -> dict[str, torch.Tensor]:
+    """A module's state_dict with CPU tensors, unwrapped from DistributedDataParallel."""
+    module = getattr(module, "module", module)
+    return {key: value.detach().cpu().clone() for key, value in module.state_dict().items()}
+
+
+def save_backbone(backbone: nn.Module, output_dir: str | os.PathLike) -> Path:
+    """Write `output_dir/backbone.pth` (rank 0 only; other ranks return the path untouched)."""
+    path = Path(output_dir) / BACKBONE_NAME
+    if is_main():
+        atomic_save(cpu_state_dict(backbone), path)
+    return path
+
+
+def rng_state() -> dict:
+    """This process's random generators, in types `torch.load(weights_only=True)` accepts."""
+    _, keys, position, has_gauss, cached_gauss = np.random.get_state()
+    state = {"python": random.getstate(), "torch": torch.get_rng_state(),
+             "numpy": (torch.from_numpy(keys.astype(np.int64)), position, has_gauss, cached_gauss)}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def set_rng_state(state: Mapping) -> None:
+    random.setstate(_as_tuples(state["python"]))
+    torch.set_rng_state(state["torch"])
+    keys, position, has_gauss, cached_gauss = state["numpy"]
+    np.random.set_state(("MT19937", keys.numpy().astype(np.uint32), position, has_gauss, cached_gauss))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+def _as_tuples(value):
+    return tuple(_as_tuples(v) for v in value) if isinstance(value, (list, tuple)) else value
+
+
+def gather_class_rows(shard: torch.Tensor, num_classes: int) -> torch.Tensor | None:
+    """The full (num_classes, ...) matrix on rank 0 (CPU) from every rank's contiguous shard; None elsewhere.
+
+    Collective: every rank must call it. Shards may differ in length by one (uneven splits), so
+    they travel padded to the longest.
+    """
+    if not is_initialized():
+        return shard.detach().cpu().clone()
+    counts = [class_range(num_classes, r, world())[1] for r in range(world())]
+    padded = shard.new_zeros((max(counts), *shard.shape[1:]))
+    padded[: shard.shape[0]] = shard.detach()
+    pieces = [torch.empty_like(padded) for _ in counts] if is_main() else None
+    dist.gather(padded, pieces, dst=0)
+    if not is_main():
+        return None
+    return torch.cat([piece[:count].cpu() for piece, count in zip(pieces, counts)])
+
+
+def my_class_rows(full: torch.Tensor, num_classes: int) -> torch.Tensor:
+    """This rank's slice of a full class matrix, for the current world size."""
+    start, count = class_range(num_classes, rank(), world())
+    return full[start:start + count]
+
+
+def gather_objects(obj) -> list | None:
+    """Every rank's small Python object, in rank order, on rank 0 (None elsewhere). Collective."""
+    if not is_initialized():
+        return [obj]
+    out = [None] * world() if is_main() else None
+    dist.gather_object(obj, out, dst=0)
+    return out
+
+
+def _state_index(optimizer: torch.optim.Optimizer, param: nn.Parameter) -> int:
+    """The number optimizer.state_dict() gives `param` (parameters counted in group order)."""
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    return next(i for i, p in enumerate(params) if p is param)
+
+
+def _is_class_rows(value, num_rows: int, width: int) -> bool:
+    return torch.is_tensor(value) and tuple(value.shape) == (num_rows, width)
+
+
+def _cpu(value):
+    return value.detach().cpu() if torch.is_tensor(value) else value
+
+
+def _optimizer_state_full(optimizer: torch.optim.Optimizer, centres: nn.Parameter, num_classes: int) -> dict | None:
+    """optimizer.state_dict() with the centres' per-row state (momentum, Adam moments) made whole,
+    on rank 0 (None elsewhere). Collective."""
+    state = optimizer.state_dict()  # its per-parameter dicts are the live ones: build new dicts, never assign into them
+    index = _state_index(optimizer, centres)
+    shard_state = state["state"].get(index, {})
+    whole = {}
+    # the same gathers in the same order on every rank: every rank's centre state has the same keys
+    for name in sorted(shard_state):
+        value = shard_state[name]
+        whole[name] = (gather_class_rows(value, num_classes) if _is_class_rows(value, *centres.shape)
+                       else _cpu(value))
+    if not is_main():
+        return None
+    per_param = {i: whole if i == index else {k: _cpu(v) for k, v in s.items()} for i, s in state["state"].items()}
+    return {"state": per_param, "param_groups": state["param_groups"]}
+
+
+def _optimizer_state_mine(saved: Mapping, optimizer: torch.optim.Optimizer, centres: nn.Parameter,
+                          num_classes: int) -> dict:
+    """A saved whole optimizer state cut down to this rank's centre rows."""
+    index = _state_index(optimizer, centres)
+    per_param = dict(saved["state"])
+    if index in per_param:
+        per_param[index] = {name: my_class_rows(value, num_classes)
+                            if _is_class_rows(value, num_classes, centres.shape[1]) else value
+                            for name, value in per_param[index].items()}
+    return {"state": per_param, "param_groups": saved["param_groups"]}
+
+
+def save_checkpoint(output_dir: str | os.PathLike, *, backbone: nn.Module, pfc: nn.Module,
+                    optimizer: torch.optim.Optimizer, scheduler, grad_scaler, progress: Mapping,
+                    loader_state, model_info: Mapping, config: Mapping) -> Path:
+    """Write `output_dir/checkpoint.pt` (collective: every rank calls it, rank 0 writes).
+
+    `progress` holds the loop's counters (global_step, epoch, ...); `loader_state` is this rank's
+    data position; `model_info` identifies the model (network, network_kwargs, embedding_size,
+    num_classes) so that a mismatched resume is refused with a clear message.
+    """
+    path = Path(output_dir) / CHECKPOINT_NAME
+    centres = gather_class_rows(pfc.weight, pfc.num_classes)
+    optimizer_state = _optimizer_state_full(optimizer, pfc.weight, pfc.num_classes)
+    per_rank = gather_objects({"rng": rng_state(), "loader": loader_state})
+    if is_main():
+        atomic_save({
+            "format": FORMAT,
+            "model": dict(model_info),
+            "config": dict(config),
+            "world_size": world(),
+            "progress": dict(progress),
+            "backbone": cpu_state_dict(backbone),
+            "class_centres": centres,
+            "optimizer": optimizer_state,
+            "scheduler": scheduler.state_dict(),
+            "grad_scaler": grad_scaler.state_dict(),
+            "per_rank": per_rank,
+        }, path)
+    barrier()  # on return the file exists for every rank
+    return path
+
+
+def find_resume_source(location: str | os.PathLike) -> tuple[str, Path]:
+    """("checkpoint" | "backbone", file) for a run folder or a file; CheckpointError if there is none."""
+    location = Path(location)
+    if location.is_dir():
+        found = [location / name for name in (CHECKPOINT_NAME, BACKBONE_NAME) if (location / name).is_file()]
+        if not found:
+            raise CheckpointError(f"nothing to resume in {location}: it holds neither {CHECKPOINT_NAME} nor "
+                                  f"{BACKBONE_NAME}; start a new run without --resume, or point resume at a checkpoint")
+        location = found[0]
+    elif not location.is_file():
+        raise CheckpointError(f"resume source {location} does not exist; point resume at a run folder, "
+                              f"a {CHECKPOINT_NAME} or a backbone .pth file")
+    return ("checkpoint" if _read(location).get("format") == FORMAT else "backbone"), location
+
+
+def _read(path: Path) -> dict:
+    try:
+        obj = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except Exception as error:  # truncated, not a torch file, or unpicklable content: all "unreadable"
+        raise CheckpointError(f"cannot read {path} ({type(error).__name__}); it is damaged or not a "
+                              "checkpoint: resume from another file or start a new run") from None
+    if not isinstance(obj, dict):
+        raise CheckpointError(f"{path} holds a {type(obj).__name__}, not a checkpoint or a state_dict")
+    return obj
+
+
+def load_checkpoint(path: str | os.PathLike, model_info: Mapping) -> dict:
+    """Read a full checkpoint and refuse one written for a different model."""
+    path = Path(path)
+    checkpoint = _read(path)
+    if checkpoint.get("format") != FORMAT:
+        raise CheckpointError(f"{path} is not a pairface checkpoint (format {checkpoint.get('format')!r}); "
+                              "resume from a checkpoint.pt written by train.py")
+    saved = checkpoint["model"]
+    differences = [f"{key} {saved.get(key)!r} there, {value!r} here" for key, value in model_info.items()
+                   if saved.get(key) != value]
+    if differences:
+        raise CheckpointError(f"{path} was written for another model ({'; '.join(differences)}); resume with the "
+                              "config that wrote it, or start a new output folder")
+    return checkpoint
+
+
+def restore_training_state(checkpoint: Mapping, *, backbone: nn.Module, pfc: nn.Module,
+                           optimizer: torch.optim.Optimizer, scheduler, grad_scaler) -> None:
+    """Put a checkpoint's weights and optimizer/scheduler/scaler state into this run, re-slicing
+    the class centres (and their optimizer state) for this run's world size."""
+    getattr(backbone, "module", backbone).load_state_dict(checkpoint["backbone"], strict=True)
+    with torch.no_grad():
+        pfc.weight.copy_(my_class_rows(checkpoint["class_centres"], pfc.num_classes))
+    optimizer.load_state_dict(_optimizer_state_mine(checkpoint["optimizer"], optimizer, pfc.weight, pfc.num_classes))
+    scheduler.load_state_dict(checkpoint["scheduler"])
+    grad_scaler.load_state_dict(checkpoint["grad_scaler"])
+
+
+def my_rank_state(checkpoint: Mapping) -> dict | None:
+    """This rank's saved loader position and RNG states, when the world size is unchanged (else None:
+    positions and random streams of a different split have no exact counterpart)."""
+    if checkpoint["world_size"] != world():
+        return None
+    return checkpoint["per_rank"][rank()]
