@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 from PIL import Image
+from scipy import sparse
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
@@ -155,26 +156,39 @@ def face_features(embeddings: np.ndarray, detector_scores: np.ndarray, normalize
     return features
 
 
+def _sum_by_group(values: np.ndarray, group: np.ndarray, num_groups: int) -> np.ndarray:
+    """Row sums of ``values`` per group id in ``[0, num_groups)``, as one sparse matrix product."""
+    indicator = sparse.csr_matrix((np.ones(group.size), (group, np.arange(group.size))),
+                                  shape=(num_groups, group.size))
+    return np.asarray(indicator @ values)
+
+
 def template_features(features: np.ndarray, templates: np.ndarray,
                       medias: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """``(template_ids, unit features)``: the mean of each (template, media) group, summed per
     template, L2-normalised. ``template_ids`` is sorted; row i belongs to ``template_ids[i]``."""
     template_ids, template_index = np.unique(templates, return_inverse=True)
-    groups, group_index = np.unique(np.stack([template_index, medias]), axis=1, return_inverse=True)
-    group_index = group_index.ravel()
-    media_sums = np.zeros((groups.shape[1], features.shape[1]))
-    np.add.at(media_sums, group_index, features)
-    media_means = media_sums / np.bincount(group_index)[:, None]
-    pooled = np.zeros((template_ids.size, features.shape[1]))
-    np.add.at(pooled, groups[0], media_means)
+    _, media_index = np.unique(medias, return_inverse=True)
+    num_medias = int(media_index.max()) + 1
+    group_keys, group_index, group_sizes = np.unique(template_index * num_medias + media_index,
+                                                     return_inverse=True, return_counts=True)
+    media_means = _sum_by_group(features, group_index, group_keys.size) / group_sizes[:, None]
+    pooled = _sum_by_group(media_means, group_keys // num_medias, template_ids.size)
     return template_ids, pooled / np.maximum(np.linalg.norm(pooled, axis=1, keepdims=True), 1e-12)
 
 
-def pair_scores(template_ids: np.ndarray, features: np.ndarray, pairs: np.ndarray) -> np.ndarray:
-    """Cosine similarity of each template pair (rows of ``features`` are unit vectors)."""
-    first = features[np.searchsorted(template_ids, pairs[:, 0])]
-    second = features[np.searchsorted(template_ids, pairs[:, 1])]
-    return np.sum(first * second, axis=1)
+def pair_scores(template_ids: np.ndarray, features: np.ndarray, pairs: np.ndarray,
+                chunk: int = 65536) -> np.ndarray:
+    """Cosine similarity of each template pair (rows of ``features`` are unit vectors).
+
+    ``chunk`` pairs at a time: IJB-C's 15.6M pairs gathered at once would need ~128 GB.
+    """
+    rows = np.searchsorted(template_ids, pairs)
+    scores = np.empty(len(pairs))
+    for start in range(0, len(pairs), chunk):
+        block = rows[start:start + chunk]
+        scores[start:start + chunk] = np.einsum("ij,ij->i", features[block[:, 0]], features[block[:, 1]])
+    return scores
 
 
 def tar_table(scores: np.ndarray, labels: np.ndarray) -> dict[float, float]:

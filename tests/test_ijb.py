@@ -97,7 +97,7 @@ def test_template_pooling_averages_within_media_and_sums_media():
     assert ids.tolist() == [3, 7, 9]
     # 3: (0, 5) -> (0, 1). 7: mean(1,0; 3,0) + (0,2) = (2, 2). 9: (4,0) + mean(0,1; 0,3) = (4, 2).
     np.testing.assert_allclose(pooled, [[0, 1], [2 / np.sqrt(8), 2 / np.sqrt(8)], [4 / np.sqrt(20), 2 / np.sqrt(20)]])
-    scores = pair_scores(ids, pooled, np.array([[7, 9], [3, 9], [7, 7]]))
+    scores = pair_scores(ids, pooled, np.array([[7, 9], [3, 9], [7, 7]]), chunk=2)
     np.testing.assert_allclose(scores, [(8 + 4) / np.sqrt(8 * 20), 2 / np.sqrt(20), 1.0])
 
     weighted = face_features(features, np.array([1, 1, 1, 1, 0.5, 2, 2]))
@@ -169,8 +169,8 @@ def write_ijb(root, target="ijbc", faces=FACES, pairs=PAIRS):
     return crops
 
 
-def upstream_template_scores(features, templates, medias, pairs):
-    """arcface_torch's image2template_feature + verification, loop for loop."""
+def upstream_template_features(features, templates, medias):
+    """arcface_torch's image2template_feature, loop for loop."""
     unique = np.unique(templates)
     pooled = np.zeros((len(unique), features.shape[1]))
     for t, template in enumerate(unique):
@@ -180,7 +180,12 @@ def upstream_template_scores(features, templates, medias, pairs):
             rows = in_template[medias[in_template] == media]
             media_feats.append(features[rows].mean(axis=0))
         pooled[t] = np.sum(media_feats, axis=0)
-    pooled /= np.linalg.norm(pooled, axis=1, keepdims=True)
+    return unique, pooled / np.linalg.norm(pooled, axis=1, keepdims=True)
+
+
+def upstream_template_scores(features, templates, medias, pairs):
+    """... followed by arcface_torch's verification (cosine of the pooled template features)."""
+    unique, pooled = upstream_template_features(features, templates, medias)
     index = {template: t for t, template in enumerate(unique)}
     return np.array([pooled[index[a]] @ pooled[index[b]] for a, b in pairs])
 
