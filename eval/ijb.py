@@ -31,8 +31,9 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 from eval.alignment import align_face
+from eval.cli import add_model_arguments, build_backbone, exit_on_user_error, output_prefix
 from eval.embedding import embed_batches, eval_mode, unwrap
-from eval.roc import tar_at_far
+from eval.roc import roc_points, save_roc_plot, tar_at_far
 
 IJB_FARS = (1e-6, 1e-5, 1e-4, 1e-3, 1e-2, 1e-1)
 
@@ -210,9 +211,6 @@ def format_tar_table(rows: Mapping[str, Mapping[float, float]]) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from eval.cli import add_model_arguments, build_backbone, exit_on_user_error, output_prefix
-    from eval.roc import roc_points, save_roc_plot
-
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     add_model_arguments(parser)
     parser.add_argument("--root", required=True, help="IJB folder holding meta/ and loose_crop/")

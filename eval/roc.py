@@ -40,9 +40,9 @@ def tar_at_far(scores: np.ndarray, labels: np.ndarray,
                fars: Sequence[float] = (1e-3, 1e-4)) -> dict[float, float]:
     """For each FAR, the highest true-accept rate among thresholds whose false-accept rate is <= FAR.
 
-    Conservative where upstream's IJB script takes the operating point nearest to the FAR (which
-    may lie above it); the two differ by at most one ROC step. A FAR below 1 / impostor pairs
-    gives the TAR at zero false accepts.
+    Conservative where upstream's IJB script takes the operating point nearest to the FAR, which
+    may lie above it: then upstream also counts the genuine pairs accepted up to the next impostor.
+    A FAR below 1 / impostor pairs gives the TAR at zero false accepts.
     """
     fpr, tpr, _ = roc_points(scores, labels)
     # fpr and tpr both rise along the curve, so the last point within the FAR has the highest TAR.

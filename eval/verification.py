@@ -23,8 +23,9 @@ import torch
 from PIL import Image
 from torch import nn
 
+from eval.cli import add_model_arguments, build_backbone, exit_on_user_error, output_prefix
 from eval.embedding import embed
-from eval.roc import tar_at_far
+from eval.roc import roc_points, save_roc_plot, tar_at_far
 
 logger = logging.getLogger(__name__)
 
@@ -137,7 +138,7 @@ def _roc_and_accuracy(dist: np.ndarray, issame: np.ndarray, folds) -> tuple[np.n
     tprs, fprs, accuracy = [], [], []
     for train, test in folds:
         tp, fp, n_same, n_diff = _confusion(dist[train], issame[train], ACCURACY_THRESHOLDS)
-        best = int(np.argmax((tp + n_diff - fp) / train.size))  # first threshold of the best accuracy
+        best = int(np.argmax(tp + n_diff - fp))  # the first threshold with the most correct pairs
         tp, fp, n_same, n_diff = _confusion(dist[test], issame[test], ACCURACY_THRESHOLDS)
         tprs.append(_rate(tp, n_same))
         fprs.append(_rate(fp, n_diff))
@@ -195,6 +196,11 @@ def _l2_normalize(x: np.ndarray) -> np.ndarray:
     return x / np.maximum(np.linalg.norm(x, axis=1, keepdims=True), 1e-12)
 
 
+def flip_fused(embeddings_list: Sequence[np.ndarray]) -> np.ndarray:
+    """Each image's embedding plus its mirror image's, L2-normalised (what Accuracy-Flip scores)."""
+    return _l2_normalize(embeddings_list[0] + embeddings_list[1])
+
+
 def test(data_set: VerificationSet, backbone: nn.Module, batch_size: int, nfolds: int = 10):
     """``(acc1, std1, acc2, std2, xnorm, embeddings_list)`` of one loaded set.
 
@@ -206,14 +212,13 @@ def test(data_set: VerificationSet, backbone: nn.Module, batch_size: int, nfolds
     embeddings_list = [embed(backbone, view, batch_size) for view in images]
     xnorm = float(np.mean(np.linalg.norm(np.concatenate(embeddings_list), axis=1)))
     accuracy1 = evaluate(_l2_normalize(embeddings_list[0]), issame, nfolds)[2]
-    accuracy2 = evaluate(_l2_normalize(embeddings_list[0] + embeddings_list[1]), issame, nfolds)[2]
+    accuracy2 = evaluate(flip_fused(embeddings_list), issame, nfolds)[2]
     return (float(accuracy1.mean()), float(accuracy1.std()), float(accuracy2.mean()), float(accuracy2.std()),
             xnorm, embeddings_list)
 
 
-def pair_scores(embeddings_list: Sequence[np.ndarray]) -> np.ndarray:
-    """Cosine similarity of each pair's flip-summed embeddings (higher = more alike)."""
-    fused = _l2_normalize(embeddings_list[0] + embeddings_list[1])
+def pair_scores(fused: np.ndarray) -> np.ndarray:
+    """Cosine similarity of pairs ``(fused[2i], fused[2i+1])`` of unit embeddings."""
     return np.sum(fused[0::2] * fused[1::2], axis=1)
 
 
@@ -222,9 +227,6 @@ def _set_name(path: str) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from eval.cli import add_model_arguments, build_backbone, exit_on_user_error, output_prefix
-    from eval.roc import roc_points, save_roc_plot
-
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     add_model_arguments(parser)
     parser.add_argument("--bins", nargs="+", required=True, help=".bin verification sets to evaluate")
@@ -240,9 +242,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             name = _set_name(path)
             data_set = load_bin(path)
             acc1, std1, acc2, std2, xnorm, embeddings_list = test(data_set, backbone, args.batch_size, args.nfolds)
-            fused = _l2_normalize(embeddings_list[0] + embeddings_list[1])
+            fused = flip_fused(embeddings_list)
             val, val_std, far = evaluate(fused, data_set[1], args.nfolds)[3:]
-            scores = pair_scores(embeddings_list)
+            scores = pair_scores(fused)
             labels = np.asarray(data_set[1])
             print(f"[{name}]XNorm: {xnorm:f}")
             print(f"[{name}]Accuracy: {acc1:1.5f}+-{std1:1.5f}")

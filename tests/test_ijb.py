@@ -11,11 +11,11 @@ import numpy as np
 import pytest
 import torch
 from PIL import Image
-from torch import nn
 
 from eval.alignment import ARCFACE_TEMPLATE, align_face, umeyama_similarity, warp_affine
 from eval.ijb import (AlignedFaces, embed_faces, face_features, format_tar_table, pair_scores, read_meta,
                       tar_table, template_features)
+from tests.test_verification import TinyNet
 
 torch.set_num_threads(1)
 
@@ -126,18 +126,6 @@ def test_tar_table_and_its_upstream_format():
 
 # ---------------------------------------------------------------------------------------------
 # A miniature IJB release, end to end through the library
-
-class TinyNet(nn.Module):
-    def __init__(self):
-        super().__init__()
-        torch.manual_seed(0)
-        self.conv = nn.Conv2d(3, 4, 5, stride=8)
-        self.bn = nn.BatchNorm2d(4)
-        self.fc = nn.Linear(4 * 14 * 14, 8)
-
-    def forward(self, x):
-        return self.fc(self.bn(self.conv(x)).flatten(1))
-
 
 # name, template, media, (x, y) offset of the face in its loose crop, detector score
 FACES = [("1.jpg", 1, 100, (0, 0), 0.9), ("2.jpg", 1, 100, (5, 3), 0.8), ("3.jpg", 1, 101, (12, 0), 0.95),
