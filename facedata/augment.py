@@ -15,7 +15,7 @@ CONTRAST = (0.8, 1.2)
 
 
 def sample_rng(seed: int, epoch: int, index: int) -> np.random.Generator:
-    return np.random.Generator(np.random.Philox(key=[seed & 0xFFFFFFFFFFFFFFFF, (epoch << 40) ^ index]))
+    return np.random.default_rng([seed, epoch, index])
 
 
 def flip_views(views: torch.Tensor, flips: np.ndarray) -> torch.Tensor:

@@ -4,6 +4,7 @@ from __future__ import annotations
 import logging
 import os
 
+import numpy as np
 import torch
 from torch.utils.data import Dataset
 
@@ -63,11 +64,11 @@ class FaceDataset(Dataset):
         if self.view_source == "record":
             views = split_views(image, self.num_views, self.source.describe(index)).contiguous()
         elif self.view_source == "identity":
-            views = torch.stack([split_views(image, 1, self.source.describe(index))[0]]
+            views = torch.stack([self._single_view(image, index)]
                                 + [self._same_identity_view(index, label, int(other))
                                    for other in self._draw_others(index, rng)])
         else:
-            view = split_views(image, 1, self.source.describe(index))[0]
+            view = self._single_view(image, index)
             views = torch.stack([jitter(view, rng) for _ in range(self.num_views)])
         if self.flip:
             views = flip_views(views, rng.random(self.num_views) < 0.5)
@@ -94,7 +95,12 @@ class FaceDataset(Dataset):
             raise DataError(f"{self.source.describe(index)} has label {label} but sits in the identity of "
                             f"{self.source.describe(anchor)} (label {anchor_label}); the identity table disagrees "
                             "with the labels, re-pack the dataset with tools/pack_rec.py")
-        return split_views(image, 1, self.source.describe(index))[0]
+        return self._single_view(image, index)
+
+    def _single_view(self, image: torch.Tensor, index: int) -> torch.Tensor:
+        fix = (f"view_source={self.view_source!r} takes one view per record; use view_source='record' "
+               "for records that hold several views side by side")
+        return split_views(image, 1, self.source.describe(index), fix)[0]
 
 
 def _source_for(path: str, num_views: int, view_source: str, num_classes: int | None, seed: int):
@@ -126,6 +132,10 @@ def build_dataset(path: str, num_views: int = 1, view_source: str = "record", nu
                         "set view_source to one of them")
     path = os.fspath(path)
     source = _source_for(path, num_views, view_source, num_classes, seed)
+    if num_classes is not None and source.labels is not None and source.labels.max() >= num_classes:
+        bad = int(np.argmax(source.labels >= num_classes))
+        raise DataError(f"{source.describe(bad)} has label {source.labels[bad]} but num_classes={num_classes}; "
+                        f"set num_classes = {source.num_classes} in the config or re-pack the dataset")
     if num_classes is not None and source.num_classes > num_classes:
         raise DataError(f"{path} holds {source.num_classes} classes (labels 0..{source.num_classes - 1}) but "
                         f"num_classes={num_classes}; set num_classes = {source.num_classes} in the config")

@@ -25,14 +25,17 @@ def decode(payload: bytes, where: str) -> torch.Tensor:
                             "or pass skip_bad_records=True to skip such records") from None
 
 
-def split_views(image: torch.Tensor, num_views: int, where: str) -> torch.Tensor:
-    """(3, H, V*H) -> (V, 3, H, H): the V square views a record holds side by side."""
+def split_views(image: torch.Tensor, num_views: int, where: str, fix: str | None = None) -> torch.Tensor:
+    """(3, H, V*H) -> (V, 3, H, H): the V square views a record holds side by side.
+
+    ``fix`` tells the user what to change when the record does not hold V views.
+    """
     _, height, width = image.shape
     if width != num_views * height:
-        hint = (f"set num_views to {width // height}" if width % height == 0
-                else "re-pack it with tools/pack_rec.py")
-        raise DataError(f"{where} is {height}x{width} (HxW) but num_views={num_views} needs width "
-                        f"{num_views}*{height}={num_views * height}; {hint}")
+        fix = fix or (f"set num_views to {width // height}" if width % height == 0
+                      else "re-pack it with tools/pack_rec.py")
+        raise DataError(f"{where} is {height}x{width} (HxW), not {num_views} square view(s) side by side "
+                        f"({height}x{num_views * height}); {fix}")
     if height != IMAGE_SIZE:
         raise DataError(f"{where} holds {height}x{height} views but training needs {IMAGE_SIZE}x{IMAGE_SIZE}; "
                         "re-pack with tools/pack_rec.py, which resizes or pads to 112x112")

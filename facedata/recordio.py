@@ -159,6 +159,10 @@ class RecordReader:
         self._dense = bool(len(keys) == 0 or np.array_equal(self._keys, np.arange(self._keys[0], self._keys[0] + len(keys))))
         self._fd: int | None = None
         self._pid: int | None = None
+        if len(keys):
+            # An interrupted copy cuts the last record: say so now rather than hours into training.
+            last = int(np.argmax(self._offsets))
+            self.read(int(self._keys[last]))
 
     @cached_property
     def keys(self) -> list[int]:

@@ -68,6 +68,7 @@ class RecSource:
                             f"do not cover image keys 1..{first_identity_key - 1} in consecutive ranges; "
                             "re-pack the dataset with tools/pack_rec.py")
         self.num_classes = len(ranges)
+        self.labels = None  # per-image labels are only read with the images
         # Image key k is sample k - 1, so the identity ranges are already groups in sample order.
         self.identities = IdentityTable(np.arange(len(self.keys)), np.append(ranges[:, 0], first_identity_key) - 1)
 
@@ -82,6 +83,7 @@ class RecSource:
             bad = int(np.argmin(labels))
             raise DataError(f"{self.describe(bad)} has negative label {labels[bad]}; labels must be 0..C-1, re-pack")
         self.num_classes = int(labels.max()) + 1
+        self.labels = labels
         self.identities = IdentityTable.from_labels(labels)
 
     def __len__(self) -> int:
@@ -140,8 +142,8 @@ class SyntheticSource:
         self.image = torch.randint(0, 256, (3, IMAGE_SIZE, IMAGE_SIZE * views_per_image), dtype=torch.uint8,
                                    generator=generator)
         self.num_classes = num_classes
-        labels = np.arange(self.LENGTH) % num_classes
-        self.identities = IdentityTable.from_labels(labels)
+        self.labels = None
+        self.identities = IdentityTable.from_labels(np.arange(self.LENGTH) % num_classes)
 
     def __len__(self) -> int:
         return self.LENGTH

@@ -1,0 +1,128 @@
+"""Writing insightface-layout ``.rec/.idx`` datasets: fitting images to 112x112, views side by side."""
+from __future__ import annotations
+
+import io
+import os
+from collections.abc import Sequence
+
+import numpy as np
+from PIL import Image
+
+from facedata.errors import DataError
+from facedata.images import IMAGE_SIZE
+from facedata.recordio import IRHeader, RecordWriter, encode_parts, pack
+
+FIT_MODES = ("resize", "pad")
+FORMATS = ("jpeg", "png")
+PACKABLE_SUFFIXES = (".jpg", ".jpeg", ".png", ".webp", ".bmp", ".tif", ".tiff")
+
+
+def fit_image(image: Image.Image, mode: str = "resize", size: int = IMAGE_SIZE) -> np.ndarray:
+    """Any PIL image (grayscale, palette, alpha...) -> uint8 RGB (size, size, 3).
+
+    ``resize`` stretches to size x size (for crops that are aligned but not square or not 112);
+    ``pad`` keeps the aspect ratio, shrinks only images larger than the square, and centres them
+    on black.
+    """
+    image = image.convert("RGB")
+    if mode == "resize":
+        return np.asarray(image.resize((size, size), Image.BILINEAR))
+    if mode != "pad":
+        raise ValueError(f"fit mode {mode!r} is not one of {FIT_MODES}")
+    ratio = min(1.0, size / max(image.size))
+    if ratio < 1.0:
+        image = image.resize((max(1, round(image.width * ratio)), max(1, round(image.height * ratio))),
+                             Image.BILINEAR)
+    canvas = Image.new("RGB", (size, size))
+    canvas.paste(image, ((size - image.width) // 2, (size - image.height) // 2))
+    return np.asarray(canvas)
+
+
+def load_fitted(path: str, mode: str) -> np.ndarray:
+    """An image file fitted to 112x112 RGB; an unreadable file is a DataError naming it."""
+    try:
+        with Image.open(path) as image:
+            return fit_image(image, mode)
+    except (OSError, ValueError, Image.DecompressionBombError) as err:
+        raise DataError(f"cannot read image {path} ({err}); remove or replace it and pack again") from None
+
+
+def encode(pixels: np.ndarray, image_format: str = "jpeg", quality: int = 95) -> bytes:
+    """uint8 RGB (H, W, 3) -> JPEG (the insightface default) or lossless PNG bytes."""
+    out = io.BytesIO()
+    if image_format == "jpeg":
+        Image.fromarray(pixels).save(out, format="JPEG", quality=quality)
+    elif image_format == "png":
+        Image.fromarray(pixels).save(out, format="PNG", compress_level=1)
+    else:
+        raise ValueError(f"image format {image_format!r} is not one of {FORMATS}")
+    return out.getvalue()
+
+
+def side_by_side(views: Sequence[np.ndarray]) -> np.ndarray:
+    """V square (H, H, 3) views -> one (H, V*H, 3) record image."""
+    return np.concatenate(list(views), axis=1)
+
+
+class InsightfaceWriter:
+    """``train.rec/.idx`` in insightface's layout, one identity at a time.
+
+    Image records get keys 1..a-1 (label = the identity's class), identity records keys a..b-1
+    (label = that identity's image key range), and key 0 a header with label (a, b). The header
+    is written first as a placeholder and filled in on close, so it sits at offset 0 as mxnet's
+    tools put it.
+    """
+
+    def __init__(self, out_dir: str, prefix: str = "train") -> None:
+        os.makedirs(out_dir, exist_ok=True)
+        self.rec_path = os.path.join(out_dir, f"{prefix}.rec")
+        self.idx_path = os.path.join(out_dir, f"{prefix}.idx")
+        self._writer = RecordWriter(self.idx_path, self.rec_path)
+        self._writer.write(0, self._header(0, 0))
+        self._ranges: list[tuple[int, int]] = []
+        self._next_key = 1
+
+    @staticmethod
+    def _header(first_identity_key: int, end_key: int) -> bytes:
+        return pack(IRHeader(0, [first_identity_key, end_key], 0, 0), b"")
+
+    @property
+    def num_records(self) -> int:
+        return self._next_key - 1
+
+    def write_identity(self, payloads: Sequence[bytes]) -> int:
+        """Write one identity's encoded images; returns the class label it got (0, 1, 2, ...)."""
+        label, start = len(self._ranges), self._next_key
+        for payload in payloads:
+            self._writer.write(self._next_key, pack(IRHeader(0, float(label), self._next_key, 0), payload))
+            self._next_key += 1
+        self._ranges.append((start, self._next_key))
+        return label
+
+    def close(self) -> None:
+        first_identity_key = self._next_key
+        for key, (start, end) in enumerate(self._ranges, first_identity_key):
+            self._writer.write(key, pack(IRHeader(0, [start, end], key, 0), b""))
+        self._writer.close()
+        header = encode_parts(self._header(first_identity_key, first_identity_key + len(self._ranges)))
+        with open(self.rec_path, "r+b") as rec:
+            rec.write(header)  # same size as the placeholder: a flag-2 header never holds the magic
+
+    def __enter__(self) -> "InsightfaceWriter":
+        return self
+
+    def __exit__(self, exc_type, exc, traceback) -> None:
+        if exc_type is None:
+            self.close()
+            return
+        # A half-written dataset would load as a smaller, valid-looking one: leave nothing behind.
+        self._writer.close()
+        os.remove(self.rec_path)
+        os.remove(self.idx_path)
+
+
+def check_output(out_dir: str, names: Sequence[str], overwrite: bool) -> None:
+    """Refuse to replace existing dataset files unless asked to."""
+    existing = [name for name in names if os.path.exists(os.path.join(out_dir, name))]
+    if existing and not overwrite:
+        raise DataError(f"{out_dir} already holds {', '.join(existing)}; choose another --output or pass --overwrite")

@@ -1,0 +1,81 @@
+"""Make a synthetic face dataset: ``train.rec/.idx`` (V views per record, insightface layout) and a
+verification set ``synthetic_val.bin`` of held-out identities with equal positive and negative pairs.
+
+    python tools/make_synthetic.py --output data/synthetic_pair --identities 1000 \\
+        --images-per-identity 8 --views 2 --val-pairs 600 --seed 0
+
+Each identity draws ``--images-per-identity`` photos, packed ``--views`` per record (leftovers are
+dropped). The val identities are numbered after the training ones, so the two never overlap.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import pickle
+import sys
+import time
+from multiprocessing import Pool
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from facedata.errors import DataError  # noqa: E402
+from facedata.packing import InsightfaceWriter, check_output, encode, side_by_side  # noqa: E402
+from facedata.synthetic import render_faces, verification_pairs  # noqa: E402
+
+VAL_NAME = "synthetic_val.bin"
+
+
+def _identity_records(job: tuple[int, int, int, int, int]) -> list[bytes]:
+    identity, images, views, seed, quality = job
+    faces = render_faces(identity, np.arange(images - images % views), seed)
+    return [encode(side_by_side(faces[i:i + views]), quality=quality) for i in range(0, len(faces), views)]
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--output", required=True, help="folder for train.rec, train.idx and synthetic_val.bin")
+    parser.add_argument("--identities", type=int, default=1000, help="training identities (classes)")
+    parser.add_argument("--images-per-identity", type=int, default=8, help="photos drawn per training identity")
+    parser.add_argument("--views", type=int, default=2, help="photos side by side in one record (V)")
+    parser.add_argument("--val-identities", type=int, default=200, help="held-out identities of the val set")
+    parser.add_argument("--val-pairs", type=int, default=600, help="val pairs, half positive, half negative")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--quality", type=int, default=95, help="JPEG quality")
+    parser.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="drawing processes")
+    parser.add_argument("--overwrite", action="store_true", help="replace files already in --output")
+    args = parser.parse_args(argv)
+    if args.views < 1 or args.images_per_identity < args.views:
+        parser.error(f"--images-per-identity ({args.images_per_identity}) must be at least --views ({args.views}) "
+                     "and --views at least 1")
+    if args.identities < 1 or args.val_identities < 2 or args.val_pairs < 2 or args.val_pairs % 2:
+        parser.error("--identities must be >= 1, --val-identities >= 2 and --val-pairs an even number >= 2")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    try:
+        check_output(args.output, ["train.rec", "train.idx", VAL_NAME], args.overwrite)
+    except DataError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 1
+    start = time.time()
+    jobs = [(identity, args.images_per_identity, args.views, args.seed, args.quality)
+            for identity in range(args.identities)]
+    with InsightfaceWriter(args.output) as writer, Pool(max(1, args.workers)) as pool:
+        for records in pool.imap(_identity_records, jobs, chunksize=8):
+            writer.write_identity(records)
+    val_identities = np.arange(args.identities, args.identities + args.val_identities)
+    faces, issame = verification_pairs(val_identities, args.val_pairs, args.seed)
+    with open(os.path.join(args.output, VAL_NAME), "wb") as f:
+        pickle.dump(([encode(face, quality=args.quality) for face in faces], issame), f, protocol=4)
+    print(f"{args.output}: {writer.num_records} records of {args.views} view(s) for {args.identities} identities, "
+          f"{VAL_NAME} with {args.val_pairs} pairs of {args.val_identities} held-out identities "
+          f"({time.time() - start:.1f} s)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,107 @@
+"""Pack an image folder (one sub-folder per identity) into ``train.rec/.idx`` in insightface's layout.
+
+    python tools/pack_rec.py faces/ data/faces_pair --views 2 --resize
+
+Any image size and grayscale images are fine: every image is fitted to 112x112 RGB, stretched
+(``--resize``, the default) or shrunk to fit and centred on black (``--pad``). With ``--views V``
+each record holds V different images of one identity side by side (112 x 112V); an identity's
+images are taken V at a time in name order, its last record topped up with its first images, and
+identities with fewer than V images are left out (and listed). Classes are numbered in the sorted
+order of the sub-folders that were kept.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from functools import partial
+from multiprocessing import Pool
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from facedata.errors import DataError  # noqa: E402
+from facedata.packing import (PACKABLE_SUFFIXES, InsightfaceWriter, check_output, encode, load_fitted,  # noqa: E402
+                              side_by_side)
+
+
+def scan_identities(root: str) -> list[tuple[str, list[str]]]:
+    """(identity name, sorted image paths) for every sub-folder of ``root`` that holds images."""
+    if not os.path.isdir(root):
+        raise DataError(f"input folder {root} does not exist; pass a folder with one sub-folder per identity")
+    identities = []
+    for name in sorted(os.listdir(root)):
+        folder = os.path.join(root, name)
+        if os.path.isdir(folder):
+            images = sorted(f for f in os.listdir(folder) if f.lower().endswith(PACKABLE_SUFFIXES))
+            if images:
+                identities.append((name, [os.path.join(folder, f) for f in images]))
+    if not identities:
+        raise DataError(f"{root} has no sub-folders with images ({', '.join(PACKABLE_SUFFIXES)}); "
+                        "put each identity's images in a sub-folder of its own")
+    return identities
+
+
+def group_views(paths: list[str], views: int) -> list[list[str]]:
+    """An identity's images V at a time; the last group is topped up with the first images, so
+    every record holds V different images whenever the identity has at least V."""
+    groups = [paths[i:i + views] for i in range(0, len(paths), views)]
+    groups[-1] += paths[:views - len(groups[-1])]
+    return groups
+
+
+def pack_identity(paths: list[str], views: int, fit: str, image_format: str, quality: int) -> list[bytes]:
+    return [encode(side_by_side([load_fitted(path, fit) for path in group]), image_format, quality)
+            for group in group_views(paths, views)]
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("input", help="image folder: one sub-folder of images per identity")
+    parser.add_argument("output", help="folder to write train.rec and train.idx to")
+    parser.add_argument("--views", type=int, default=1, help="images of one identity side by side per record")
+    fit = parser.add_mutually_exclusive_group()
+    fit.add_argument("--resize", dest="fit", action="store_const", const="resize",
+                     help="stretch every image to 112x112 (default)")
+    fit.add_argument("--pad", dest="fit", action="store_const", const="pad",
+                     help="keep the aspect ratio: shrink to fit 112x112 if larger, centre on black")
+    parser.add_argument("--format", choices=("jpeg", "png"), default="jpeg", help="record image encoding")
+    parser.add_argument("--quality", type=int, default=95, help="JPEG quality")
+    parser.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="encoding processes")
+    parser.add_argument("--overwrite", action="store_true", help="replace a train.rec/.idx already in output")
+    parser.set_defaults(fit="resize")
+    args = parser.parse_args(argv)
+    if args.views < 1:
+        parser.error("--views must be at least 1")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    start = time.time()
+    try:
+        check_output(args.output, ["train.rec", "train.idx"], args.overwrite)
+        identities = scan_identities(args.input)
+        kept = [(name, paths) for name, paths in identities if len(paths) >= args.views]
+        left_out = [name for name, paths in identities if len(paths) < args.views]
+        if not kept:
+            raise DataError(f"no identity in {args.input} has the {args.views} images --views needs; "
+                            "lower --views or add images")
+        encode_one = partial(pack_identity, views=args.views, fit=args.fit, image_format=args.format,
+                             quality=args.quality)
+        with InsightfaceWriter(args.output) as writer, Pool(max(1, args.workers)) as pool:
+            for records in pool.imap(encode_one, [paths for _, paths in kept], chunksize=4):
+                writer.write_identity(records)
+    except DataError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 1
+    if left_out:
+        print(f"left out {len(left_out)} identities with fewer than {args.views} images: "
+              f"{', '.join(left_out[:10])}{' ...' if len(left_out) > 10 else ''}")
+    print(f"{args.output}: {writer.num_records} records of {args.views} view(s), {len(kept)} identities "
+          f"(classes 0..{len(kept) - 1}), {args.fit} to 112x112, {args.format} ({time.time() - start:.1f} s)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
