@@ -1,6 +1,8 @@
 """What every backbone shares: a mixed-precision trunk, a float32 embedding head, width scaling."""
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from torch import nn
 
@@ -8,6 +10,18 @@ from torch import nn
 def autocast_dtype(device_type: str) -> torch.dtype:
     """float16 on GPUs (paired with the GradScaler); bfloat16 on CPU, the only half type it autocasts."""
     return torch.float16 if device_type == "cuda" else torch.bfloat16
+
+
+def at_least_float32(x: torch.Tensor) -> torch.Tensor:
+    """Half-precision tensors go up to float32; float32 and float64 (references) stay as they are."""
+    return x.to(torch.promote_types(x.dtype, torch.float32))
+
+
+def _autocast(device_type: str, enabled: bool) -> contextlib.AbstractContextManager:
+    # Devices without autocast (e.g. "meta", used to build networks without memory) run as they are.
+    if not torch.amp.is_autocast_available(device_type):
+        return contextlib.nullcontext()
+    return torch.autocast(device_type, dtype=autocast_dtype(device_type), enabled=enabled)
 
 
 def scaled_width(channels: int, width_mult: float, what: str = "channel count") -> int:
@@ -46,8 +60,7 @@ class FaceBackbone(nn.Module):
         raise NotImplementedError
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        device_type = x.device.type
-        with torch.autocast(device_type, dtype=autocast_dtype(device_type), enabled=self.fp16):
+        with _autocast(x.device.type, enabled=self.fp16):
             x = self.forward_trunk(x)
-        with torch.autocast(device_type, enabled=False):
-            return self.forward_head(x.float())
+        with _autocast(x.device.type, enabled=False):
+            return self.forward_head(at_least_float32(x))

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from backbones.base import FaceBackbone, scaled_width
+from backbones.base import FaceBackbone, at_least_float32, scaled_width
 
 IMAGE_SIZE = 112
 PATCH_SIZE = 9
@@ -169,7 +169,7 @@ class VisionTransformer(FaceBackbone):
                 x = checkpoint(block, x, use_reentrant=False)
             else:
                 x = block(x)
-        x = self.norm(x.float())
+        x = self.norm(at_least_float32(x))  # LayerNorm statistics in float32, as upstream
         if masking:
             x = self._restore_tokens(x, restore)
         return self.dropout(x.reshape(x.shape[0], self.num_patches * self.embed_dim))

@@ -1,0 +1,327 @@
+"""Backbones: arcface_torch's exact state_dicts, sane forward/backward, precision, fusion, DDP.
+
+References: the upstream state_dict fixture (keys, shapes, dtypes, parameter counts written by
+arcface_torch itself), float64 functional re-derivations of upstream's block and attention maths,
+and plain single-process autograd for the DDP check.
+"""
+from __future__ import annotations
+
+import copy
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from backbones import NETWORKS, fuse_batchnorm, get_model
+from backbones.iresnet import IBasicBlock
+from backbones.vit import Attention
+from tests.distributed_helpers import run_world
+
+FIXTURE = Path(__file__).parent / "fixtures" / "upstream" / "backbone_state_dicts.json"
+UPSTREAM = json.loads(FIXTURE.read_text())
+SMALL = 0.125  # width_mult for the CPU-sized copies of each network
+
+torch.set_num_threads(1)
+
+
+def first_layer(model: nn.Module) -> nn.Conv2d:
+    return next(m for m in model.modules() if isinstance(m, nn.Conv2d))
+
+
+def images(n: int, seed: int = 0) -> torch.Tensor:
+    return torch.rand(n, 3, 112, 112, generator=torch.Generator().manual_seed(seed)) * 2 - 1
+
+
+def calibrate_batchnorm(model: nn.Module, batches: int = 2) -> nn.Module:
+    """Give BN running statistics the values training would (a freshly initialised deep iresnet
+    is not meant to be run in eval mode), then switch to eval."""
+    for module in model.modules():
+        if isinstance(module, nn.modules.batchnorm._BatchNorm):
+            module.momentum = None  # cumulative average over the calibration batches
+    model.train()
+    with torch.no_grad():
+        for seed in range(batches):
+            model(images(8, seed=100 + seed))
+    return model.eval()
+
+
+def randomize_affine(model: nn.Module, seed: int = 0) -> nn.Module:
+    """Non-trivial BN scales/shifts, so tests see every term of the BN maths."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for module in model.modules():
+            if isinstance(module, nn.modules.batchnorm._BatchNorm):
+                module.weight.copy_(torch.rand(module.weight.shape, generator=generator) + 0.5)
+                module.bias.copy_(torch.randn(module.bias.shape, generator=generator) * 0.1)
+    return model
+
+
+def fixture_state_dict(name: str, seed: int = 0) -> dict[str, torch.Tensor]:
+    """Random but well-scaled tensors with exactly the shapes and dtypes upstream's file holds."""
+    generator = torch.Generator().manual_seed(seed)
+    state = {}
+    for key, shape, dtype in UPSTREAM[name]["state_dict"]:
+        if dtype == "int64":
+            state[key] = torch.tensor(0, dtype=torch.int64)
+        elif key.endswith("running_var"):
+            state[key] = torch.rand(shape, generator=generator) + 0.5
+        elif len(shape) >= 2:
+            state[key] = torch.randn(shape, generator=generator) / math.sqrt(math.prod(shape[1:]))
+        else:
+            state[key] = torch.rand(shape, generator=generator) * 0.5 + 0.25
+    return state
+
+
+# --- upstream compatibility ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", NETWORKS)
+def test_state_dict_names_shapes_dtypes_and_parameter_count_equal_upstream(name):
+    with torch.device("meta"):
+        model = get_model(name)
+    ours = [[key, list(value.shape), str(value.dtype).removeprefix("torch.")]
+            for key, value in model.state_dict().items()]
+    assert ours == UPSTREAM[name]["state_dict"]
+    assert sum(p.numel() for p in model.parameters()) == UPSTREAM[name]["params"]
+
+
+@pytest.mark.parametrize("name", NETWORKS)
+def test_full_size_network_loads_upstream_shaped_weights_strictly(name):
+    """Full-size networks: strict loading, and a full-size forward gives (2, 512). The big ones run
+    on the meta device (shapes only, no arithmetic) to stay within CPU time."""
+    if name in ("r18", "mbf", "mbf_large", "vit_t"):
+        model = get_model(name)
+        model.load_state_dict(fixture_state_dict(name), strict=True)
+        with torch.no_grad():
+            out = model.eval()(images(2))
+        assert out.shape == (2, 512) and out.dtype == torch.float32
+        assert torch.isfinite(out).all()
+    else:
+        with torch.device("meta"):
+            model = get_model(name)
+            shaped = {key: torch.empty(shape, dtype=getattr(torch, dtype))
+                      for key, shape, dtype in UPSTREAM[name]["state_dict"]}
+            model.load_state_dict(shaped, strict=True)
+            assert model.eval()(torch.empty(2, 3, 112, 112)).shape == (2, 512)
+
+
+def test_strict_loading_rejects_a_state_dict_with_one_key_missing():
+    state = fixture_state_dict("mbf")
+    del state["features.layers.3.running_var"]
+    with pytest.raises(RuntimeError, match="features.layers.3.running_var"):
+        get_model("mbf").load_state_dict(state, strict=True)
+
+
+# --- forward / backward ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", NETWORKS)
+def test_forward_train_and_eval_and_gradient_reaches_first_convolution(name):
+    torch.manual_seed(0)
+    model = get_model(name, width_mult=SMALL).train()
+    out = model(images(2))
+    assert out.shape == (2, 512) and out.dtype == torch.float32 and torch.isfinite(out).all()
+    out.square().mean().backward()
+    grad = first_layer(model).weight.grad
+    assert grad is not None and torch.isfinite(grad).all() and grad.abs().sum() > 0
+    calibrate_batchnorm(model)
+    with torch.no_grad():
+        out = model(images(2))
+    assert out.shape == (2, 512) and torch.isfinite(out).all()
+
+
+def test_num_features_sets_the_embedding_size():
+    assert get_model("r18", num_features=128, width_mult=SMALL).eval()(images(1)).shape == (1, 128)
+
+
+def test_width_mult_scales_channels():
+    r50 = get_model("r50", width_mult=0.25)
+    assert r50.conv1.out_channels == 16 and r50.fc.in_features == 128 * 7 * 7
+    mbf = get_model("mbf", width_mult=0.5)
+    assert mbf.layers[0].layers[0].out_channels == 64 and mbf.features.layers[2].in_features == 256
+    assert get_model("vit_t", width_mult=0.125).pos_embed.shape == (1, 144, 32)
+
+
+def test_dropout_acts_in_training_only():
+    model = get_model("r18", dropout=0.5, width_mult=SMALL)
+    calibrate_batchnorm(model).train()
+    with torch.no_grad():
+        x = images(4)
+        assert not torch.allclose(model(x), model(x))
+        model.eval()
+        torch.testing.assert_close(model(x), model(x), rtol=0, atol=0)
+
+
+# --- errors ----------------------------------------------------------------------------------
+
+
+def test_unknown_network_lists_the_valid_names():
+    with pytest.raises(ValueError) as error:
+        get_model("r51")
+    assert all(name in str(error.value) for name in NETWORKS) and "r50" in str(error.value)
+
+
+def test_unknown_option_is_named():
+    with pytest.raises(TypeError, match="layers_per_stage"):
+        get_model("r18", layers_per_stage=3)
+    with pytest.raises(TypeError, match="mask_ratio"):
+        get_model("mbf", mask_ratio=0.1)
+    assert get_model("vit_t", width_mult=SMALL, mask_ratio=0.0).mask_ratio == 0.0
+
+
+@pytest.mark.parametrize("name, width_mult", [("r18", 0.3), ("mbf", -1.0), ("vit_t", 10 / 256)])
+def test_impossible_width_is_refused(name, width_mult):
+    with pytest.raises(ValueError, match="width_mult"):
+        get_model(name, width_mult=width_mult)
+
+
+# --- mixed precision -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name, trunk_end, head", [
+    ("r18", "layer4", "fc"), ("mbf", "layers.7", "features"), ("vit_t", "blocks.11.mlp.fc2", "feature.0")])
+def test_fp16_runs_the_trunk_in_half_precision_and_the_head_in_float32(name, trunk_end, head):
+    torch.manual_seed(0)
+    mixed = get_model(name, fp16=True, width_mult=SMALL)
+    full = copy.deepcopy(mixed)
+    full.fp16 = False
+    calibrate_batchnorm(full)
+    mixed.load_state_dict(full.state_dict())
+    mixed.eval()
+    seen = {}
+    modules = dict(mixed.named_modules())
+    modules[trunk_end].register_forward_hook(lambda m, i, o: seen.__setitem__("trunk", o.dtype))
+    modules[head].register_forward_hook(lambda m, i, o: seen.__setitem__("head", o.dtype))
+    x = images(4)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):  # a caller's autocast too
+        out = mixed(x)
+    assert seen == {"trunk": torch.bfloat16, "head": torch.float32}
+    assert out.dtype == torch.float32
+    with torch.no_grad():
+        reference = full(x)
+    # bfloat16 keeps 8 bits of mantissa: the embeddings' directions must still agree closely.
+    assert F.cosine_similarity(out, reference).min() > 0.99
+
+
+# --- maths against float64 references ------------------------------------------------------
+
+
+def test_iresnet_block_matches_upstream_formula_in_float64():
+    """bn1 -> conv1 -> bn2 -> prelu -> conv2(stride 2) -> bn3, plus the 1x1/BN projection."""
+    torch.manual_seed(0)
+    block = randomize_affine(IBasicBlock(8, 16, stride=2))
+    for bn in [m for m in block.modules() if isinstance(m, nn.BatchNorm2d)]:
+        bn.running_mean.normal_()
+        bn.running_var.uniform_(0.5, 2.0)
+    block = block.double().eval()
+    x = torch.randn(3, 8, 14, 14, dtype=torch.float64)
+
+    def bn(module, t):
+        return ((t - module.running_mean[:, None, None]) / torch.sqrt(module.running_var[:, None, None] + 1e-5)
+                * module.weight[:, None, None] + module.bias[:, None, None])
+
+    y = bn(block.bn1, x)
+    y = F.conv2d(y, block.conv1.weight, padding=1)
+    y = bn(block.bn2, y)
+    y = torch.where(y > 0, y, block.prelu.weight[:, None, None] * y)
+    y = bn(block.bn3, F.conv2d(y, block.conv2.weight, stride=2, padding=1))
+    shortcut = bn(block.downsample[1], F.conv2d(x, block.downsample[0].weight, stride=2))
+    with torch.no_grad():
+        torch.testing.assert_close(block(x), y + shortcut, rtol=1e-12, atol=1e-12)
+
+
+def test_vit_attention_matches_explicit_softmax_in_float64():
+    torch.manual_seed(0)
+    attention = Attention(dim=32, num_heads=8).double()
+    x = torch.randn(2, 144, 32, dtype=torch.float64)
+    qkv = (x @ attention.qkv.weight.T).reshape(2, 144, 3, 8, 4)
+    q, k, v = (qkv[:, :, i].transpose(1, 2) for i in range(3))
+    weights = torch.softmax(q @ k.transpose(-1, -2) * 4 ** -0.5, dim=-1)
+    mixed = (weights @ v).transpose(1, 2).reshape(2, 144, 32)
+    expected = mixed @ attention.proj.weight.T + attention.proj.bias
+    with torch.no_grad():
+        torch.testing.assert_close(attention(x), expected, rtol=1e-10, atol=1e-10)
+
+
+def test_vit_training_masks_ten_percent_of_tokens_with_the_mask_token():
+    torch.manual_seed(0)
+    vit = get_model("vit_t", width_mult=SMALL)
+    tokens = torch.randn(3, 144, 32)
+    kept, restore = vit._keep_random_tokens(tokens)
+    assert kept.shape == (3, int(144 * 0.9), 32)
+    restored = vit._restore_tokens(kept, restore)
+    is_mask = (restored == vit.mask_token).all(dim=2)
+    assert (is_mask.sum(dim=1) == 144 - kept.shape[1]).all()
+    torch.testing.assert_close(restored[~is_mask], tokens[~is_mask], rtol=0, atol=0)
+
+
+# --- inference fusion -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["r18", "mbf", "vit_t"])
+@pytest.mark.parametrize("channels_last", [False, True])
+def test_fused_batchnorm_copy_computes_the_same_embeddings(name, channels_last):
+    torch.manual_seed(0)
+    model = calibrate_batchnorm(randomize_affine(get_model(name, width_mult=SMALL)))
+    keys_before = list(model.state_dict())
+    fused = fuse_batchnorm(model)
+    x = images(4)
+    if channels_last:
+        fused = fused.to(memory_format=torch.channels_last)
+        x = x.contiguous(memory_format=torch.channels_last)
+    with torch.no_grad():
+        reference = model.double()(x.double()).float()
+        out = fused(x)
+    torch.testing.assert_close(out, reference, rtol=1e-4, atol=1e-4 * reference.abs().max().item())
+    assert list(model.state_dict()) == keys_before  # the original is untouched
+    remaining = sum(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in fused.modules())
+    original = sum(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules())
+    assert remaining < original
+
+
+def test_fusion_leaves_only_batchnorms_that_follow_no_layer():
+    """iresnet's pre-activation BNs (bn1 of each block, bn2 before the flatten) cannot fold into a
+    preceding layer; every other BN must be gone."""
+    fused = fuse_batchnorm(get_model("r18", width_mult=SMALL))
+    left = sorted(name for name, m in fused.named_modules() if isinstance(m, nn.modules.batchnorm._BatchNorm))
+    assert left == sorted(["bn2"] + [f"layer{s}.{b}.bn1" for s in range(1, 5) for b in range(2)])
+
+
+# --- DistributedDataParallel ------------------------------------------------------------------
+
+
+def _ddp_gradient_errors(rank: int, world_size: int, names: list[str]) -> dict[str, float]:
+    """Per network, the largest relative |DDP gradient - mean of the ranks' single-process gradients|."""
+    errors = {}
+    for name in names:
+        torch.manual_seed(0)
+        model = get_model(name, width_mult=SMALL)
+        reference = copy.deepcopy(model)
+        ddp = nn.parallel.DistributedDataParallel(model)
+        shards = [images(4, seed=10 + r) for r in range(world_size)]  # (B*V) = 2 samples x 2 views
+
+        torch.manual_seed(1000 + rank)  # ViT masking / drop-path draws: replayed below
+        ddp(shards[rank]).square().mean().backward()
+        for r in range(world_size):
+            torch.manual_seed(1000 + r)
+            (reference(shards[r]).square().mean() / world_size).backward()
+        worst = 0.0
+        for (key, ours), theirs in zip(model.named_parameters(), reference.parameters()):
+            if ours.requires_grad:
+                assert ours.grad is not None, f"{name}: {key} got no gradient"
+                scale = theirs.grad.abs().max().item() + 1e-12
+                worst = max(worst, (ours.grad - theirs.grad).abs().max().item() / scale)
+        errors[name] = worst
+    return errors
+
+
+def test_ddp_gradient_is_the_mean_of_the_ranks_gradients():
+    """One gloo world of 2 for three families; vit_b also covers activation checkpointing (on by
+    default, as upstream) and the mask token under DDP."""
+    names = ["r18", "mbf", "vit_b"]
+    for errors in run_world(_ddp_gradient_errors, 2, names):
+        assert errors.keys() == set(names) and max(errors.values()) < 1e-4, errors
