@@ -72,6 +72,7 @@ class FaceLoader:
                                   collate_fn=default_collate, pin_memory=on_gpu,
                                   persistent_workers=num_workers > 0)
         self._consumed = 0
+        self._restored = False
         self.skipped = 0
 
     def __len__(self) -> int:
@@ -82,8 +83,10 @@ class FaceLoader:
             self.order.epoch, self._consumed = epoch, 0
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        if self._consumed >= len(self):
+        if self._consumed >= len(self) and not self._restored:
             self._consumed = 0  # another pass over the same epoch, as a DataLoader without set_epoch
+        # A run restored at the end of an epoch has nothing left of it, as the uninterrupted one had.
+        self._restored = False
         self.order.start_batch = self._consumed
         batches = self._loader if self.device.type != "cuda" else _prefetch_to_gpu(self._loader, self.device)
         for images, labels, skipped in batches:
@@ -115,6 +118,7 @@ class FaceLoader:
                         "epoch differs from the original run", order.batch_size * order.world_size,
                         saved_global_batch)
         order.epoch, self._consumed, self.skipped = state["epoch"], consumed, state["skipped"]
+        self._restored = True
 
 
 def _prefetch_to_gpu(batches, device: torch.device):
