@@ -213,6 +213,8 @@ def test_miniature_ijb_end_to_end(tmp_path):
     (lambda root: open(os.path.join(root, "meta", "ijbc_name_5pts_score.txt"), "a").write("9.jpg 1 2\n"),
      "line 9 has 3 fields, expected 12"),
     (lambda root: open(os.path.join(root, "meta", "ijbc_template_pair_label.txt"), "w").close(), "is empty"),
+    (lambda root: open(os.path.join(root, "meta", "ijbc_template_pair_label.txt"), "a").write("1 2 1 7\n"),
+     "template_pair_label.txt is not lines of"),
 ])
 def test_read_meta_errors_name_the_file_and_line(tmp_path, damage, message):
     write_ijb(str(tmp_path))
