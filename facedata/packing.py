@@ -126,3 +126,33 @@ def check_output(out_dir: str, names: Sequence[str], overwrite: bool) -> None:
     existing = [name for name in names if os.path.exists(os.path.join(out_dir, name))]
     if existing and not overwrite:
         raise DataError(f"{out_dir} already holds {', '.join(existing)}; choose another --output or pass --overwrite")
+
+
+def scan_identities(root: str) -> list[tuple[str, list[str]]]:
+    """(identity name, sorted image paths) for every sub-folder of ``root`` that holds images."""
+    if not os.path.isdir(root):
+        raise DataError(f"input folder {root} does not exist; pass a folder with one sub-folder per identity")
+    identities = []
+    for name in sorted(os.listdir(root)):
+        folder = os.path.join(root, name)
+        if os.path.isdir(folder):
+            images = sorted(f for f in os.listdir(folder) if f.lower().endswith(PACKABLE_SUFFIXES))
+            if images:
+                identities.append((name, [os.path.join(folder, f) for f in images]))
+    if not identities:
+        raise DataError(f"{root} has no sub-folders with images ({', '.join(PACKABLE_SUFFIXES)}); "
+                        "put each identity's images in a sub-folder of its own")
+    return identities
+
+
+def group_views(paths: list[str], views: int) -> list[list[str]]:
+    """An identity's images V at a time; the last group is topped up with the first images, so
+    every record holds V different images whenever the identity has at least V."""
+    groups = [paths[i:i + views] for i in range(0, len(paths), views)]
+    groups[-1] += paths[:views - len(groups[-1])]
+    return groups
+
+
+def pack_identity(paths: list[str], views: int, fit: str, image_format: str, quality: int) -> list[bytes]:
+    return [encode(side_by_side([load_fitted(path, fit) for path in group]), image_format, quality)
+            for group in group_views(paths, views)]

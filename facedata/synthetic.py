@@ -14,6 +14,7 @@ import math
 import numpy as np
 
 from facedata.images import IMAGE_SIZE
+from facedata.packing import encode, side_by_side
 
 _BATCH = 256
 # Pixel-centre coordinates in [-1, 1] shared by every image.
@@ -192,3 +193,11 @@ def verification_pairs(identities, num_pairs: int, seed: int = 0) -> tuple[np.nd
         samples.append(next_sample[identity])
         next_sample[identity] += 1
     return render_faces(pair_identities, samples, seed), issame
+
+
+def identity_records(job: tuple[int, int, int, int, int]) -> list[bytes]:
+    """(identity, images, views, seed, jpeg quality) -> that identity's encoded records: ``images``
+    photos drawn, ``views`` side by side per record (leftovers dropped)."""
+    identity, images, views, seed, quality = job
+    faces = render_faces(identity, np.arange(images - images % views), seed)
+    return [encode(side_by_side(faces[i:i + views]), quality=quality) for i in range(0, len(faces), views)]

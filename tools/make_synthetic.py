@@ -21,16 +21,10 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from facedata.errors import DataError  # noqa: E402
-from facedata.packing import InsightfaceWriter, check_output, encode, side_by_side  # noqa: E402
-from facedata.synthetic import render_faces, verification_pairs  # noqa: E402
+from facedata.packing import InsightfaceWriter, check_output, encode  # noqa: E402
+from facedata.synthetic import identity_records, verification_pairs  # noqa: E402
 
 VAL_NAME = "synthetic_val.bin"
-
-
-def _identity_records(job: tuple[int, int, int, int, int]) -> list[bytes]:
-    identity, images, views, seed, quality = job
-    faces = render_faces(identity, np.arange(images - images % views), seed)
-    return [encode(side_by_side(faces[i:i + views]), quality=quality) for i in range(0, len(faces), views)]
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -65,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
     jobs = [(identity, args.images_per_identity, args.views, args.seed, args.quality)
             for identity in range(args.identities)]
     with InsightfaceWriter(args.output) as writer, Pool(max(1, args.workers)) as pool:
-        for records in pool.imap(_identity_records, jobs, chunksize=8):
+        for records in pool.imap(identity_records, jobs, chunksize=8):
             writer.write_identity(records)
     val_identities = np.arange(args.identities, args.identities + args.val_identities)
     faces, issame = verification_pairs(val_identities, args.val_pairs, args.seed)

@@ -1,0 +1,163 @@
+"""tools/pack_rec.py and tools/make_synthetic.py, run end to end and read back."""
+from __future__ import annotations
+
+import importlib.util
+import os
+import pickle
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+from torchvision.io import decode_jpeg
+
+from dataset import RecordReader, build_dataset, unpack
+
+TOOLS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools")
+
+
+def load_tool(name: str):
+    spec = importlib.util.spec_from_file_location(name, os.path.join(TOOLS, f"{name}.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+pack_rec = load_tool("pack_rec")
+make_synthetic = load_tool("make_synthetic")
+
+# (size, PIL mode, file suffix) per image: mixed sizes, grayscale, alpha and palette images.
+IMAGE_KINDS = [((130, 150), "RGB", ".jpg"), ((80, 60), "L", ".png"), ((112, 112), "RGBA", ".png"),
+               ((200, 100), "RGB", ".png"), ((90, 90), "P", ".png"), ((64, 128), "L", ".jpg")]
+
+
+@pytest.fixture(scope="module")
+def faces(tmp_path_factory):
+    """person_a: 5 images, person_b: 3, person_c: 1 (too few for V >= 2), person_d: 4."""
+    root = tmp_path_factory.mktemp("faces")
+    rng = np.random.default_rng(0)
+    for name, count in [("person_a", 5), ("person_b", 3), ("person_c", 1), ("person_d", 4)]:
+        (root / name).mkdir()
+        for i in range(count):
+            (width, height), mode, suffix = IMAGE_KINDS[(i + len(name) + count) % len(IMAGE_KINDS)]
+            # Smooth content, so JPEG and resampling differences stay small.
+            yy, xx = np.mgrid[0:height, 0:width]
+            pixels = np.stack([(xx * 255 // width), (yy * 255 // height), np.full_like(xx, rng.integers(256))], -1)
+            image = Image.fromarray(pixels.astype(np.uint8))
+            if mode == "P":
+                image = image.convert("P", palette=Image.Palette.ADAPTIVE, dither=Image.Dither.NONE)
+            else:
+                image = image.convert(mode)
+            image.save(root / name / f"img{i}{suffix}")
+    (root / "notes.txt").write_text("not an identity")
+    return root
+
+
+def reference_view(path, mode: str) -> np.ndarray:
+    """The 112x112 RGB a view must hold, computed straight with PIL."""
+    image = Image.open(path).convert("RGB")
+    if mode == "resize":
+        return np.asarray(image.resize((112, 112), Image.BILINEAR))
+    scale = min(1.0, 112 / max(image.size))
+    if scale < 1:
+        image = image.resize((round(image.width * scale), round(image.height * scale)), Image.BILINEAR)
+    canvas = np.zeros((112, 112, 3), np.uint8)
+    top, left = (112 - image.height) // 2, (112 - image.width) // 2
+    canvas[top:top + image.height, left:left + image.width] = np.asarray(image)
+    return canvas
+
+
+def expected_records(root, views: int) -> list[tuple[list[str], int]]:
+    """(image paths side by side, label) per record, in key order."""
+    records, label = [], 0
+    for name in sorted(p for p in os.listdir(root) if os.path.isdir(root / p)):
+        paths = sorted(str(root / name / f) for f in os.listdir(root / name))
+        if len(paths) < views:
+            continue
+        for start in range(0, len(paths), views):
+            group = paths[start:start + views]
+            records.append((group + paths[:views - len(group)], label))
+        label += 1
+    return records
+
+
+@pytest.mark.parametrize("views", [1, 2, 3])
+def test_pack_read_round_trip_lossless(faces, tmp_path, views):
+    assert pack_rec.main([str(faces), str(tmp_path), "--views", str(views), "--format", "png", "--workers", "1"]) == 0
+    ds = build_dataset(str(tmp_path), num_views=views, flip=False)
+    expected = expected_records(faces, views)
+    assert len(ds) == len(expected) and ds.num_classes == 1 + expected[-1][1]
+    for index, (paths, label) in enumerate(expected):
+        images, got_label = ds[index]
+        assert int(got_label) == label
+        for view, path in zip(images, paths):
+            assert np.array_equal(view.permute(1, 2, 0).numpy(), reference_view(path, "resize")), path
+        assert len(set(paths)) == views  # V different images of the identity
+
+
+def test_pack_writes_insightface_identity_table(faces, tmp_path):
+    pack_rec.main([str(faces), str(tmp_path), "--views", "2", "--workers", "1"])
+    reader = RecordReader(str(tmp_path / "train.idx"), str(tmp_path / "train.rec"))
+    header = unpack(reader.read(0))[0]
+    first_identity, end = header.label.astype(int).tolist()
+    assert header.flag == 2 and first_identity == 1 + len(expected_records(faces, 2)) and end == first_identity + 3
+    image_keys = []
+    for label, key in enumerate(range(first_identity, end)):
+        start, stop = unpack(reader.read(key))[0].label.astype(int).tolist()
+        for image_key in range(start, stop):
+            assert unpack(reader.read(image_key))[0].label == label
+        image_keys += range(start, stop)
+    assert image_keys == list(range(1, first_identity))
+
+
+def test_pack_jpeg_default_and_pad(faces, tmp_path):
+    for fit in ("resize", "pad"):
+        out = tmp_path / fit
+        assert pack_rec.main([str(faces), str(out), f"--{fit}", "--workers", "1"]) == 0
+        reader = RecordReader(str(out / "train.idx"), str(out / "train.rec"))
+        for key, (paths, _) in enumerate(expected_records(faces, 1), 1):
+            payload = unpack(reader.read(key))[1]
+            assert payload[:2] == b"\xff\xd8"  # JPEG
+            pixels = decode_jpeg(torch.frombuffer(bytearray(payload), dtype=torch.uint8)).permute(1, 2, 0).numpy()
+            reference = reference_view(paths[0], fit)
+            assert np.abs(pixels.astype(int) - reference).mean() < 3, paths[0]
+            if fit == "pad" and Image.open(paths[0]).size == (80, 60):
+                assert pixels[:20].max() < 10 and pixels[:, :10].max() < 10  # black borders
+
+
+def test_pack_leaves_out_identities_with_too_few_images(faces, tmp_path, capsys):
+    assert pack_rec.main([str(faces), str(tmp_path), "--views", "4", "--workers", "1"]) == 0
+    assert "left out 2 identities with fewer than 4 images: person_b, person_c" in capsys.readouterr().out
+    assert build_dataset(str(tmp_path), num_views=4).num_classes == 2
+
+
+def test_pack_refuses_bad_images_and_existing_output(faces, tmp_path, capsys):
+    broken = tmp_path / "broken"
+    (broken / "x").mkdir(parents=True)
+    Image.new("RGB", (100, 100)).save(broken / "x" / "fine.png")
+    (broken / "x" / "zz_bad.jpg").write_bytes(b"\xff\xd8 truncated")
+    out = tmp_path / "out"
+    assert pack_rec.main([str(broken), str(out), "--workers", "1"]) == 1
+    message = capsys.readouterr().err
+    assert message.startswith("error: cannot read image ") and "zz_bad.jpg" in message and "Traceback" not in message
+    assert not (out / "train.rec").exists() and not (out / "train.idx").exists()  # nothing half-written
+
+    assert pack_rec.main([str(faces), str(out), "--workers", "1"]) == 0
+    assert pack_rec.main([str(faces), str(out), "--workers", "1"]) == 1
+    assert "already holds train.rec, train.idx; choose another --output or pass --overwrite" in capsys.readouterr().err
+    assert pack_rec.main([str(tmp_path / "missing"), str(tmp_path / "o2")]) == 1
+
+
+def test_make_synthetic_writes_train_rec_and_val_bin(tmp_path):
+    args = ["--output", str(tmp_path), "--identities", "12", "--images-per-identity", "5", "--views", "2",
+            "--val-identities", "6", "--val-pairs", "20", "--workers", "1", "--seed", "3"]
+    assert make_synthetic.main(args) == 0
+    ds = build_dataset(str(tmp_path), num_views=2, num_classes=12)
+    assert len(ds) == 12 * 2 and ds[0][0].shape == (2, 3, 112, 112)
+    assert sorted(set(int(ds[i][1]) for i in range(len(ds)))) == list(range(12))
+    with open(tmp_path / "synthetic_val.bin", "rb") as f:
+        bins, issame = pickle.load(f, encoding="bytes")
+    assert len(bins) == 40 and len(issame) == 20 and sum(issame) == 10
+    assert all(isinstance(b, bytes) and b[:2] == b"\xff\xd8" for b in bins)
+    assert decode_jpeg(torch.frombuffer(bytearray(bins[0]), dtype=torch.uint8)).shape == (3, 112, 112)
+    assert make_synthetic.main(args) == 1  # never overwrites silently
