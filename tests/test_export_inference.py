@@ -1,0 +1,265 @@
+"""Weights loading, ONNX export (checked by onnxruntime) and the single-image inference CLI.
+
+References: onnxruntime running the exported graph, PIL decoding the images the test wrote, and
+embeddings computed in the test from a model loaded with plain ``load_state_dict``.
+"""
+from __future__ import annotations
+
+import importlib.util
+import logging
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnxruntime
+import pytest
+import torch
+import torch.nn.functional as F
+from PIL import Image
+from torch import nn
+
+from backbones import FaceImageError, WeightsError, get_model, load_backbone, read_face_image
+
+ROOT = Path(__file__).resolve().parent.parent
+torch.set_num_threads(1)
+
+
+def load_tool(name: str):
+    spec = importlib.util.spec_from_file_location(f"tool_{name}", ROOT / "tools" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+export_tool = load_tool("export_onnx")
+inference_tool = load_tool("inference")
+
+
+def trained_like(name: str, width_mult: float, seed: int = 0) -> nn.Module:
+    """A network whose BN statistics and affine terms look trained, so outputs are O(1)."""
+    torch.manual_seed(seed)
+    model = get_model(name, width_mult=width_mult)
+    with torch.no_grad():
+        for module in model.modules():
+            if isinstance(module, nn.modules.batchnorm._BatchNorm):
+                module.momentum = None
+                if module.weight.requires_grad:
+                    module.weight.uniform_(0.5, 1.5)
+                module.bias.normal_(0, 0.1)
+        model.train()
+        for _ in range(2):
+            model(torch.rand(8, 3, 112, 112) * 2 - 1)
+    return model.eval()
+
+
+@pytest.fixture(scope="module")
+def r18_weights(tmp_path_factory) -> tuple[Path, nn.Module]:
+    model = trained_like("r18", 0.25)
+    path = tmp_path_factory.mktemp("weights") / "backbone.pth"
+    torch.save(model.state_dict(), path)
+    return path, model
+
+
+def write_face(path: Path, size: tuple[int, int], seed: int, mode: str = "RGB") -> Path:
+    channels = {"RGB": 3, "RGBA": 4, "L": 1}[mode]
+    pixels = np.random.default_rng(seed).integers(0, 256, (size[1], size[0], channels), dtype=np.uint8)
+    Image.fromarray(pixels.squeeze(-1) if mode == "L" else pixels, mode).save(path)
+    return path
+
+
+# --- loading weights ----------------------------------------------------------------------------
+
+
+def test_load_backbone_restores_the_saved_network_exactly(r18_weights):
+    path, model = r18_weights
+    loaded = load_backbone("r18", path, width_mult=0.25)
+    assert not loaded.training
+    x = torch.rand(2, 3, 112, 112) * 2 - 1
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(x), model(x), rtol=0, atol=0)
+
+
+def test_load_backbone_accepts_ddp_prefixes_and_training_checkpoints(r18_weights, tmp_path):
+    path, model = r18_weights
+    state = torch.load(path, weights_only=True)
+    torch.save({f"module.{k}": v for k, v in state.items()}, tmp_path / "ddp.pth")
+    torch.save({"state_dict_backbone": state, "global_step": 10}, tmp_path / "checkpoint_gpu_0.pt")
+    for name in ("ddp.pth", "checkpoint_gpu_0.pt"):
+        loaded = load_backbone("r18", tmp_path / name, width_mult=0.25)
+        assert all(torch.equal(loaded.state_dict()[k], v) for k, v in state.items())
+
+
+def test_missing_weights_file_is_named(tmp_path):
+    with pytest.raises(FileNotFoundError, match="nothing.pth"):
+        load_backbone("r18", tmp_path / "nothing.pth")
+
+
+def test_a_file_that_is_not_weights_is_refused(tmp_path):
+    (tmp_path / "notes.pth").write_text("not a checkpoint")
+    with pytest.raises(WeightsError, match="not a readable PyTorch weights file"):
+        load_backbone("r18", tmp_path / "notes.pth")
+    torch.save({"lr": 0.1}, tmp_path / "config.pth")
+    with pytest.raises(WeightsError, match="not a backbone state_dict"):
+        load_backbone("r18", tmp_path / "config.pth")
+
+
+def test_weights_of_another_width_name_the_mismatch_and_the_right_width(r18_weights):
+    path, _ = r18_weights
+    with pytest.raises(WeightsError) as error:
+        load_backbone("r18", path)
+    message = str(error.value)
+    assert "conv1.weight [16, 3, 3, 3] in the file vs [64, 3, 3, 3] in the network" in message
+    assert "fits network r18, width_mult=0.25, num_features=512" in message
+
+
+def test_weights_of_another_network_name_the_network_they_fit(r18_weights, tmp_path):
+    path, _ = r18_weights
+    with pytest.raises(WeightsError, match=r"missing keys \(layer1\.2\..*fits network r18, width_mult=0.25"):
+        load_backbone("r50", path, width_mult=0.25)
+    torch.save(get_model("mbf", num_features=128).state_dict(), tmp_path / "mbf.pth")
+    with pytest.raises(WeightsError, match="fits network mbf, width_mult=1, num_features=128"):
+        load_backbone("r18", tmp_path / "mbf.pth")
+
+
+# --- ONNX export ----------------------------------------------------------------------------
+
+
+def check_onnx_against_pytorch(path: Path, model: nn.Module) -> None:
+    graph = onnx.load(str(path)).graph
+    assert [i.name for i in graph.input] == ["data"]
+    batch_dim = graph.input[0].type.tensor_type.shape.dim[0]
+    assert batch_dim.dim_param and not batch_dim.HasField("dim_value")  # symbolic: any batch size
+    session = onnxruntime.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    for batch in (1, 5):
+        x = torch.rand(batch, 3, 112, 112, generator=torch.Generator().manual_seed(batch)) * 2 - 1
+        exported = session.run(None, {"data": x.numpy()})[0]
+        with torch.no_grad():
+            reference = model(x).numpy()
+        assert exported.shape == reference.shape == (batch, 512)
+        assert np.abs(reference).max() > 0.1  # a meaningful comparison, not of near-zero outputs
+        np.testing.assert_allclose(exported, reference, rtol=0, atol=1e-4)
+
+
+def test_export_cli_writes_a_checked_onnx_model_of_a_small_r18(r18_weights, tmp_path, capsys):
+    path, model = r18_weights
+    output = tmp_path / "r18.onnx"
+    assert export_tool.main(["--network", "r18", "--weights", str(path), "--width-mult", "0.25",
+                             "--output", str(output)]) == 0
+    reported = float(re.search(r"max abs difference (\S+)", capsys.readouterr().out).group(1))
+    assert reported < 1e-4
+    check_onnx_against_pytorch(output, model)
+
+
+def test_export_of_mbf_matches_pytorch_in_onnxruntime(tmp_path):
+    model = trained_like("mbf", 1.0)
+    export_tool.export_onnx(model, tmp_path / "mbf.onnx")
+    check_onnx_against_pytorch(tmp_path / "mbf.onnx", model)
+
+
+def test_export_cli_refuses_to_overwrite_and_explains_bad_weights(r18_weights, tmp_path, capsys):
+    path, _ = r18_weights
+    existing = tmp_path / "model.onnx"
+    existing.write_bytes(b"keep me")
+    assert export_tool.main(["--network", "r18", "--weights", str(path), "--output", str(existing)]) == 1
+    assert "--force" in capsys.readouterr().err and existing.read_bytes() == b"keep me"
+    assert export_tool.main(["--network", "r34", "--weights", str(path), "--output", str(tmp_path / "x.onnx")]) == 1
+    assert "fits network r18, width_mult=0.25" in capsys.readouterr().err
+
+
+def test_export_script_reports_a_missing_weights_file_without_a_traceback(tmp_path):
+    run = subprocess.run(
+        [sys.executable, str(ROOT / "tools" / "export_onnx.py"), "--network", "r18",
+         "--weights", str(tmp_path / "none.pth")],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert run.returncode == 1
+    assert run.stderr.startswith("error: ") and "none.pth does not exist" in run.stderr
+    assert "Traceback" not in run.stderr
+
+
+# --- images and the inference CLI -------------------------------------------------------------------
+
+
+def decoded(path: Path) -> torch.Tensor:
+    """PIL's RGB decoding of the file, mapped to [-1, 1] in float64: the reference pixels."""
+    pixels = np.asarray(Image.open(path).convert("RGB"), dtype=np.float64)
+    return torch.from_numpy(pixels / 127.5 - 1.0).permute(2, 0, 1)
+
+
+@pytest.mark.parametrize("mode, suffix", [("RGB", ".jpg"), ("RGBA", ".png"), ("L", ".png")])
+def test_read_face_image_gives_rgb_in_minus_one_to_one(tmp_path, mode, suffix):
+    path = write_face(tmp_path / f"face{suffix}", (112, 112), seed=1, mode=mode)
+    image = read_face_image(path)
+    assert image.shape == (3, 112, 112) and image.dtype == torch.float32
+    torch.testing.assert_close(image.double(), decoded(path), rtol=0, atol=1e-6)
+
+
+def test_read_face_image_resizes_other_square_sizes_and_says_so(tmp_path, caplog):
+    path = write_face(tmp_path / "big.png", (224, 224), seed=2)
+    with caplog.at_level(logging.WARNING):
+        image = read_face_image(path)
+    assert image.shape == (3, 112, 112) and "resizing to 112x112" in caplog.text
+    expected = Image.open(path).convert("RGB").resize((112, 112), Image.BILINEAR)
+    expected_path = tmp_path / "expected.png"
+    expected.save(expected_path)
+    torch.testing.assert_close(image.double(), decoded(expected_path), rtol=0, atol=1e-6)
+
+
+def test_read_face_image_refuses_non_square_and_non_images(tmp_path):
+    with pytest.raises(FaceImageError, match="224x112 .* not square"):
+        read_face_image(write_face(tmp_path / "pair.jpg", (224, 112), seed=3))
+    (tmp_path / "text.jpg").write_text("hello")
+    with pytest.raises(FaceImageError, match="not a readable image"):
+        read_face_image(tmp_path / "text.jpg")
+    with pytest.raises(FileNotFoundError, match="missing.jpg"):
+        read_face_image(tmp_path / "missing.jpg")
+
+
+def reference_embeddings(weights: Path, *paths: Path) -> np.ndarray:
+    model = get_model("r18", width_mult=0.25)
+    model.load_state_dict(torch.load(weights, weights_only=True))
+    images = torch.stack([decoded(p).float() for p in paths])
+    with torch.no_grad():
+        return F.normalize(model.eval()(images), dim=1).numpy()
+
+
+def test_inference_cli_saves_one_unit_embedding(r18_weights, tmp_path, capsys):
+    path, _ = r18_weights
+    face = write_face(tmp_path / "a.jpg", (112, 112), seed=4)
+    saved = tmp_path / "a.npy"
+    assert inference_tool.main(["--network", "r18", "--weights", str(path), "--width-mult", "0.25",
+                                str(face), "--save", str(saved)]) == 0
+    embedding = np.load(saved)
+    assert embedding.shape == (512,) and embedding.dtype == np.float32
+    np.testing.assert_allclose(embedding, reference_embeddings(path, face)[0], atol=1e-5)
+    assert inference_tool.main(["--network", "r18", "--weights", str(path), "--width-mult", "0.25",
+                                str(face)]) == 0
+    printed = np.array(re.findall(r"-?\d+\.\d+", capsys.readouterr().out.split("\n", 1)[1]), dtype=np.float64)
+    assert printed.shape == (512,) and abs(np.linalg.norm(printed) - 1) < 1e-3
+
+
+def test_inference_cli_prints_the_cosine_similarity_of_two_faces(r18_weights, tmp_path, capsys):
+    path, _ = r18_weights
+    a = write_face(tmp_path / "a.jpg", (112, 112), seed=5)
+    b = write_face(tmp_path / "b.png", (112, 112), seed=6)
+    args = ["--network", "r18", "--weights", str(path), "--width-mult", "0.25"]
+    assert inference_tool.main(args + [str(a), str(b)]) == 0
+    printed = float(re.search(r"cosine similarity: (\S+)", capsys.readouterr().out).group(1))
+    expected = reference_embeddings(path, a, b)
+    assert printed == pytest.approx(float(expected[0] @ expected[1]), abs=1e-5)
+    assert inference_tool.main(args + [str(a), str(a)]) == 0
+    assert "cosine similarity: 1.000000" in capsys.readouterr().out
+
+
+def test_inference_cli_turns_user_errors_into_one_line(r18_weights, tmp_path, capsys):
+    path, _ = r18_weights
+    pair = write_face(tmp_path / "pair.jpg", (224, 112), seed=7)
+    assert inference_tool.main(["--network", "r18", "--weights", str(path), "--width-mult", "0.25", str(pair)]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and "not square" in err and "Traceback" not in err
+    face = write_face(tmp_path / "a.jpg", (112, 112), seed=8)
+    assert inference_tool.main(["--network", "vit_t", "--weights", str(path), str(face)]) == 1
+    assert "fits network r18, width_mult=0.25" in capsys.readouterr().err
