@@ -1,0 +1,149 @@
+"""train.py end to end on tiny synthetic two-view data: a real 2-process gloo run through torchrun,
+its log, TensorBoard file, verification lines and checkpoints; resume (also on another world size);
+the output folder guard."""
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from backbones import get_model
+from tools import make_synthetic
+
+ROOT = Path(__file__).resolve().parent.parent
+NETWORK = ["network=r18", "network_kwargs={'width_mult': 0.125}", "embedding_size=32"]
+TINY = NETWORK + ["batch_size=4", "num_workers=0", "frequent=2", "verbose=4", "num_epoch=2"]
+LOG_LINE = re.compile(r"Speed [\d.]+ samples/sec [\d.]+ images/sec   Loss [\d.]+ \(v1 [\d.]+ v2 [\d.]+\)   "
+                      r"LR [\d.]+   Epoch: \d+   Global Step: (\d+)   Required: \d+ (seconds|minutes|hours)")
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory) -> Path:
+    """20 identities x 2 two-view records (40 records) and 20 held-out verification pairs."""
+    folder = tmp_path_factory.mktemp("synthetic")
+    assert make_synthetic.main(["--output", str(folder), "--identities", "20", "--images-per-identity", "4",
+                                "--val-identities", "10", "--val-pairs", "20", "--workers", "1"]) == 0
+    return folder
+
+
+def train(data: Path, output: Path, *overrides: str, nproc: int = 0, resume: bool = False):
+    command = ["train.py", "configs/synthetic_pair.py", "--set", f"rec={data}", "--set", f"output={output}"]
+    for item in TINY + list(overrides):
+        command += ["--set", item]
+    if resume:
+        command.append("--resume")
+    launcher = ([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc)]
+                if nproc else [sys.executable])
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    return subprocess.run(launcher + command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=400)
+
+
+def steps_logged(text: str) -> list[int]:
+    return [int(m.group(1)) for m in LOG_LINE.finditer(text)]
+
+
+def digest(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+@pytest.fixture(scope="module")
+def two_process_run(data, tmp_path_factory):
+    output = tmp_path_factory.mktemp("runs") / "two"
+    result = train(data, output, "max_steps=4", nproc=2)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return output, result
+
+
+def test_two_process_run_logs_verifies_and_checkpoints(two_process_run, data):
+    output, result = two_process_run
+    log = (output / "training.log").read_text()
+    assert steps_logged(log) == [2, 4]
+    assert "2 process(es)" in log
+    assert re.search(r"\[synthetic_val\]\[4\]Accuracy-Flip: [\d.]+\+-[\d.]+", log)
+    assert re.search(r"\[synthetic_val\]\[4\]XNorm: [\d.]+", log)
+    assert log.count("]Accuracy-Flip") == 1  # step 4 was verified; the end of training does not repeat it
+    assert steps_logged(result.stdout) == [2, 4]  # rank 0 also prints to stdout; no rank prints twice
+
+    checkpoint = torch.load(output / "checkpoint.pt", weights_only=True)
+    assert checkpoint["world_size"] == 2 and checkpoint["progress"]["global_step"] == 4
+    assert tuple(checkpoint["class_centres"].shape) == (20, 32)  # the whole matrix, both shards
+    assert len(checkpoint["per_rank"]) == 2
+    assert checkpoint["model"] == {"network": "r18", "network_kwargs": {"width_mult": 0.125}, "embedding_size": 32,
+                                   "num_classes": 20}
+
+    backbone = get_model("r18", num_features=32, width_mult=0.125)
+    backbone.load_state_dict(torch.load(output / "backbone.pth", weights_only=True), strict=True)
+    assert all(value.device.type == "cpu" for value in torch.load(output / "backbone.pth").values())
+    assert torch.equal(backbone.state_dict()["fc.weight"], checkpoint["backbone"]["fc.weight"])
+
+
+def test_two_process_run_writes_tensorboard_scalars(two_process_run):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    output, _ = two_process_run
+    events = EventAccumulator(str(output / "tensorboard"))
+    events.Reload()
+    tags = set(events.Tags()["scalars"])
+    assert {"loss", "loss_view1", "loss_view2", "learning_rate", "samples_per_sec", "synthetic_val"} <= tags
+    assert [e.step for e in events.Scalars("loss")] == [2, 4]
+    assert all(0 < e.value < 100 for e in events.Scalars("loss"))
+
+
+def test_resume_on_one_process_continues_at_the_saved_step_with_the_saved_lr(two_process_run, data):
+    output, _ = two_process_run
+    saved = torch.load(output / "checkpoint.pt", weights_only=True)
+    saved_lr = saved["optimizer"]["param_groups"][0]["lr"]
+    # 2 ranks x 5 batches of 4 per epoch became 1 rank x 10: step 4 of 10 is step 8 of 20
+    result = train(data, output, "max_steps=10", resume=True)
+    assert result.returncode == 0, result.stderr[-3000:]
+    log = (output / "training.log").read_text()
+    assert f"resumed from {output / 'checkpoint.pt'} at global step 8 (epoch 0), lr {saved_lr:.6f}" in log
+    assert steps_logged(log) == [2, 4, 10]
+    resumed = torch.load(output / "checkpoint.pt", weights_only=True)
+    assert resumed["world_size"] == 1 and resumed["progress"]["global_step"] == 10
+    assert tuple(resumed["class_centres"].shape) == (20, 32)
+
+
+def test_resume_in_the_same_world_continues_exactly_where_it_stopped(data, tmp_path):
+    output = tmp_path / "run"
+    first = train(data, output, "max_steps=3", "frequent=1", "verbose=100")
+    assert first.returncode == 0, first.stderr[-3000:]
+    saved = torch.load(output / "checkpoint.pt", weights_only=True)
+    assert saved["progress"]["global_step"] == 3
+    assert saved["per_rank"][0]["loader"]["batches_consumed"] == 3
+    second = train(data, output, "max_steps=6", "frequent=1", "verbose=100", resume=True)
+    assert second.returncode == 0, second.stderr[-3000:]
+    log = (output / "training.log").read_text()
+    lr = saved["optimizer"]["param_groups"][0]["lr"]
+    assert f"at global step 3 (epoch 0), lr {lr:.6f}" in log
+    assert steps_logged(log) == [1, 2, 3, 4, 5, 6]
+    scheduler = torch.load(output / "checkpoint.pt", weights_only=True)["scheduler"]
+    assert scheduler["last_epoch"] == 6
+
+
+def test_an_existing_run_is_never_overwritten_without_resume(data, tmp_path):
+    output = tmp_path / "run"
+    assert train(data, output, "max_steps=1").returncode == 0
+    before = {p.name: digest(p) for p in output.iterdir() if p.is_file()}
+    again = train(data, output, "max_steps=1")
+    assert again.returncode != 0
+    assert again.stderr.strip().splitlines() == [
+        f"error: output folder {output} already holds a run (backbone.pth, checkpoint.pt, tensorboard); pass "
+        "--resume to continue it, or choose a new folder with --set output=<folder>"]
+    assert {p.name: digest(p) for p in output.iterdir() if p.is_file()} == before
+
+
+def test_starting_from_a_bare_backbone_is_logged(data, tmp_path):
+    weights = tmp_path / "arcface_torch_model.pt"
+    torch.manual_seed(1)
+    torch.save(get_model("r18", num_features=32, width_mult=0.125).state_dict(), weights)
+    output = tmp_path / "finetune"
+    result = train(data, output, "max_steps=1", f"resume={weights}")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert f"initialised the backbone from {weights} (a bare backbone" in (output / "training.log").read_text()

@@ -1,0 +1,132 @@
+"""Training log: rank 0 writes `output/training.log` and stdout in arcface_torch's style, and
+TensorBoard scalars under `output/tensorboard`; other ranks only report warnings and errors."""
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import sys
+import time
+from collections.abc import Iterator, Sequence
+
+from utils.distributed import is_main, rank
+
+LOG_NAME = "training.log"
+LOG_FORMAT = "Training: %(asctime)s-%(message)s"
+
+
+def setup_logging(output_dir: str) -> logging.Logger:
+    """Configure the root logger for this process (idempotent: earlier handlers are replaced)."""
+    root = logging.getLogger()
+    for handler in list(root.handlers):
+        root.removeHandler(handler)
+        handler.close()
+    if is_main():
+        root.setLevel(logging.INFO)
+        handlers = [logging.FileHandler(os.path.join(output_dir, LOG_NAME)), logging.StreamHandler(sys.stdout)]
+        formatter = logging.Formatter(LOG_FORMAT)
+    else:
+        root.setLevel(logging.WARNING)
+        handlers = [logging.StreamHandler(sys.stderr)]
+        formatter = logging.Formatter(f"Training[rank {rank()}]: %(asctime)s-%(message)s")
+    for handler in handlers:
+        handler.setFormatter(formatter)
+        root.addHandler(handler)
+    return root
+
+
+class AverageMeter:
+    """Mean of the values seen since the last reset."""
+
+    def __init__(self) -> None:
+        self.reset()
+
+    def reset(self) -> None:
+        self.sum = 0.0
+        self.count = 0
+
+    def update(self, value: float, n: int = 1) -> None:
+        self.sum += value * n
+        self.count += n
+
+    @property
+    def avg(self) -> float:
+        return self.sum / max(self.count, 1)
+
+
+def format_duration(seconds: float) -> str:
+    """Upstream prints whole hours ("Required: 3 hours"); short runs need minutes or seconds."""
+    if seconds >= 3600:
+        return f"{seconds / 3600:.0f} hours"
+    if seconds >= 60:
+        return f"{seconds / 60:.0f} minutes"
+    return f"{seconds:.0f} seconds"
+
+
+class SpeedLogger:
+    """Every `frequent` steps: one log line and TensorBoard scalars (rank 0 only).
+
+    Speed counts training time only: time spent inside `paused()` (verification, checkpoints) is
+    left out, so a verification pass does not show up as a slow step as it does upstream.
+    """
+
+    def __init__(self, frequent: int, total_steps: int, global_batch: int, num_views: int,
+                 summary_writer=None, start_step: int = 0) -> None:
+        self.frequent = frequent
+        self.total_steps = total_steps
+        self.global_batch = global_batch
+        self.num_views = num_views
+        self.writer = summary_writer
+        self.loss = AverageMeter()
+        self.view_losses = [AverageMeter() for _ in range(num_views)]
+        self._first_step = start_step
+        self._last_step = start_step
+        self._train_seconds = 0.0
+        self._window_seconds = 0.0
+        self._tic = time.perf_counter()
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        self._clock()
+        try:
+            yield
+        finally:
+            self._tic = time.perf_counter()
+
+    def _clock(self) -> None:
+        now = time.perf_counter()
+        self._window_seconds += now - self._tic
+        self._tic = now
+
+    def __call__(self, global_step: int, loss: float, view_losses: Sequence[float], epoch: int, lr: float,
+                 grad_scale: float | None = None) -> str | None:
+        """Record one step's losses; on logging steps return (and log) the line."""
+        self.loss.update(loss)
+        for meter, value in zip(self.view_losses, view_losses):
+            meter.update(value)
+        if global_step % self.frequent != 0 or not is_main():
+            return None
+        self._clock()
+        steps = global_step - self._last_step
+        self._train_seconds += self._window_seconds
+        samples_per_sec = steps * self.global_batch / max(self._window_seconds, 1e-9)
+        eta = self._train_seconds / max(global_step - self._first_step, 1) * (self.total_steps - global_step)
+        views = " ".join(f"v{i + 1} {m.avg:.2f}" for i, m in enumerate(self.view_losses))
+        line = (f"Speed {samples_per_sec:.2f} samples/sec {samples_per_sec * self.num_views:.2f} images/sec   "
+                f"Loss {self.loss.avg:.4f} ({views})   LR {lr:.4f}   Epoch: {epoch}   Global Step: {global_step}   ")
+        if grad_scale is not None:
+            line += f"Fp16 Grad Scale: {grad_scale:.0f}   "
+        line += f"Required: {format_duration(max(eta, 0.0))}"
+        logging.info(line)
+        if self.writer is not None:
+            self.writer.add_scalar("loss", self.loss.avg, global_step)
+            for i, meter in enumerate(self.view_losses):
+                self.writer.add_scalar(f"loss_view{i + 1}", meter.avg, global_step)
+            self.writer.add_scalar("learning_rate", lr, global_step)
+            self.writer.add_scalar("samples_per_sec", samples_per_sec, global_step)
+        self.loss.reset()
+        for meter in self.view_losses:
+            meter.reset()
+        self._last_step = global_step
+        self._window_seconds = 0.0
+        return line
