@@ -16,32 +16,25 @@ MOBILEFACENET_CONFIGS: dict[str, tuple[tuple[int, int, int, int], int]] = {
 class ConvBlock(nn.Module):
     """conv -> BN -> PReLU."""
 
+    activation = True
+
     def __init__(self, in_c: int, out_c: int, kernel: int = 1, stride: int = 1, padding: int = 0,
                  groups: int = 1) -> None:
         super().__init__()
-        self.layers = nn.Sequential(
+        layers = [
             nn.Conv2d(in_c, out_c, kernel, stride=stride, padding=padding, groups=groups, bias=False),
             nn.BatchNorm2d(out_c),
-            nn.PReLU(out_c),
-        )
+        ]
+        self.layers = nn.Sequential(*layers, *([nn.PReLU(out_c)] if self.activation else []))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.layers(x)
 
 
-class LinearBlock(nn.Module):
+class LinearBlock(ConvBlock):
     """conv -> BN, no activation."""
 
-    def __init__(self, in_c: int, out_c: int, kernel: int = 1, stride: int = 1, padding: int = 0,
-                 groups: int = 1) -> None:
-        super().__init__()
-        self.layers = nn.Sequential(
-            nn.Conv2d(in_c, out_c, kernel, stride=stride, padding=padding, groups=groups, bias=False),
-            nn.BatchNorm2d(out_c),
-        )
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.layers(x)
+    activation = False
 
 
 class DepthWise(nn.Module):
