@@ -42,9 +42,9 @@ def scaled_width(channels: int, width_mult: float, what: str = "channel count") 
 class FaceBackbone(nn.Module):
     """An image -> embedding network split into a trunk and an embedding head.
 
-    With ``fp16=True`` the trunk runs under autocast and the head always in float32, so the
-    embedding the margin softmax sees is float32 whatever precision the caller asked for (the head
-    also leaves any autocast the caller opened, e.g. a training loop wrapping the whole step).
+    With ``fp16=True`` the trunk runs under autocast; with ``fp16=False`` it runs in whatever
+    precision the caller chose (float32, or a bfloat16 autocast around the call). The head always
+    runs in float32, outside any autocast, so the embedding the margin softmax sees is float32.
     Subclasses implement ``forward_trunk`` and ``forward_head``; their parameters stay direct
     attributes so that ``state_dict()`` keys are exactly arcface_torch's.
     """
@@ -60,7 +60,9 @@ class FaceBackbone(nn.Module):
         raise NotImplementedError
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        with _autocast(x.device.type, enabled=self.fp16):
+        # fp16=False leaves the trunk to whatever autocast the caller opened (e.g. train.py's bf16).
+        trunk_precision = _autocast(x.device.type, enabled=True) if self.fp16 else contextlib.nullcontext()
+        with trunk_precision:
             x = self.forward_trunk(x)
         with _autocast(x.device.type, enabled=False):
             return self.forward_head(at_least_float32(x))

@@ -207,6 +207,18 @@ def test_fp16_runs_the_trunk_in_half_precision_and_the_head_in_float32(name, tru
     assert F.cosine_similarity(out, reference).min() > 0.99
 
 
+def test_without_fp16_the_trunk_follows_the_callers_autocast_and_the_head_stays_float32():
+    model = get_model("r18", width_mult=SMALL).eval()
+    seen = {}
+    model.layer4.register_forward_hook(lambda m, i, o: seen.__setitem__("trunk", o.dtype))
+    model.fc.register_forward_hook(lambda m, i, o: seen.__setitem__("head", o.dtype))
+    with torch.no_grad():
+        assert model(images(2)).dtype == torch.float32 and seen == {"trunk": torch.float32, "head": torch.float32}
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            assert model(images(2)).dtype == torch.float32
+    assert seen == {"trunk": torch.bfloat16, "head": torch.float32}
+
+
 # --- maths against float64 references ------------------------------------------------------
 
 
