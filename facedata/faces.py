@@ -3,12 +3,13 @@ from __future__ import annotations
 
 import logging
 import os
+from functools import partial
 
 import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from facedata.augment import flip_views, jitter, sample_rng
+from facedata.augment import SampleRandom, flip_views, jitter
 from facedata.errors import DataError
 from facedata.images import BadImageError, split_views
 from facedata.sources import FolderSource, RecSource, SyntheticSource
@@ -36,10 +37,10 @@ class FaceDataset(Dataset):
         return len(self.source)
 
     def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
-        images, label, skipped = self.load(index, epoch=0)
-        return images, label
+        images, label, _ = self.load(index, epoch=0)
+        return images, torch.tensor(label, dtype=torch.int64)
 
-    def load(self, index: int, epoch: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+    def load(self, index: int, epoch: int) -> tuple[torch.Tensor, int, int]:
         """(images, label, records skipped to produce them); a bad record is replaced by the next
         sample (deterministically) when ``skip_bad_records`` is set."""
         skipped = 0
@@ -47,7 +48,7 @@ class FaceDataset(Dataset):
             candidate = (index + attempt) % len(self)
             try:
                 images, label = self._views(candidate, epoch)
-                return images, torch.tensor(label, dtype=torch.int64), skipped
+                return images, label, skipped
             except BadImageError as err:
                 if not self.skip_bad_records:
                     raise
@@ -59,19 +60,21 @@ class FaceDataset(Dataset):
                         "check that the dataset path points at the right files")
 
     def _views(self, index: int, epoch: int) -> tuple[torch.Tensor, int]:
-        rng = sample_rng(self.seed, epoch, index)
+        rng = SampleRandom(self.seed, epoch, index)
         image, label = self._checked(index)
         if self.view_source == "record":
-            views = split_views(image, self.num_views, self.source.describe(index)).contiguous()
+            # Decoders hand back (H, W, 3) memory: one copy into (V, 3, H, H) makes the flips and
+            # the batching that follow plain contiguous copies.
+            views = split_views(image, self.num_views, partial(self.source.describe, index)).contiguous()
         elif self.view_source == "identity":
             views = torch.stack([self._single_view(image, index)]
-                                + [self._same_identity_view(index, label, int(other))
+                                + [self._same_identity_view(index, label, other)
                                    for other in self._draw_others(index, rng)])
         else:
             view = self._single_view(image, index)
             views = torch.stack([jitter(view, rng) for _ in range(self.num_views)])
         if self.flip:
-            views = flip_views(views, rng.random(self.num_views) < 0.5)
+            flip_views(views, rng)
         return views, label
 
     def _checked(self, index: int) -> tuple[torch.Tensor, int]:
@@ -82,12 +85,13 @@ class FaceDataset(Dataset):
                             "or re-pack the dataset with labels 0..C-1")
         return image, label
 
-    def _draw_others(self, index: int, rng) -> list[int]:
+    def _draw_others(self, index: int, rng: SampleRandom) -> list[int]:
+        """The other views' samples: other images of the identity (the anchor itself when alone)."""
         members = self.source.identities.members(index)
         others = members[members != index]
         if len(others) == 0:
             return [index] * (self.num_views - 1)
-        return list(rng.choice(others, size=self.num_views - 1, replace=len(others) < self.num_views - 1))
+        return [int(others[i]) for i in rng.picks(len(others), self.num_views - 1)]
 
     def _same_identity_view(self, anchor: int, anchor_label: int, index: int) -> torch.Tensor:
         image, label = self._checked(index)
@@ -100,7 +104,7 @@ class FaceDataset(Dataset):
     def _single_view(self, image: torch.Tensor, index: int) -> torch.Tensor:
         fix = (f"view_source={self.view_source!r} takes one view per record; use view_source='record' "
                "for records that hold several views side by side")
-        return split_views(image, 1, self.source.describe(index), fix)[0]
+        return split_views(image, 1, partial(self.source.describe, index), fix)[0]
 
 
 def _source_for(path: str, num_views: int, view_source: str, num_classes: int | None, seed: int):

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+from functools import partial
 
 import numpy as np
 import torch
@@ -94,7 +95,7 @@ class RecSource:
 
     def load(self, index: int) -> tuple[torch.Tensor, int]:
         header, payload = unpack(self.reader.read(int(self.keys[index])))
-        return decode(payload, self.describe(index)), int(header_label(header))
+        return decode(payload, partial(self.describe, index)), int(header_label(header))
 
 
 class FolderSource:
@@ -129,7 +130,7 @@ class FolderSource:
     def load(self, index: int) -> tuple[torch.Tensor, int]:
         with open(self.paths[index], "rb") as f:
             payload = f.read()
-        return decode(payload, self.describe(index)), int(self.labels[index])
+        return decode(payload, partial(self.describe, index)), int(self.labels[index])
 
 
 class SyntheticSource:

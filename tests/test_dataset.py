@@ -19,6 +19,15 @@ PAIRS = os.path.join(FIXTURES, "pairs.rec")
 FLAT = os.path.join(FIXTURES, "flat.rec")
 
 
+@pytest.fixture(autouse=True, scope="module")
+def one_torch_thread():
+    """Tiny tensor ops spread over threads cost milliseconds each on a busy 2-core machine."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 def fixture_images(name: str) -> dict[int, tuple[torch.Tensor, int]]:
     """key -> (decoded (3, H, W) image, label) straight from torchvision, for the manifest's image records."""
     reader = RecordReader(os.path.join(FIXTURES, f"{name}.idx"), os.path.join(FIXTURES, f"{name}.rec"))

@@ -14,6 +14,15 @@ from facedata.synthetic import render_faces
 NUM_SAMPLES = 30
 
 
+@pytest.fixture(autouse=True, scope="module")
+def one_torch_thread():
+    """Tiny tensor ops spread over threads cost milliseconds each on a busy 2-core machine."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="module")
 def pair_rec(tmp_path_factory) -> str:
     """One two-view record per identity, so a label names its sample index."""
