@@ -79,9 +79,11 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _report(error: BaseException) -> None:
-    # Config errors happen identically on every process before any work: one copy is enough.
-    if is_main() or not isinstance(error, ConfigError):
-        prefix = f"[rank {rank()}] " if world() > 1 and not is_main() else ""
+    # Config errors happen identically on every process, before the process group exists: one
+    # copy is enough. RANK (set by torchrun) tells the processes apart before and after.
+    process = int(os.environ.get("RANK", "0"))
+    if process == 0 or not isinstance(error, ConfigError):
+        prefix = f"[rank {process}] " if process else ""
         print(f"error: {prefix}{error}", file=sys.stderr, flush=True)
 
 
@@ -135,6 +137,15 @@ def build_optimizer(cfg: SimpleNamespace, backbone: nn.Module, pfc: PartialFC) -
     if cfg.optimizer == "sgd":
         return torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
     return torch.optim.AdamW(groups, lr=cfg.lr, weight_decay=cfg.weight_decay)
+
+
+def build_training(cfg: SimpleNamespace, num_classes: int, device: torch.device, steps_per_epoch: int) -> Model:
+    """Everything a step needs, single-process (the caller wraps `forward` in DDP when world > 1)."""
+    backbone, pfc = build_model(cfg, num_classes, device)
+    optimizer = build_optimizer(cfg, backbone, pfc)
+    scheduler = build_scheduler(optimizer, steps_per_epoch * cfg.warmup_epoch, steps_per_epoch * cfg.num_epoch)
+    scaler = torch.amp.GradScaler(device.type, enabled=cfg.fp16, growth_interval=100)
+    return Model(backbone=backbone, forward=backbone, pfc=pfc, optimizer=optimizer, scheduler=scheduler, scaler=scaler)
 
 
 def model_info(cfg: SimpleNamespace, num_classes: int) -> dict:
@@ -216,7 +227,7 @@ def _forward_backward(model: Model, images: torch.Tensor, labels: torch.Tensor, 
     return torch.cat([loss.detach().reshape(1), model.pfc.last_view_losses.to(loss.device)])
 
 
-def _train_step(model: Model, micro_batches, cfg, inject_nan: bool) -> tuple[list[float], float]:
+def train_step(model: Model, micro_batches, cfg, inject_nan: bool = False) -> tuple[list[float], float]:
     """One optimizer step over `gradient_acc` micro-batches. Returns ([loss, view losses...], verdict):
     verdict 0 = stepped, else the step was skipped on every rank (LOSS_/GRAD_NONFINITE)."""
     stats = []
@@ -284,11 +295,8 @@ def _run(cfg: SimpleNamespace, device: torch.device, source) -> dict[str, float]
         raise ConfigError(f"an epoch has {len(loader)} batches per process, fewer than gradient_acc="
                           f"{cfg.gradient_acc}; lower gradient_acc or batch_size")
     total_steps = steps_per_epoch * cfg.num_epoch
-    backbone, pfc = build_model(cfg, dataset.num_classes, device)
-    optimizer = build_optimizer(cfg, backbone, pfc)
-    model = Model(backbone=backbone, forward=backbone, pfc=pfc, optimizer=optimizer,
-                  scheduler=build_scheduler(optimizer, steps_per_epoch * cfg.warmup_epoch, total_steps),
-                  scaler=torch.amp.GradScaler(device.type, enabled=cfg.fp16, growth_interval=100))
+    model = build_training(cfg, dataset.num_classes, device, steps_per_epoch)
+    backbone, optimizer = model.backbone, model.optimizer
     progress = Progress(steps_per_epoch=steps_per_epoch)
     info = model_info(cfg, dataset.num_classes)
     # Per-rank streams for centre sampling and dropout (a resume replaces them with the saved ones).
@@ -306,11 +314,15 @@ def _run(cfg: SimpleNamespace, device: torch.device, source) -> dict[str, float]
              len(dataset), dataset.num_classes, world(), steps_per_epoch, total_steps, progress.global_step)
 
     def save() -> None:
-        with speed.paused():
-            _save(cfg, model, loader, progress, info)
+        nonlocal saved_at
+        if saved_at != progress.global_step:
+            with speed.paused():
+                _save(cfg, model, loader, progress, info)
+            saved_at = progress.global_step
 
     results: dict[str, float] = {}
-    verified_at = -1
+    verified_at = saved_at = -1
+    model.backbone.train()  # verification leaves it in train mode again
     while progress.global_step < stop_at:
         loader.set_epoch(progress.epoch)
         batches = iter(loader)
@@ -320,10 +332,9 @@ def _run(cfg: SimpleNamespace, device: torch.device, source) -> dict[str, float]
             if pending_rng is not None:
                 set_rng_state(pending_rng)
                 pending_rng = None
-            model.backbone.train()
             inject = is_main() and (progress.global_step + 1) in cfg.debug_nan_steps
             epoch, lr = progress.epoch, optimizer.param_groups[0]["lr"]  # of this step, for the log
-            losses, verdict = _train_step(model, micro_batches, cfg, inject)
+            losses, verdict = train_step(model, micro_batches, cfg, inject)
             progress.global_step += 1
             _check_nonfinite(verdict, progress, cfg)
             if not verdict:

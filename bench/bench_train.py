@@ -1,0 +1,138 @@
+"""Training-step throughput: one view vs two views in one backbone pass vs two views in two passes.
+
+    .venv/bin/python bench/bench_train.py                      # CPU, tiny r18, a couple of minutes
+    .venv/bin/python bench/bench_train.py --device cuda --network r50 --width-mult 1 \\
+        --embedding-size 512 --batch-size 128 --fp16 --steps 100 --rounds 2   # what bench/gpu.sh runs
+
+Modes, each a full optimizer step (normalise, backbone, PartialFC, backward, clip, SGD, LR step)
+on random uint8 images already on the device (no decoding):
+  (a) one view,  B records = B images                  train.py's train_step
+  (b) two views, B records = 2B images, one pass        train.py's train_step
+  (c) two views, B records = 2B images, two passes      the same step with one backbone call per view
+The modes run interleaved in rounds and each reports its median step time, so a machine shared
+with other work (as this 2-core CPU is) slows all of them alike. Target: (b) <= 2.0x (a), (b) < (c).
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from train import Model, build_training, train_step  # noqa: E402
+from utils.config import load_config  # noqa: E402
+from utils.image import normalize  # noqa: E402
+
+MODES = {"a": ("one view", 1), "b": ("two views, one pass", 2), "c": ("two views, two passes", 2)}
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--network", default="r18")
+    parser.add_argument("--width-mult", type=float, default=0.125)
+    parser.add_argument("--embedding-size", type=int, default=128)
+    parser.add_argument("--batch-size", type=int, default=16, help="records per step (B)")
+    parser.add_argument("--classes", type=int, default=1000)
+    parser.add_argument("--fp16", action="store_true")
+    parser.add_argument("--steps", type=int, default=3, help="timed steps per mode per round")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--modes", default="abc")
+    parser.add_argument("--threads", type=int, default=0, help="CPU threads (0: torch's default)")
+    return parser.parse_args(argv)
+
+
+def two_pass_step(model: Model, micro_batches, cfg, inject_nan: bool = False) -> None:
+    """Mode (c): what a loop that calls the backbone once per view does; everything else as train_step."""
+    ((images, labels),) = micro_batches
+    views = [model.backbone(normalize(images[:, v])) for v in range(images.shape[1])]
+    loss = model.pfc(views, labels)
+    model.scaler.scale(loss).backward()
+    model.scaler.unscale_(model.optimizer)
+    torch.nn.utils.clip_grad_norm_(model.backbone.parameters(), cfg.max_grad_norm)
+    model.scaler.step(model.optimizer)
+    model.scaler.update()
+    model.optimizer.zero_grad(set_to_none=True)
+    model.scheduler.step()
+    loss.item()  # train_step reads the loss every step too
+
+
+def make_mode(args, mode: str, device: torch.device):
+    _, views = MODES[mode]
+    cfg = load_config(ROOT / "configs" / "synthetic_pair.py", [
+        f"network={args.network}", f"network_kwargs={{'width_mult': {args.width_mult}}}",
+        f"embedding_size={args.embedding_size}", f"num_views={views}", f"fp16={args.fp16}",
+        f"batch_size={args.batch_size}", "num_epoch=1000"])
+    model = build_training(cfg, args.classes, device, steps_per_epoch=1000)
+    generator = torch.Generator().manual_seed(0)
+    images = torch.randint(0, 256, (args.batch_size, views, 3, 112, 112), dtype=torch.uint8, generator=generator)
+    labels = torch.randint(0, args.classes, (args.batch_size,), generator=generator)
+    batch = [(images.to(device), labels.to(device))]
+    step = two_pass_step if mode == "c" else train_step
+    return lambda: step(model, batch, cfg)
+
+
+def timed(step, steps: int, device: torch.device) -> float:
+    """Seconds per step."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    start = time.perf_counter()
+    for _ in range(steps):
+        step()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return (time.perf_counter() - start) / steps
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    device = torch.device(args.device)
+    steps = {mode: make_mode(args, mode, device) for mode in args.modes}
+    peak = {}
+    for mode, step in steps.items():  # warm-up (allocator, kernels) and peak memory of one step
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+        step()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+            peak[mode] = torch.cuda.max_memory_allocated(device) / 2**30
+    times = {mode: [] for mode in steps}
+    for _ in range(args.rounds):
+        for mode, step in steps.items():
+            times[mode].append(timed(step, args.steps, device))
+    median = {mode: statistics.median(t) for mode, t in times.items()}
+
+    where = (torch.cuda.get_device_name(device) if device.type == "cuda"
+             else f"CPU, {torch.get_num_threads()} threads (2 shared cores here: absolute numbers vary, ratios hold)")
+    print(f"bench_train: {args.network} width {args.width_mult}, embedding {args.embedding_size}, B={args.batch_size} "
+          f"records, {args.classes} classes, fp16={args.fp16}, {where}; median of {args.rounds} rounds x "
+          f"{args.steps} steps")
+    header = f"{'mode':<30}{'images/step':>12}{'steps/s':>10}{'samples/s':>11}{'images/s':>10}{'time vs (a)':>13}"
+    if peak:
+        header += f"{'peak GiB':>10}"
+    print(header)
+    for mode, seconds in median.items():
+        name, views = MODES[mode]
+        row = (f"({mode}) {name:<26}{args.batch_size * views:>12}{1 / seconds:>10.2f}{args.batch_size / seconds:>11.1f}"
+               f"{args.batch_size * views / seconds:>10.1f}")
+        row += f"{seconds / median['a']:>12.2f}x" if "a" in median else f"{'':>13}"
+        if peak:
+            row += f"{peak[mode]:>10.2f}"
+        print(row)
+    if {"a", "b", "c"} <= set(median):
+        ratio, versus = median["b"] / median["a"], median["c"] / median["b"]
+        verdict = "met" if ratio <= 2.0 and versus > 1.0 else "NOT met"
+        print(f"(b) costs {ratio:.2f}x (a) (target <= 2.0x); (c) costs {versus:.2f}x (b) (target > 1.0x): {verdict}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
