@@ -6,6 +6,8 @@ with any ``num_workers`` and from any resume point.
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
 import torch
 
@@ -61,25 +63,31 @@ class SampleRandom:
         return picked
 
 
-def flip_views(views: torch.Tensor, rng: SampleRandom) -> torch.Tensor:
-    """Mirror each view of a contiguous (V, 3, H, W) tensor horizontally with probability 1/2,
-    independently, in place.
+def coins(rng: SampleRandom, count: int) -> list[bool]:
+    """``count`` fair coin flips (one per view: the horizontal-flip decisions)."""
+    flips: list[bool] = []
+    while len(flips) < count:
+        bits = rng.bits()
+        flips += [bool(bits >> i & 1) for i in range(min(64, count - len(flips)))]
+    return flips
 
-    numpy does the per-sample pixel work here and in :func:`jitter`: it never spreads a 37 kB
+
+def assemble(views: Sequence[np.ndarray], flips: Sequence[bool]) -> torch.Tensor:
+    """(3, H, W) uint8 views of any memory layout -> one new contiguous (V, 3, H, W) tensor, view v
+    mirrored horizontally where ``flips[v]``.
+
+    One numpy copy does layout, flip and stacking together: decoders hand back (H, W, 3) memory,
+    and numpy mirrors through a negative stride for free. numpy also never spreads such a small
     copy over threads, which torch does in a multi-threaded main process at a thousand times the cost.
     """
-    pixels = views.numpy()
-    for v in range(len(pixels)):
-        if v % 64 == 0:
-            coins = rng.bits()
-        if coins >> (v % 64) & 1:
-            pixels[v] = pixels[v, :, :, ::-1]
-    return views
+    out = np.empty((len(views), *views[0].shape), dtype=np.uint8)
+    for v, (view, flip) in enumerate(zip(views, flips)):
+        out[v] = view[:, :, ::-1] if flip else view
+    return torch.from_numpy(out)
 
 
-def jitter(view: torch.Tensor, rng: SampleRandom) -> torch.Tensor:
+def jitter(pixels: np.ndarray, rng: SampleRandom) -> np.ndarray:
     """One "augment" view: a random shift (edges repeated), brightness and contrast of (3, H, W) uint8."""
-    pixels = view.numpy()
     _, height, width = pixels.shape
     dy, dx = rng.below(2 * MAX_SHIFT + 1) - MAX_SHIFT, rng.below(2 * MAX_SHIFT + 1) - MAX_SHIFT
     rows = np.clip(np.arange(height) - dy, 0, height - 1)
@@ -88,4 +96,4 @@ def jitter(view: torch.Tensor, rng: SampleRandom) -> torch.Tensor:
     brightness, contrast = rng.uniform(*BRIGHTNESS), rng.uniform(*CONTRAST)
     mean = shifted.mean()
     out = (shifted - mean) * np.float32(contrast) + np.float32(mean * brightness)
-    return torch.from_numpy(np.clip(np.rint(out), 0, 255).astype(np.uint8))
+    return np.clip(np.rint(out), 0, 255).astype(np.uint8)

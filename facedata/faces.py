@@ -9,7 +9,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from facedata.augment import SampleRandom, flip_views, jitter
+from facedata.augment import SampleRandom, assemble, coins, jitter
 from facedata.errors import DataError
 from facedata.images import BadImageError, split_views
 from facedata.sources import FolderSource, RecSource, SyntheticSource
@@ -63,19 +63,15 @@ class FaceDataset(Dataset):
         rng = SampleRandom(self.seed, epoch, index)
         image, label = self._checked(index)
         if self.view_source == "record":
-            # Decoders hand back (H, W, 3) memory: one copy into (V, 3, H, H) makes the flips and
-            # the batching that follow plain contiguous copies.
-            views = split_views(image, self.num_views, partial(self.source.describe, index)).contiguous()
+            views = split_views(image, self.num_views, partial(self.source.describe, index))
         elif self.view_source == "identity":
-            views = torch.stack([self._single_view(image, index)]
-                                + [self._same_identity_view(index, label, other)
-                                   for other in self._draw_others(index, rng)])
+            views = [self._single_view(image, index)] + [self._same_identity_view(index, label, other)
+                                                         for other in self._draw_others(index, rng)]
         else:
             view = self._single_view(image, index)
-            views = torch.stack([jitter(view, rng) for _ in range(self.num_views)])
-        if self.flip:
-            flip_views(views, rng)
-        return views, label
+            views = [jitter(view, rng) for _ in range(self.num_views)]
+        flips = coins(rng, self.num_views) if self.flip else [False] * self.num_views
+        return assemble(views, flips), label
 
     def _checked(self, index: int) -> tuple[torch.Tensor, int]:
         image, label = self.source.load(index)
@@ -93,7 +89,7 @@ class FaceDataset(Dataset):
             return [index] * (self.num_views - 1)
         return [int(others[i]) for i in rng.picks(len(others), self.num_views - 1)]
 
-    def _same_identity_view(self, anchor: int, anchor_label: int, index: int) -> torch.Tensor:
+    def _same_identity_view(self, anchor: int, anchor_label: int, index: int) -> np.ndarray:
         image, label = self._checked(index)
         if label != anchor_label:
             raise DataError(f"{self.source.describe(index)} has label {label} but sits in the identity of "
@@ -101,7 +97,7 @@ class FaceDataset(Dataset):
                             "with the labels, re-pack the dataset with tools/pack_rec.py")
         return self._single_view(image, index)
 
-    def _single_view(self, image: torch.Tensor, index: int) -> torch.Tensor:
+    def _single_view(self, image: torch.Tensor, index: int) -> np.ndarray:
         fix = (f"view_source={self.view_source!r} takes one view per record; use view_source='record' "
                "for records that hold several views side by side")
         return split_views(image, 1, partial(self.source.describe, index), fix)[0]

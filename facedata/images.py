@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import numpy as np
 import torch
 from torchvision.io import ImageReadMode, decode_image
 
@@ -36,8 +37,8 @@ def decode(payload: bytes, where: Callable[[], str]) -> torch.Tensor:
 
 
 def split_views(image: torch.Tensor, num_views: int, where: Callable[[], str], fix: str | None = None
-                ) -> torch.Tensor:
-    """(3, H, V*H) -> (V, 3, H, H) view (no copy): the V square views a record holds side by side.
+                ) -> list[np.ndarray]:
+    """(3, H, V*H) -> V numpy views (3, H, H), no copy: the square views a record holds side by side.
 
     ``where()`` describes the record and ``fix`` what to change when it does not hold V views.
     """
@@ -50,4 +51,5 @@ def split_views(image: torch.Tensor, num_views: int, where: Callable[[], str], f
     if height != IMAGE_SIZE:
         raise DataError(f"{where()} holds {height}x{height} views but training needs {IMAGE_SIZE}x{IMAGE_SIZE}; "
                         "re-pack with tools/pack_rec.py, which resizes or pads to 112x112")
-    return image.view(3, height, num_views, height).permute(2, 0, 1, 3)
+    pixels = image.numpy()
+    return [pixels[:, :, v * height:(v + 1) * height] for v in range(num_views)]
