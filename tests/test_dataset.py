@@ -1,6 +1,7 @@
 """The face dataset: views from records, identities and augmentation; errors naming file and record."""
 from __future__ import annotations
 
+import io
 import json
 import logging
 import os
@@ -11,21 +12,13 @@ import torch
 from PIL import Image
 from torchvision.io import decode_jpeg
 
-from dataset import DataError, IRHeader, RecordReader, RecordWriter, build_dataset, pack, unpack
+from dataset import DataError, RecordReader, RecordWriter, build_dataset, pack, unpack
+from tests.data_helpers import one_torch_thread  # noqa: F401 (autouse)
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures", "recordio")
 MANIFEST = json.load(open(os.path.join(FIXTURES, "expected.json")))["files"]
 PAIRS = os.path.join(FIXTURES, "pairs.rec")
 FLAT = os.path.join(FIXTURES, "flat.rec")
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_torch_thread():
-    """Tiny tensor ops spread over threads cost milliseconds each on a busy 2-core machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def fixture_images(name: str) -> dict[int, tuple[torch.Tensor, int]]:
@@ -159,7 +152,6 @@ def test_identity_source_over_a_packed_identity_table(tmp_path):
 
 
 def _png_bytes(image: Image.Image) -> bytes:
-    import io
     out = io.BytesIO()
     image.save(out, format="PNG")
     return out.getvalue()

@@ -7,20 +7,12 @@ import pytest
 import torch
 from torch.utils.data import DistributedSampler
 
-from dataset import build_dataset, build_loader
+from dataset import RecordReader, RecordWriter, build_dataset, build_loader, pack, unpack
 from facedata.packing import InsightfaceWriter, encode, side_by_side
 from facedata.synthetic import render_faces
+from tests.data_helpers import one_torch_thread  # noqa: F401 (autouse)
 
 NUM_SAMPLES = 30
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_torch_thread():
-    """Tiny tensor ops spread over threads cost milliseconds each on a busy 2-core machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")
@@ -123,7 +115,6 @@ def test_resume_with_another_global_batch_keeps_the_share_of_the_epoch(pair_rec,
 
 def test_skipped_records_are_summed_over_workers(tmp_path, pair_rec):
     # Damage two records; each time the epoch meets one, the next sample stands in and it is counted.
-    from dataset import RecordReader, RecordWriter, pack, unpack
     reader = RecordReader(f"{pair_rec}/train.idx", f"{pair_rec}/train.rec")
     bad_keys = {5, 17}
     with RecordWriter(str(tmp_path / "train.idx"), str(tmp_path / "train.rec")) as writer:
