@@ -12,7 +12,7 @@ from torch.utils.data import Dataset
 from facedata.augment import SampleRandom, assemble, coins, jitter
 from facedata.errors import DataError
 from facedata.images import BadImageError, split_views
-from facedata.sources import FolderSource, RecSource, SyntheticSource
+from facedata.sources import FolderSource, RecSource, Source, SyntheticSource
 
 log = logging.getLogger(__name__)
 
@@ -26,7 +26,7 @@ class FaceDataset(Dataset):
     sample's flips and view draws depend only on (seed, epoch, index).
     """
 
-    def __init__(self, source, num_views: int, view_source: str, num_classes: int, flip: bool,
+    def __init__(self, source: Source, num_views: int, view_source: str, num_classes: int, flip: bool,
                  skip_bad_records: bool, seed: int) -> None:
         self.source = source
         self.num_views, self.view_source, self.num_classes = num_views, view_source, num_classes
@@ -103,7 +103,7 @@ class FaceDataset(Dataset):
         return split_views(image, 1, partial(self.source.describe, index), fix)[0]
 
 
-def _source_for(path: str, num_views: int, view_source: str, num_classes: int | None, seed: int):
+def _source_for(path: str, num_views: int, view_source: str, num_classes: int | None, seed: int) -> Source:
     if path == "synthetic":
         if num_classes is None:
             raise DataError("the synthetic speed mode needs num_classes; set num_classes in the config")
@@ -142,5 +142,5 @@ def build_dataset(path: str, num_views: int = 1, view_source: str = "record", nu
     if num_classes is not None and num_classes > source.num_classes:
         log.info("%s holds %d classes; the classifier gets num_classes=%d as configured",
                  path, source.num_classes, num_classes)
-    return FaceDataset(source, num_views, view_source, num_classes or source.num_classes, flip,
-                       skip_bad_records, seed)
+    return FaceDataset(source, num_views, view_source, source.num_classes if num_classes is None else num_classes,
+                       flip, skip_bad_records, seed)

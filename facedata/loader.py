@@ -14,6 +14,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, default_collate
 
 from facedata.errors import DataError
+from facedata.faces import FaceDataset
 
 log = logging.getLogger(__name__)
 
@@ -46,7 +47,7 @@ class EpochOrder:
 class _EpochIndexed(Dataset):
     """Maps ``(epoch, index)`` to ``dataset.load(index, epoch)`` inside the workers."""
 
-    def __init__(self, dataset) -> None:
+    def __init__(self, dataset: FaceDataset) -> None:
         self.dataset = dataset
 
     def __len__(self) -> int:
@@ -60,7 +61,7 @@ class _EpochIndexed(Dataset):
 class FaceLoader:
     """Iterates ``(images uint8 (B, V, 3, 112, 112), labels int64 (B,))`` already on ``device``."""
 
-    def __init__(self, dataset, batch_size: int, rank: int, world_size: int, seed: int, num_workers: int,
+    def __init__(self, dataset: FaceDataset, batch_size: int, rank: int, world_size: int, seed: int, num_workers: int,
                  device: torch.device, drop_last: bool) -> None:
         self.dataset, self.device = dataset, device
         self.order = EpochOrder(len(dataset), batch_size, rank, world_size, seed, drop_last)
@@ -151,6 +152,9 @@ def _hand_over(tensors, skipped: torch.Tensor, ready: torch.cuda.Event, device: 
     return (*tensors, skipped)
 
 
-def build_loader(dataset, batch_size: int, *, rank: int = 0, world_size: int = 1, seed: int = 0,
+def build_loader(dataset: FaceDataset, batch_size: int, *, rank: int = 0, world_size: int = 1, seed: int = 0,
                  num_workers: int = 2, device: torch.device | str = "cpu", drop_last: bool = True) -> FaceLoader:
+    """The loader over ``dataset`` (a :class:`FaceDataset`) for this rank: ``len()`` batches per epoch."""
+    if not 0 <= rank < world_size or batch_size < 1:
+        raise ValueError(f"rank {rank} of world_size {world_size} with batch_size {batch_size} is not a valid setup")
     return FaceLoader(dataset, batch_size, rank, world_size, seed, num_workers, torch.device(device), drop_last)

@@ -156,7 +156,8 @@ class RecordReader:
         # A record ends where the next one (in file order) starts, so one read usually fetches it whole.
         boundaries = np.unique(np.append(offsets, self.file_size))
         self._extents = boundaries[np.searchsorted(boundaries, self._offsets, side="right")] - self._offsets
-        self._dense = bool(len(keys) == 0 or np.array_equal(self._keys, np.arange(self._keys[0], self._keys[0] + len(keys))))
+        # Keys k0, k0+1, ... (every file tools write) are found by subtraction instead of a search.
+        self._dense = len(keys) == 0 or np.array_equal(self._keys, self._keys[0] + np.arange(len(keys)))
         self._fd: int | None = None
         self._pid: int | None = None
         if len(keys):

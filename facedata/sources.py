@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import logging
 import os
-from functools import partial
+from functools import cached_property, partial
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -21,6 +22,21 @@ from facedata.recordio import RecordReader, header_label, unpack
 log = logging.getLogger(__name__)
 
 IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".webp")
+
+
+class Source(Protocol):
+    """What the dataset needs from where its samples come from."""
+
+    num_classes: int
+    labels: np.ndarray | None  # every sample's label when known without decoding, else None
+    identities: IdentityTable
+
+    def __len__(self) -> int: ...
+
+    def describe(self, index: int) -> str: ...
+
+    def load(self, index: int) -> tuple[torch.Tensor, int]:
+        """(uint8 (3, H, W) image, label); the image must not be written to."""
 
 
 class IdentityTable:
@@ -144,7 +160,11 @@ class SyntheticSource:
                                    generator=generator)
         self.num_classes = num_classes
         self.labels = None
-        self.identities = IdentityTable.from_labels(np.arange(self.LENGTH) % num_classes)
+
+    @cached_property
+    def identities(self) -> IdentityTable:
+        """Sample i belongs to identity i % num_classes (built only when the identity view source asks)."""
+        return IdentityTable.from_labels(np.arange(self.LENGTH) % self.num_classes)
 
     def __len__(self) -> int:
         return self.LENGTH
@@ -153,4 +173,4 @@ class SyntheticSource:
         return f"synthetic sample {index}"
 
     def load(self, index: int) -> tuple[torch.Tensor, int]:
-        return self.image.clone(), index % self.num_classes
+        return self.image, index % self.num_classes  # shared: the dataset copies views, never writes here
