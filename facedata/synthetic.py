@@ -5,7 +5,8 @@ nose and mouth geometry, a mark, glasses); a sample of it draws pose (shift, sca
 expression, lighting, background, occlusion and noise. Identity is therefore learnable (the
 traits survive every sample) but not trivial: raw pixels of two photos of one identity differ
 more than many photos of different identities do. Everything is a pure function of
-(seed, identity, sample), and images are drawn in vectorised batches (thousands per second).
+(seed, identity, sample). Each shape is evaluated only inside its bounding window, so one core
+draws several hundred faces a second (tools/make_synthetic.py spreads identities over processes).
 """
 from __future__ import annotations
 
@@ -16,7 +17,6 @@ import numpy as np
 from facedata.images import IMAGE_SIZE
 from facedata.packing import encode, side_by_side
 
-_BATCH = 256
 # Pixel-centre coordinates in [-1, 1] shared by every image.
 _AXIS = (np.arange(IMAGE_SIZE, dtype=np.float32) + 0.5) / IMAGE_SIZE * 2 - 1
 _X, _Y = np.meshgrid(_AXIS, _AXIS)
