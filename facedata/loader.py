@@ -55,7 +55,25 @@ class _EpochIndexed(Dataset):
 
     def __getitem__(self, epoch_index: tuple[int, int]):
         epoch, index = epoch_index
-        return self.dataset.load(index, epoch)
+        try:
+            return self.dataset.load(index, epoch)
+        except DataError as error:
+            # Returned, not raised: a DataLoader worker re-raises its exceptions with the worker's
+            # whole traceback pasted into the message, and the user is owed the one sentence.
+            return error
+
+
+def _collate(samples: list):
+    """A batch, or the first DataError among its samples (raised by the training process)."""
+    failed = next((sample for sample in samples if isinstance(sample, DataError)), None)
+    return failed if failed is not None else default_collate(samples)
+
+
+def _raise_errors(batches):
+    for batch in batches:
+        if isinstance(batch, DataError):
+            raise batch
+        yield batch
 
 
 class FaceLoader:
@@ -70,7 +88,7 @@ class FaceLoader:
                              f"{batch_size}; lower batch_size or use more data")
         on_gpu = device.type == "cuda"
         self._loader = DataLoader(_EpochIndexed(dataset), batch_sampler=self.order, num_workers=num_workers,
-                                  collate_fn=default_collate, pin_memory=on_gpu,
+                                  collate_fn=_collate, pin_memory=on_gpu,
                                   persistent_workers=num_workers > 0)
         self._consumed = 0
         self._restored = False
@@ -89,7 +107,9 @@ class FaceLoader:
         # A run restored at the end of an epoch has nothing left of it, as the uninterrupted one had.
         self._restored = False
         self.order.start_batch = self._consumed
-        batches = self._loader if self.device.type != "cuda" else _prefetch_to_gpu(self._loader, self.device)
+        batches = _raise_errors(self._loader)
+        if self.device.type == "cuda":
+            batches = _prefetch_to_gpu(batches, self.device)
         for images, labels, skipped in batches:
             self._consumed += 1
             self._note_skipped(int(skipped.sum()))
