@@ -7,7 +7,7 @@ import os
 from pathlib import Path
 from typing import IO
 
-from utils.checkpoint import find_resume_source
+from utils.checkpoint import BACKBONE_NAME, CHECKPOINT_NAME, find_resume_source
 
 LOCK_NAME = ".lock"
 
@@ -34,9 +34,13 @@ def resolve_resume(output: str, resume: bool | str) -> tuple[str, Path] | None:
 
 
 def _run_files(folder: Path) -> list[str]:
+    """The folder's entries when it holds a run's saved weights, else []."""
     if not folder.is_dir():
         return []
-    return sorted(entry.name for entry in folder.iterdir() if entry.name != LOCK_NAME)
+    entries = sorted(entry.name for entry in folder.iterdir() if entry.name != LOCK_NAME)
+    # Only saved weights make a run worth guarding: one that stopped before its first save (bad input,
+    # a crash) left a log and TensorBoard files, which the next start appends to without loss.
+    return entries if CHECKPOINT_NAME in entries or BACKBONE_NAME in entries else []
 
 
 def lock_run_dir(output: str) -> IO:
