@@ -87,9 +87,12 @@ class FaceLoader:
             raise DataError(f"the dataset's {len(dataset)} samples give rank {rank} of {world_size} no batch of "
                              f"{batch_size}; lower batch_size or use more data")
         on_gpu = device.type == "cuda"
+        # Its own generator: a DataLoader draws a worker seed each time it starts iterating, and from
+        # torch's global generator that draw would shift the centre sampling and dropout of the steps
+        # after every epoch start, which a run resumed at an epoch end does not replay.
         self._loader = DataLoader(_EpochIndexed(dataset), batch_sampler=self.order, num_workers=num_workers,
-                                  collate_fn=_collate, pin_memory=on_gpu,
-                                  persistent_workers=num_workers > 0)
+                                  collate_fn=_collate, pin_memory=on_gpu, persistent_workers=num_workers > 0,
+                                  generator=torch.Generator().manual_seed(seed))
         self._consumed = 0
         self._restored = False
         self.skipped = 0
