@@ -314,14 +314,17 @@ def _run(cfg: SimpleNamespace, device: torch.device, source) -> dict[str, float]
              len(dataset), dataset.num_classes, world(), steps_per_epoch, total_steps, progress.global_step)
 
     def save() -> None:
-        nonlocal saved_at
-        if saved_at != progress.global_step:
+        nonlocal saved_at, save_due
+        # While losses are non-finite the last good checkpoint stays; the save waits for a step taken.
+        save_due = progress.nonfinite_in_a_row > 0
+        if not save_due and saved_at != progress.global_step:
             with speed.paused():
                 _save(cfg, model, loader, progress, info)
             saved_at = progress.global_step
 
     results: dict[str, float] = {}
     verified_at = saved_at = -1
+    save_due = False
     model.backbone.train()  # verification leaves it in train mode again
     while progress.global_step < stop_at:
         loader.set_epoch(progress.epoch)
@@ -344,7 +347,7 @@ def _run(cfg: SimpleNamespace, device: torch.device, source) -> dict[str, float]
                 accuracy = verification(progress.global_step, backbone)
             if accuracy is not None:
                 results, verified_at = accuracy, progress.global_step
-            if cfg.save_every_steps and progress.global_step % cfg.save_every_steps == 0:
+            if save_due or (cfg.save_every_steps and progress.global_step % cfg.save_every_steps == 0):
                 save()
         batches.close()
         if progress.global_step % steps_per_epoch == 0 or progress.global_step == stop_at:
