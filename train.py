@@ -313,10 +313,11 @@ def _run(cfg: SimpleNamespace, device: torch.device, source) -> dict[str, float]
     log.info("%d records, %d classes, %d process(es), %d steps per epoch, %d steps in all, starting at step %d",
              len(dataset), dataset.num_classes, world(), steps_per_epoch, total_steps, progress.global_step)
 
-    def save() -> None:
+    def save(final: bool = False) -> None:
         nonlocal saved_at, save_due
-        # While losses are non-finite the last good checkpoint stays; the save waits for a step taken.
-        save_due = progress.nonfinite_in_a_row > 0
+        # While losses are non-finite the last good checkpoint stays (a stop for too many of them leaves
+        # it as it was); the save waits for a step taken, or for the end of the run.
+        save_due = progress.nonfinite_in_a_row > 0 and not final
         if not save_due and saved_at != progress.global_step:
             with speed.paused():
                 _save(cfg, model, loader, progress, info)
@@ -351,7 +352,7 @@ def _run(cfg: SimpleNamespace, device: torch.device, source) -> dict[str, float]
                 save()
         batches.close()
         if progress.global_step % steps_per_epoch == 0 or progress.global_step == stop_at:
-            save()
+            save(final=progress.global_step == stop_at)
     if verified_at != progress.global_step:
         with speed.paused():
             results = verification.evaluate_now(backbone, progress.global_step)
