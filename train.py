@@ -230,6 +230,9 @@ def _forward_backward(model: Model, images: torch.Tensor, labels: torch.Tensor, 
 def train_step(model: Model, micro_batches, cfg, inject_nan: bool = False) -> tuple[list[float], float]:
     """One optimizer step over `gradient_acc` micro-batches. Returns ([loss, view losses...], verdict):
     verdict 0 = stepped, else the step was skipped on every rank (LOSS_/GRAD_NONFINITE)."""
+    # BatchNorm statistics move during the forward pass, before the loss is known: kept to be put back
+    # when the step is skipped, so that a non-finite batch leaves the model exactly as it was.
+    statistics = [buffer.detach().clone() for buffer in model.backbone.buffers()]
     stats = []
     for i, (images, labels) in enumerate(micro_batches):
         last = i == len(micro_batches) - 1
@@ -245,6 +248,9 @@ def train_step(model: Model, micro_batches, cfg, inject_nan: bool = False) -> tu
     verdict = all_reduce_max(local)  # every rank steps, or none does
     if verdict:
         model.optimizer.zero_grad(set_to_none=True)
+        with torch.no_grad():
+            for buffer, kept in zip(model.backbone.buffers(), statistics):
+                buffer.copy_(kept)
         if model.scaler.is_enabled():
             model.scaler.update(model.scaler.get_scale() * model.scaler.get_backoff_factor())
     else:
