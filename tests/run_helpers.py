@@ -1,0 +1,173 @@
+"""Running train.py for the reliability tests and reading back what a run left.
+
+Three ways to run the real CLI: `run_here` calls `train.main` in this process (no import cost:
+a few tenths of a second per start), `start_child` forks a process that runs it (so a test can
+SIGKILL it or limit its file sizes), and `start_torchrun` launches 2 processes through torchrun.
+All of them take the same `--set` overrides.
+"""
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import io
+import logging
+import multiprocessing
+import os
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+import train
+from backbones import get_model
+from tests.test_train import digest
+from utils.checkpoint import CHECKPOINT_NAME, load_checkpoint
+
+ROOT = Path(__file__).resolve().parent.parent
+CONFIG = "configs/synthetic_pair.py"
+# 40 two-view records of 20 identities (the `data` fixture of tests/test_train.py), batch 4: 10 steps
+# per epoch on 1 process, 5 on 2. Every step logged; no verification (it is not what these tests check).
+QUIET = ["network=r18", "network_kwargs={'width_mult': 0.125}", "embedding_size=32", "batch_size=4", "num_workers=0",
+         "frequent=1", "verbose=1000", "val_targets=()", "num_epoch=4"]
+INFO = {"network": "r18", "network_kwargs": {"width_mult": 0.125}, "embedding_size": 32, "num_classes": 20}
+
+
+def arguments(data: Path, output: Path, *overrides: str, resume: bool = False) -> list[str]:
+    argv = [CONFIG]
+    for item in [f"rec={data}", f"output={output}", *QUIET, *overrides]:
+        argv += ["--set", item]
+    return argv + (["--resume"] if resume else [])
+
+
+def run_here(data: Path, output: Path, *overrides: str, resume: bool = False) -> tuple[int, str]:
+    """train.main in this process: (exit status, what it wrote to stderr)."""
+    root = logging.getLogger()
+    handlers, level = list(root.handlers), root.level
+    stderr = io.StringIO()
+    try:
+        with contextlib.chdir(ROOT), contextlib.redirect_stderr(stderr), contextlib.redirect_stdout(io.StringIO()):
+            status = train.main(arguments(data, output, *overrides, resume=resume))
+    finally:
+        # train.py's logging setup replaced the root handlers (pytest's among them): put them back.
+        for handler in root.handlers:
+            handler.close()
+        root.handlers, root.level = handlers, level
+    return status, stderr.getvalue()
+
+
+def start_torchrun(data: Path, output: Path, *overrides: str, resume: bool = False) -> subprocess.Popen:
+    """`torchrun --nproc_per_node 2 train.py ...`, started (not awaited: starting costs seconds of
+    imports, so tests start independent runs side by side)."""
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "train.py",
+               *arguments(data, output, *overrides, resume=resume)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    return subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def finish(process: subprocess.Popen, timeout: float = 400) -> str:
+    """Wait for a started torchrun; assert it succeeded; its stderr."""
+    out, err = process.communicate(timeout=timeout)
+    assert process.returncode == 0, out[-3000:] + err[-3000:]
+    return err
+
+
+def _child(argv: list[str], stderr_path: str, prepare: Callable[[], None] | None) -> None:
+    torch.set_num_threads(1)
+    os.chdir(ROOT)
+    if prepare is not None:
+        prepare()
+    with open(stderr_path, "w") as stderr, contextlib.redirect_stderr(stderr), \
+            contextlib.redirect_stdout(io.StringIO()):
+        status = train.main(argv)
+    os._exit(status)
+
+
+def start_child(data: Path, output: Path, *overrides: str, resume: bool = False,
+                prepare: Callable[[], None] | None = None) -> tuple[multiprocessing.Process, Path]:
+    """A forked process running train.main (its stderr goes to the returned file). `prepare` runs in
+    the child first, e.g. to lower its resource limits. The parent must not have run torch ops on
+    several threads (a forked OpenMP pool hangs): these tests keep torch at one thread."""
+    stderr_path = output.parent / f"{output.name}.stderr"
+    child = multiprocessing.get_context("fork").Process(
+        target=_child, args=(arguments(data, output, *overrides, resume=resume), str(stderr_path), prepare))
+    child.start()
+    return child, stderr_path
+
+
+def run_child(data: Path, output: Path, *overrides: str, resume: bool = False,
+              prepare: Callable[[], None] | None = None, timeout: float = 120) -> tuple[int, str]:
+    child, stderr_path = start_child(data, output, *overrides, resume=resume, prepare=prepare)
+    child.join(timeout)
+    assert child.exitcode is not None, f"training did not end within {timeout} s"
+    return child.exitcode, stderr_path.read_text()
+
+
+def file_states(folder: Path) -> dict[str, tuple[str, int, int]]:
+    """(sha256, mtime in ns, size) of every file under `folder`, by relative path."""
+    return {str(p.relative_to(folder)): (digest(p), p.stat().st_mtime_ns, p.stat().st_size)
+            for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def assert_nothing_lost(before: dict[str, tuple[str, int, int]], folder: Path) -> None:
+    """Every file is still there, unchanged; training.log may only have grown (a failed start appends)."""
+    after = file_states(folder)
+    for name, (sha, mtime, size) in before.items():
+        assert name in after, f"{name} was removed"
+        if name == "training.log":
+            kept = (folder / name).read_bytes()[:size]
+            assert hashlib.sha256(kept).hexdigest() == sha, "training.log lost lines"
+        else:
+            assert after[name] == (sha, mtime, size), f"{name} was changed"
+
+
+def load_run(output: Path, info: dict | None = None) -> dict:
+    return load_checkpoint(output / CHECKPOINT_NAME, info or INFO)
+
+
+def load_backbone_strict(path: Path) -> torch.nn.Module:
+    backbone = get_model("r18", num_features=32, width_mult=0.125)
+    backbone.load_state_dict(torch.load(path, weights_only=True), strict=True)
+    return backbone
+
+
+def scalars(output: Path, tag: str) -> dict[int, float]:
+    """step -> value of a TensorBoard scalar over every event file of the run (resumes add files; a
+    step logged again replaces the old value, as TensorBoard shows it)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(output / "tensorboard"))
+    events.Reload()
+    return {event.step: event.value for event in events.Scalars(tag)}
+
+
+def same_tensors(a, b) -> bool:
+    """Bitwise equality of nested dicts/lists of tensors and plain values."""
+    if torch.is_tensor(a):
+        return torch.is_tensor(b) and a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(same_tensors(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return isinstance(b, (list, tuple)) and len(a) == len(b) and all(same_tensors(x, y) for x, y in zip(a, b))
+    return a == b
+
+
+TAGS = ("loss", "loss_view1", "loss_view2", "learning_rate")
+SAVED_STATE = ("backbone", "class_centres", "optimizer", "scheduler", "grad_scaler", "progress")
+
+
+def assert_same_run(split: Path, whole: Path, info: dict | None = None) -> None:
+    """The resumed run `split` ended exactly as the uninterrupted run `whole`."""
+    for tag in TAGS:
+        assert scalars(split, tag) == scalars(whole, tag), tag
+    resumed, uninterrupted = load_run(split, info), load_run(whole, info)
+    for key in SAVED_STATE:
+        assert same_tensors(resumed[key], uninterrupted[key]), key
+    for mine, theirs in zip(resumed["per_rank"], uninterrupted["per_rank"], strict=True):
+        assert mine["loader"] == theirs["loader"]
+        # torch's generator draws the sampled centres and dropout masks. Python's and numpy's global
+        # generators are seeded by nobody (training draws nothing from them): they differ between any two runs.
+        assert torch.equal(mine["rng"]["torch"], theirs["rng"]["torch"])
+    assert same_tensors(load_backbone_strict(split / "backbone.pth").state_dict(),
+                        load_backbone_strict(whole / "backbone.pth").state_dict())

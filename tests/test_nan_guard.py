@@ -1,0 +1,65 @@
+"""The non-finite loss guard, through the real CLI with its test-only switch `debug_nan_steps`
+(rank 0's loss becomes NaN at those steps): a skipped step changes no weight and no optimizer state
+on any rank, is logged with its counters; too many in a row stop the run with one sentence and a
+non-zero exit, leaving the last good checkpoint byte for byte (and mtime) as it was; fp16's routine
+overflow skips are not counted."""
+from __future__ import annotations
+
+from pathlib import Path
+
+from tests.data_helpers import one_torch_thread  # noqa: F401 (autouse fixture)
+from tests.run_helpers import (file_states, finish, load_run, run_here, same_tensors, scalars, start_torchrun)
+from tests.test_train import data  # noqa: F401 (fixture)
+from tests.test_train_errors import only_line
+
+
+def test_a_nonfinite_loss_on_rank_0_skips_the_step_on_both_ranks(data, tmp_path):
+    """Two ranks: the run with a NaN at step 3 ends with the weights, centres (both shards) and
+    momentum of the run that stopped after step 2; only the counters and the LR schedule moved on."""
+    before, skipped = tmp_path / "two_steps", tmp_path / "nan_at_3"
+    runs = [start_torchrun(data, before, "max_steps=2"),
+            start_torchrun(data, skipped, "max_steps=3", "debug_nan_steps=(3,)")]
+    for run in runs:
+        finish(run)
+    good, guarded = load_run(before), load_run(skipped)
+    for key in ("backbone", "class_centres"):  # BatchNorm statistics included
+        assert same_tensors(guarded[key], good[key]), key
+    assert same_tensors(guarded["optimizer"]["state"], good["optimizer"]["state"])  # momentum
+    assert (guarded["progress"]["global_step"], guarded["progress"]["nonfinite_total"]) == (3, 1)
+    assert guarded["scheduler"]["last_epoch"] == good["scheduler"]["last_epoch"] + 1  # the schedule moved on
+    log = (skipped / "training.log").read_text()
+    assert "Global Step 3: non-finite loss, step skipped (1 in a row, 1 in this run)" in log
+    assert sorted(scalars(skipped, "loss")) == [1, 2]  # no loss line for the skipped step
+
+
+def test_too_many_in_a_row_stop_the_run_and_leave_the_last_checkpoint_untouched(data, tmp_path):
+    """A checkpoint after every step would overwrite the last good one inside the streak: it must not."""
+    output = tmp_path / "run"
+    assert run_here(data, output, "max_steps=4", "save_every_steps=1") == (0, "")
+    good = {name: state for name, state in file_states(output).items() if name.endswith((".pt", ".pth"))}
+    status, stderr = run_here(data, output, "max_steps=20", "save_every_steps=1", "debug_nan_steps=(5, 6, 7)",
+                              "max_nonfinite_steps=3", resume=True)
+    assert status == 1
+    assert only_line(stderr) == (
+        f"error: stopped at global step 7: 3 non-finite losses in a row (max_nonfinite_steps=3); the last good "
+        f"checkpoint.pt in {output} is untouched (continue with --resume); lower lr, try bf16 instead of fp16, "
+        "or check the data")
+    assert {name: file_states(output)[name] for name in good} == good
+    log = (output / "training.log").read_text()
+    for step, count in ((5, 1), (6, 2), (7, 3)):
+        assert f"Global Step {step}: non-finite loss, step skipped ({count} in a row, {count} in this run)" in log
+
+    assert run_here(data, output, "max_steps=5", resume=True) == (0, "")  # the untouched checkpoint resumes
+    assert f"resumed from {output / 'checkpoint.pt'} at global step 4 " in (output / "training.log").read_text()
+    assert load_run(output)["progress"]["global_step"] == 5
+
+
+def test_fp16_overflow_backs_the_scale_off_without_counting_towards_the_stop(data, tmp_path: Path):
+    """CPU fp16: the GradScaler starts at 2^16 and overflows for several steps in a row, more than
+    max_nonfinite_steps=2; those skips are the scaler's routine, not a diverging loss."""
+    output = tmp_path / "run"
+    assert run_here(data, output, "fp16=True", "max_steps=10", "max_nonfinite_steps=2") == (0, "")
+    saved = load_run(output)
+    assert saved["grad_scaler"]["scale"] <= 2.0 ** 13  # at least three back-offs in a row
+    assert saved["progress"]["nonfinite_total"] == 0
+    assert "non-finite" not in (output / "training.log").read_text()
