@@ -24,6 +24,7 @@ import train
 from backbones import get_model
 from tests.test_train import digest
 from utils.checkpoint import CHECKPOINT_NAME, load_checkpoint
+from utils.run_dir import LOCK_NAME
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIG = "configs/synthetic_pair.py"
@@ -34,21 +35,21 @@ QUIET = ["network=r18", "network_kwargs={'width_mult': 0.125}", "embedding_size=
 INFO = {"network": "r18", "network_kwargs": {"width_mult": 0.125}, "embedding_size": 32, "num_classes": 20}
 
 
-def arguments(data: Path, output: Path, *overrides: str, resume: bool = False) -> list[str]:
-    argv = [CONFIG]
+def arguments(data: Path, output: Path, *overrides: str, resume: bool = False, config: str = CONFIG) -> list[str]:
+    argv = [config]
     for item in [f"rec={data}", f"output={output}", *QUIET, *overrides]:
         argv += ["--set", item]
     return argv + (["--resume"] if resume else [])
 
 
-def run_here(data: Path, output: Path, *overrides: str, resume: bool = False) -> tuple[int, str]:
+def run_here(data: Path, output: Path, *overrides: str, resume: bool = False, config: str = CONFIG) -> tuple[int, str]:
     """train.main in this process: (exit status, what it wrote to stderr)."""
     root = logging.getLogger()
     handlers, level = list(root.handlers), root.level
     stderr = io.StringIO()
     try:
         with contextlib.chdir(ROOT), contextlib.redirect_stderr(stderr), contextlib.redirect_stdout(io.StringIO()):
-            status = train.main(arguments(data, output, *overrides, resume=resume))
+            status = train.main(arguments(data, output, *overrides, resume=resume, config=config))
     finally:
         # train.py's logging setup replaced the root handlers (pytest's among them): put them back.
         for handler in root.handlers:
@@ -111,10 +112,13 @@ def file_states(folder: Path) -> dict[str, tuple[str, int, int]]:
 
 
 def assert_nothing_lost(before: dict[str, tuple[str, int, int]], folder: Path) -> None:
-    """Every file is still there, unchanged; training.log may only have grown (a failed start appends)."""
+    """Every file is still there, unchanged; training.log may only have grown (a failed start appends),
+    and .lock names whichever process held the folder last."""
     after = file_states(folder)
     for name, (sha, mtime, size) in before.items():
         assert name in after, f"{name} was removed"
+        if name == LOCK_NAME:
+            continue
         if name == "training.log":
             kept = (folder / name).read_bytes()[:size]
             assert hashlib.sha256(kept).hexdigest() == sha, "training.log lost lines"
