@@ -93,6 +93,22 @@ def assert_reassembled(rewritten: Path, original: Path) -> None:
         assert same_tensors(again[key], saved[key]), key
 
 
+def assert_went_on(run: Path, saved_as: tuple[int, int, int], resumed_as: tuple[int, int, int],
+                   final_step: int) -> None:
+    """`run`, saved as (processes, steps per epoch, step) and resumed as (processes, steps per epoch,
+    step), said so in its log and trained on to `final_step` with finite losses."""
+    (world_before, epoch_before, step_before), (world_after, epoch_after, step_after) = saved_as, resumed_as
+    log = (run / "training.log").read_text()
+    assert (f"resuming a run of {world_before} process(es) and {epoch_before} steps per epoch with {world_after} and "
+            f"{epoch_after}: step {step_before} becomes step {step_after}") in log
+    assert f"resumed from {run / CHECKPOINT_NAME} at global step {step_after} (epoch 0)" in log
+    continued = load_run(run, INFO21)
+    assert continued["world_size"] == world_after and continued["progress"]["global_step"] == final_step
+    after_resume = {step: loss for step, loss in scalars(run, "loss").items() if step > step_after}
+    assert sorted(after_resume) == list(range(step_after + 1, final_step + 1))
+    assert all(0 < loss < 100 for loss in after_resume.values())
+
+
 def test_a_two_process_checkpoint_reassembles_in_one_process_and_training_goes_on(runs, tmp_path):
     saved = load_checkpoint(runs.root / "written_by_two.pt", INFO21)
     assert saved["world_size"] == 2 and tuple(saved["class_centres"].shape) == (21, 32)
@@ -101,14 +117,7 @@ def test_a_two_process_checkpoint_reassembles_in_one_process_and_training_goes_o
     assert torch.equal(alone["centres"], saved["class_centres"])
     assert torch.equal(alone["momentum"], centre_momentum(saved))
     assert_reassembled(tmp_path / CHECKPOINT_NAME, runs.root / "written_by_two.pt")
-
-    log = (runs.root / "two_to_one" / "training.log").read_text()
-    assert "resuming a run of 2 process(es) and 5 steps per epoch with 1 and 10: step 3 becomes step 6" in log
-    assert f"resumed from {runs.root / 'two_to_one' / CHECKPOINT_NAME} at global step 6 (epoch 0)" in log
-    continued = load_run(runs.root / "two_to_one", INFO21)
-    assert continued["world_size"] == 1 and continued["progress"]["global_step"] == 8
-    after_resume = {step: loss for step, loss in scalars(runs.root / "two_to_one", "loss").items() if step > 6}
-    assert sorted(after_resume) == [7, 8] and all(0 < loss < 100 for loss in after_resume.values())
+    assert_went_on(runs.root / "two_to_one", saved_as=(2, 5, 3), resumed_as=(1, 10, 6), final_step=8)
 
 
 def test_a_one_process_checkpoint_splits_over_two_processes_and_training_goes_on(runs):
@@ -118,11 +127,4 @@ def test_a_one_process_checkpoint_splits_over_two_processes_and_training_goes_on
         assert torch.equal(ranks[rank]["centres"], saved["class_centres"][start:stop])
         assert torch.equal(ranks[rank]["momentum"], centre_momentum(saved)[start:stop])
     assert_reassembled(runs.root / "rewritten_by_two" / CHECKPOINT_NAME, runs.root / "written_by_one.pt")
-
-    log = (runs.root / "one_to_two" / "training.log").read_text()
-    assert "resuming a run of 1 process(es) and 10 steps per epoch with 2 and 5: step 4 becomes step 2" in log
-    assert f"resumed from {runs.root / 'one_to_two' / CHECKPOINT_NAME} at global step 2 (epoch 0)" in log
-    continued = load_run(runs.root / "one_to_two", INFO21)
-    assert continued["world_size"] == 2 and continued["progress"]["global_step"] == 4
-    after_resume = {step: loss for step, loss in scalars(runs.root / "one_to_two", "loss").items() if step > 2}
-    assert sorted(after_resume) == [3, 4] and all(0 < loss < 100 for loss in after_resume.values())
+    assert_went_on(runs.root / "one_to_two", saved_as=(1, 10, 4), resumed_as=(2, 5, 2), final_step=4)
