@@ -56,12 +56,12 @@ def _identity_traits(seed: int, identity: int) -> dict[str, np.ndarray | float]:
 def _sample_pose(seed: int, identity: int, sample: int) -> dict[str, float | np.ndarray]:
     r = _rng(seed, 1, identity, sample)
     return {
-        "shift": r.uniform(-0.06, 0.06, 2), "scale": r.uniform(0.92, 1.08), "roll": r.uniform(-0.12, 0.12),
-        "yaw": r.uniform(-0.06, 0.06), "openness": r.uniform(0.6, 1.1), "mouth_open": r.uniform(0.7, 1.4),
-        "background": r.uniform(0.0, 1.0, 3), "background_tilt": r.uniform(-0.25, 0.25, 2),
-        "light": r.uniform(0.8, 1.15), "light_dir": r.uniform(-0.2, 0.2, 2), "tint": r.uniform(0.96, 1.04, 3),
+        "shift": r.uniform(-0.04, 0.04, 2), "scale": r.uniform(1.2, 1.32), "roll": r.uniform(-0.08, 0.08),
+        "yaw": r.uniform(-0.05, 0.05), "openness": r.uniform(0.65, 1.1), "mouth_open": r.uniform(0.75, 1.35),
+        "background": r.uniform(0.25, 0.75, 3), "background_tilt": r.uniform(-0.25, 0.25, 2),
+        "light": r.uniform(0.85, 1.1), "light_dir": r.uniform(-0.15, 0.15, 2), "tint": r.uniform(0.97, 1.03, 3),
         "occluder": (r.uniform(-0.8, 0.8, 2), r.uniform(0.1, 0.3, 2), r.uniform(0, 1, 3))
-        if r.random() < 0.15 else None,
+        if r.random() < 0.1 else None,
         "noise": r.uniform(0.01, 0.03), "noise_offset": r.integers(0, IMAGE_SIZE, 2),
     }
 

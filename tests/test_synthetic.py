@@ -57,7 +57,7 @@ def test_identity_is_learnable_from_training_identities(val_set):
     images, issame = val_set
     embeddings = lda.transform(pooled(images))
     assert best_threshold_accuracy(embeddings - embeddings.mean(0), issame) >= 0.9
-    assert best_threshold_accuracy(pooled(images), issame) <= 0.7
+    assert best_threshold_accuracy(pooled(images), issame) <= 0.8
 
 
 def pooled(images: np.ndarray) -> np.ndarray:
