@@ -68,6 +68,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         cfg = load_config(args.config, args.set + (["resume=True"] if args.resume else []))
         check_data_path(cfg)
         env = init_distributed()
+        if env.device.type == "cpu":
+            _share_cpu(cfg.num_workers)
         try:
             train(cfg, env.device)
         finally:
@@ -76,6 +78,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         _report(error)
         return 1
     return 0
+
+
+def _share_cpu(num_workers: int) -> None:
+    """Compute threads for CPU training: the cores left by the data workers and this machine's other
+    training processes, unless OMP_NUM_THREADS says otherwise (torchrun sets it to 1).
+
+    More threads than free cores is far worse than slow here: OpenMP threads wait for each other at
+    every operation, and one that is descheduled stalls all of them (10-20x slower steps measured on
+    2 cores with one decoding worker beside two compute threads)."""
+    if "OMP_NUM_THREADS" in os.environ:
+        return
+    per_process = (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    torch.set_num_threads(max(1, per_process - num_workers))
 
 
 def _report(error: BaseException) -> None:
@@ -166,9 +181,9 @@ class Progress:
         return self.global_step // self.steps_per_epoch
 
 
-def _resume(cfg, source, model: Model, loader, progress: Progress, info: dict) -> dict | None:
-    """Load the resume source into the run; returns this rank's RNG states to apply once the
-    data iterator exists (creating it draws from the global RNG), or None."""
+def _resume(cfg, source, model: Model, loader, progress: Progress, info: dict) -> None:
+    """Load the resume source into the run: weights, optimizer, schedule, data position and, with an
+    unchanged world size, this rank's random streams (the loader draws from none of them)."""
     kind, path = source
     if kind == "backbone":
         weights = load_backbone(cfg.network, path, num_features=cfg.embedding_size, dropout=cfg.dropout,
@@ -176,7 +191,7 @@ def _resume(cfg, source, model: Model, loader, progress: Progress, info: dict) -
         model.backbone.load_state_dict(weights.state_dict())
         log.info("initialised the backbone from %s (a bare backbone: class centres, optimizer and schedule "
                  "start fresh)", path)
-        return None
+        return
     checkpoint = load_checkpoint(path, info)
     restore_training_state(checkpoint, backbone=model.backbone, pfc=model.pfc, optimizer=model.optimizer,
                            scheduler=model.scheduler, grad_scaler=model.scaler)
@@ -202,7 +217,8 @@ def _resume(cfg, source, model: Model, loader, progress: Progress, info: dict) -
     log.info("resumed from %s at global step %d (epoch %d), lr %.6f", path, progress.global_step, progress.epoch,
              model.optimizer.param_groups[0]["lr"])
     _log_config_changes(checkpoint["config"], vars(cfg))
-    return None if mine is None else mine["rng"]
+    if mine is not None:
+        set_rng_state(mine["rng"])
 
 
 def _log_config_changes(saved: dict, current: dict) -> None:
@@ -307,7 +323,8 @@ def _run(cfg: SimpleNamespace, device: torch.device, source) -> dict[str, float]
     info = model_info(cfg, dataset.num_classes)
     # Per-rank streams for centre sampling and dropout (a resume replaces them with the saved ones).
     torch.manual_seed(cfg.seed + 1 + rank())
-    pending_rng = _resume(cfg, source, model, loader, progress, info) if source else None
+    if source:
+        _resume(cfg, source, model, loader, progress, info)
     if world() > 1:
         model.forward = DistributedDataParallel(backbone, device_ids=[device.index] if device.type == "cuda" else None,
                                                 forward_sync_buffers=False)
@@ -339,9 +356,6 @@ def _run(cfg: SimpleNamespace, device: torch.device, source) -> dict[str, float]
         epoch_end = (progress.epoch + 1) * steps_per_epoch
         while progress.global_step < min(epoch_end, stop_at):
             micro_batches = [next(batches) for _ in range(cfg.gradient_acc)]
-            if pending_rng is not None:
-                set_rng_state(pending_rng)
-                pending_rng = None
             inject = is_main() and (progress.global_step + 1) in cfg.debug_nan_steps
             epoch, lr = progress.epoch, optimizer.param_groups[0]["lr"]  # of this step, for the log
             losses, verdict = train_step(model, micro_batches, cfg, inject)

@@ -16,16 +16,16 @@ export PYTHONUNBUFFERED=1
 if [ -n "${GPU_SH_TINY:-}" ]; then
     DEVICE=cpu; NET=(--network r18 --width-mult 0.125 --embedding-size 64 --batch-size 4)
     STEPS=(--steps 2 --rounds 1); TRAIN_NET=("network=r18" "network_kwargs={'width_mult': 0.125}" "embedding_size=64")
-    BATCH=4; TRAIN_STEPS=6; IDS=40; WORKERS=1; FP16=False; FP16_FLAG=()
+    BATCH=4; TRAIN_STEPS=6; FREQUENT=2; IDS=40; WORKERS=1; FP16=False; FP16_FLAG=(); CLASSES=1000
 else
     DEVICE=cuda; NET=(--network r50 --width-mult 1 --embedding-size 512 --batch-size 128)
     STEPS=(--steps 100 --rounds 2); TRAIN_NET=("network=r50" "network_kwargs={}" "embedding_size=512")
-    BATCH=128; TRAIN_STEPS=300; IDS=2000; WORKERS=8; FP16=True; FP16_FLAG=(--fp16)
+    BATCH=128; TRAIN_STEPS=300; FREQUENT=20; IDS=2000; WORKERS=8; FP16=True; FP16_FLAG=(--fp16); CLASSES=93431
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 fi
 
 echo "== 1. synthetic images on the device (no decoding): one view vs two views =="
-"$PY" bench/bench_train.py --device "$DEVICE" "${NET[@]}" "${FP16_FLAG[@]}" --classes 93431 "${STEPS[@]}" --modes ab
+"$PY" bench/bench_train.py --device "$DEVICE" "${NET[@]}" "${FP16_FLAG[@]}" --classes "$CLASSES" "${STEPS[@]}" --modes ab
 
 echo "== 2. two views decoded from a packed .rec by train.py ($TRAIN_STEPS steps) =="
 "$PY" tools/make_synthetic.py --output "$WORK/data" --identities "$IDS" --images-per-identity 8 --views 2 \
@@ -33,7 +33,8 @@ echo "== 2. two views decoded from a packed .rec by train.py ($TRAIN_STEPS steps
 "$PY" train.py configs/synthetic_pair.py --set "rec=$WORK/data" --set "output=$WORK/run" \
     --set "${TRAIN_NET[0]}" --set "${TRAIN_NET[1]}" --set "${TRAIN_NET[2]}" --set "batch_size=$BATCH" \
     --set "fp16=$FP16" --set "num_workers=$WORKERS" --set "max_steps=$TRAIN_STEPS" --set num_epoch=1000 \
-    --set frequent=20 --set verbose=1000000 --set save_all_states=False > "$WORK/train.out"
+    --set "frequent=$FREQUENT" --set verbose=1000000 --set save_all_states=False > "$WORK/train.out" \
+    || { tail -n 20 "$WORK/train.out"; exit 1; }
 grep -o "Speed .*Global Step: [0-9]*" "$WORK/train.out" | tail -n 5
 # the first log lines include start-up; the last ones are the steady state
 echo "steady two-view samples/s from the .rec: $(grep -o 'Speed [0-9.]* samples' "$WORK/train.out" | tail -n 5 \

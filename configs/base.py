@@ -61,4 +61,4 @@ resume: bool | str = False        # True: continue the run in `output`; a path: 
                                   # run folder or bare backbone.pth (e.g. from arcface_torch) into a new output
 
 # --- testing only -------------------------------------------------------------------------
-debug_nan_steps: tuple[int, ...] = ()  # TEST ONLY: rank 0's loss is replaced by NaN at these global steps
+debug_nan_steps: tuple[int, ...] = ()  # TEST ONLY: rank 0's loss becomes NaN at these global steps (1-based, as logged)

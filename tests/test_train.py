@@ -32,9 +32,10 @@ def data(tmp_path_factory) -> Path:
     return folder
 
 
-def train(data: Path, output: Path, *overrides: str, nproc: int = 0, resume: bool = False):
+def train(data: Path, output: Path, *overrides: str, nproc: int = 0, resume: bool = False, base=tuple(TINY)):
+    """Run train.py on configs/synthetic_pair.py with `base` then `overrides` as --set (later wins)."""
     command = ["train.py", "configs/synthetic_pair.py", "--set", f"rec={data}", "--set", f"output={output}"]
-    for item in TINY + list(overrides):
+    for item in [*base, *overrides]:
         command += ["--set", item]
     if resume:
         command.append("--resume")

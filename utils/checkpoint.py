@@ -83,8 +83,7 @@ def _fsync_dir(folder: Path) -> None:
 
 
 def cpu_state_dict(module: nn.Module) -> dict[str, torch.Tensor]:
-    """A module's state_dict with CPU tensors, unwrapped from DistributedDataParallel."""
-    module = getattr(module, "module", module)
+    """A (plain, not DDP-wrapped) module's state_dict with CPU tensors."""
     return {key: value.detach().cpu().clone() for key, value in module.state_dict().items()}
 
 
@@ -273,7 +272,7 @@ def restore_training_state(checkpoint: Mapping, *, backbone: nn.Module, pfc: nn.
                            optimizer: torch.optim.Optimizer, scheduler, grad_scaler) -> None:
     """Put a checkpoint's weights and optimizer/scheduler/scaler state into this run, re-slicing
     the class centres (and their optimizer state) for this run's world size."""
-    getattr(backbone, "module", backbone).load_state_dict(checkpoint["backbone"], strict=True)
+    backbone.load_state_dict(checkpoint["backbone"], strict=True)
     with torch.no_grad():
         pfc.weight.copy_(my_class_rows(checkpoint["class_centres"], pfc.num_classes))
     optimizer.load_state_dict(_optimizer_state_mine(checkpoint["optimizer"], optimizer, pfc.weight, pfc.num_classes))
