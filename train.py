@@ -228,7 +228,8 @@ def _log_config_changes(saved: dict, current: dict) -> None:
         log.info("config differs from the checkpoint's: %s", "; ".join(changed))
 
 
-def _forward_backward(model: Model, images: torch.Tensor, labels: torch.Tensor, cfg, inject_nan: bool) -> torch.Tensor:
+def _forward_backward(model: Model, images: torch.Tensor, labels: torch.Tensor, cfg,
+                      inject_nan: bool) -> torch.Tensor:
     """One micro-batch: returns [loss, loss of view 1..V] (detached); gradients accumulate."""
     batch, views = images.shape[:2]
     flat = normalize(images).reshape(batch * views, *images.shape[2:])  # row b*V + v = record b, view v
@@ -350,34 +351,36 @@ def _run(cfg: SimpleNamespace, device: torch.device, source) -> dict[str, float]
     verified_at = saved_at = -1
     save_due = False
     model.backbone.train()  # verification leaves it in train mode again
-    while progress.global_step < stop_at:
-        loader.set_epoch(progress.epoch)
-        batches = iter(loader)
-        epoch_end = (progress.epoch + 1) * steps_per_epoch
-        while progress.global_step < min(epoch_end, stop_at):
-            micro_batches = [next(batches) for _ in range(cfg.gradient_acc)]
-            inject = is_main() and (progress.global_step + 1) in cfg.debug_nan_steps
-            epoch, lr = progress.epoch, optimizer.param_groups[0]["lr"]  # of this step, for the log
-            losses, verdict = train_step(model, micro_batches, cfg, inject)
-            progress.global_step += 1
-            _check_nonfinite(verdict, progress, cfg)
-            if not verdict:
-                speed(progress.global_step, losses[0], losses[1:], epoch, lr,
-                      model.scaler.get_scale() if model.scaler.is_enabled() else None)
+    try:
+        while progress.global_step < stop_at:
+            loader.set_epoch(progress.epoch)
+            batches = iter(loader)
+            epoch_end = (progress.epoch + 1) * steps_per_epoch
+            while progress.global_step < min(epoch_end, stop_at):
+                micro_batches = [next(batches) for _ in range(cfg.gradient_acc)]
+                inject = is_main() and (progress.global_step + 1) in cfg.debug_nan_steps
+                epoch, lr = progress.epoch, optimizer.param_groups[0]["lr"]  # of this step, for the log
+                losses, verdict = train_step(model, micro_batches, cfg, inject)
+                progress.global_step += 1
+                _check_nonfinite(verdict, progress, cfg)
+                if not verdict:
+                    speed(progress.global_step, losses[0], losses[1:], epoch, lr,
+                          model.scaler.get_scale() if model.scaler.is_enabled() else None)
+                with speed.paused():
+                    accuracy = verification(progress.global_step, backbone)
+                if accuracy is not None:
+                    results, verified_at = accuracy, progress.global_step
+                if save_due or (cfg.save_every_steps and progress.global_step % cfg.save_every_steps == 0):
+                    save()
+            batches.close()
+            if progress.global_step % steps_per_epoch == 0 or progress.global_step == stop_at:
+                save(final=progress.global_step == stop_at)
+        if verified_at != progress.global_step:
             with speed.paused():
-                accuracy = verification(progress.global_step, backbone)
-            if accuracy is not None:
-                results, verified_at = accuracy, progress.global_step
-            if save_due or (cfg.save_every_steps and progress.global_step % cfg.save_every_steps == 0):
-                save()
-        batches.close()
-        if progress.global_step % steps_per_epoch == 0 or progress.global_step == stop_at:
-            save(final=progress.global_step == stop_at)
-    if verified_at != progress.global_step:
-        with speed.paused():
-            results = verification.evaluate_now(backbone, progress.global_step)
-    if writer is not None:
-        writer.close()
+                results = verification.evaluate_now(backbone, progress.global_step)
+    finally:
+        if writer is not None:
+            writer.close()  # flushes the last scalars, also when the run stops on an error
     log.info("training finished at global step %d: %s", progress.global_step,
              ", ".join(f"{name} Accuracy-Flip {acc:.5f}" for name, acc in results.items()) or "no val_targets")
     return results

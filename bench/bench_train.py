@@ -111,8 +111,8 @@ def main(argv=None) -> int:
     median = {mode: statistics.median(t) for mode, t in times.items()}
 
     where = (torch.cuda.get_device_name(device) if device.type == "cuda"
-             else f"CPU, {torch.get_num_threads()} thread(s) (on 2 cores shared with other work: absolute numbers vary, "
-                  "ratios hold)")
+             else f"CPU, {torch.get_num_threads()} thread(s) (on 2 cores shared with other work: absolute "
+                  "numbers vary, ratios hold)")
     print(f"bench_train: {args.network} width {args.width_mult}, embedding {args.embedding_size}, B={args.batch_size} "
           f"records, {args.classes} classes, fp16={args.fp16}, {where}; median of {args.rounds} rounds x "
           f"{args.steps} steps")

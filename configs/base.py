@@ -7,9 +7,10 @@ misspelt key is an error that suggests the closest one. The annotation of each k
 """
 
 # --- data ---------------------------------------------------------------------------------
-rec: str = ""                     # folder holding train.rec/train.idx (and the val .bin files), an image folder, or "synthetic"
+rec: str = ""                     # folder with train.rec/train.idx (+ val .bin files), an image folder, or "synthetic"
 num_views: int = 1                # images per record fed through the backbone (2: a 112x224 record = two 112x112 views)
-view_source: str = "record"       # where the views come from: "record" (side by side in one record), "identity" (several records of one identity), "augment" (augmented copies of one image)
+view_source: str = "record"       # where the views come from: "record" (side by side in one record),
+                                  # "identity" (other photos of the record's identity), "augment" (copies of one image)
 num_classes: int | None = None    # identities in the classifier; None: read from the data
 flip: bool = True                 # random horizontal flip, drawn independently per view
 skip_bad_records: bool = False    # skip undecodable records (counted and logged) instead of stopping
@@ -23,10 +24,11 @@ embedding_size: int = 512         # length of the face embedding
 dropout: float = 0.0              # dropout before the embedding layer
 
 # --- loss ---------------------------------------------------------------------------------
-margin_list: tuple[float, ...] = (1.0, 0.5, 0.0)  # (m1, m2, m3): target logit s*(cos(m1*theta + m2) - m3); ArcFace (1, 0.5, 0), CosFace (1, 0, 0.4)
+margin_list: tuple[float, ...] = (1.0, 0.5, 0.0)  # (m1, m2, m3): target logit s*(cos(m1*theta + m2) - m3);
+                                                  # ArcFace (1, 0.5, 0), CosFace (1, 0, 0.4)
 margin_scale: float = 64.0        # s, the logit scale
 sample_rate: float = 1.0          # Partial FC: fraction of class centres used per step (positives always kept)
-view_weights: tuple[float, ...] | None = None  # loss weight per view; None: equal weights summing to 1 (a single-view lr carries over)
+view_weights: tuple[float, ...] | None = None  # loss weight per view; None: equal, summing to 1 (lr carries over)
 interclass_filtering_threshold: float = 0.0    # drop negatives with cosine above this (0: off)
 straight_through_margin: bool = False          # gradient of the margin taken as if no margin was applied
 
@@ -36,7 +38,7 @@ bf16: bool = False                # backbone in bfloat16 autocast, no scaler nee
 
 # --- optimisation -------------------------------------------------------------------------
 optimizer: str = "sgd"            # "sgd" or "adamw"; one optimizer, backbone and class centres as two param groups
-lr: float = 0.1                   # learning rate of the GLOBAL batch batch_size * world_size * gradient_acc, used as is:
+lr: float = 0.1                   # learning rate of the GLOBAL batch batch_size * world_size * gradient_acc, as is:
                                   # like arcface_torch, nothing is rescaled when the number of processes changes
 momentum: float = 0.9             # SGD momentum (ignored by adamw)
 weight_decay: float = 5e-4        # the same for backbone and centres, as upstream
@@ -45,7 +47,8 @@ gradient_acc: int = 1             # forwards accumulated per optimizer step (los
 max_grad_norm: float = 5.0        # backbone gradient clipped to this L2 norm before each step
 num_epoch: int = 20               # passes over the data
 warmup_epoch: int = 0             # linear warmup from 0 to lr, then polynomial (power 2) decay to 0 at the end
-max_steps: int = 0                # stop after this many optimizer steps (0: run num_epoch); the LR schedule still spans num_epoch
+max_steps: int = 0                # stop after this many optimizer steps (0: run num_epoch); the LR schedule still
+                                  # spans num_epoch
 max_nonfinite_steps: int = 10     # this many non-finite losses in a row stop the run (each one skips its step)
 
 # --- logging and evaluation ---------------------------------------------------------------

@@ -64,7 +64,7 @@ demo summary
   trained        {cfg.network} {cfg.network_kwargs} on {cfg.num_views}-view records of {data}, {minutes:.1f} minutes
   held-out       {val} (identities never seen in training)
   Accuracy-Flip  {accuracy:.4f} +- {std:.4f} ({verdict} the {TARGET} target), from {output}/backbone.pth alone
-  checkpoint     {output}/checkpoint.pt   (continue: python train.py {CONFIG.relative_to(ROOT)} --set output={output} --resume)
+  checkpoint     {output}/checkpoint.pt   (resume: the train.py command above, plus --resume)
   backbone       {output}/backbone.pth    (arcface_torch-compatible state_dict)
   log            {output}/training.log
   TensorBoard    tensorboard --logdir {output}/tensorboard""")

@@ -50,9 +50,11 @@ def _read_base() -> tuple[dict, dict]:
 
 def _read_config_file(path: Path) -> dict:
     if path.suffix != ".py":
-        raise ConfigError(f"config {path} is not a Python file; pass a configs/*.py file such as configs/synthetic_pair.py")
+        raise ConfigError(f"config {path} is not a Python file; pass a configs/*.py file such as "
+                          "configs/synthetic_pair.py")
     if not path.is_file():
-        raise ConfigError(f"config file {path} does not exist; pass an existing configs/*.py file such as configs/synthetic_pair.py")
+        raise ConfigError(f"config file {path} does not exist; pass an existing configs/*.py file such as "
+                          "configs/synthetic_pair.py")
     return _keys_of(_module_names(path))
 
 
@@ -60,7 +62,8 @@ def _module_names(path: Path) -> dict:
     try:
         return runpy.run_path(str(path))
     except SyntaxError as error:
-        raise ConfigError(f"config file {path} has a syntax error on line {error.lineno}: {error.msg}; fix that line") from None
+        raise ConfigError(f"config file {path} has a syntax error on line {error.lineno}: {error.msg}; "
+                          "fix that line") from None
     except Exception as error:  # a config is user code: any failure is reported as the file's fault
         raise ConfigError(f"config file {path} failed to run ({type(error).__name__}: {error}); fix the file") from None
 
@@ -89,7 +92,8 @@ def _require_known(key: str, types_by_key: dict, where: str) -> None:
     if key in types_by_key:
         return
     close = difflib.get_close_matches(key, list(types_by_key), n=1, cutoff=0.0)
-    raise ConfigError(f"unknown config key {key!r} in {where}; did you mean {close[0]!r}? (every key is listed in configs/base.py)")
+    raise ConfigError(f"unknown config key {key!r} in {where}; did you mean {close[0]!r}? "
+                      "(every key is listed in configs/base.py)")
 
 
 def _checked(key: str, value, types_by_key: dict, where: str):
@@ -157,15 +161,18 @@ def _check_values(values: dict) -> None:
     if values["fp16"] and values["bf16"]:
         raise ConfigError("config keys 'fp16' and 'bf16' are both True; choose one (--set bf16=False)")
     if len(values["margin_list"]) != 3:
-        raise ConfigError(f"config key 'margin_list' must hold three numbers (m1, m2, m3), not {values['margin_list']!r}")
+        raise ConfigError("config key 'margin_list' must hold three numbers (m1, m2, m3), "
+                          f"not {values['margin_list']!r}")
     if not 0.0 < values["sample_rate"] <= 1.0:
         raise ConfigError(f"config key 'sample_rate' must be in (0, 1], not {values['sample_rate']}")
     weights = values["view_weights"]
     if weights is not None and len(weights) != values["num_views"]:
-        raise ConfigError(f"config key 'view_weights' has {len(weights)} weights but num_views is {values['num_views']}; "
+        raise ConfigError(f"config key 'view_weights' has {len(weights)} weights but num_views is "
+                          f"{values['num_views']}; "
                           "give one weight per view or None")
     if values["warmup_epoch"] > values["num_epoch"]:
-        raise ConfigError(f"config key 'warmup_epoch' ({values['warmup_epoch']}) exceeds num_epoch ({values['num_epoch']})")
+        raise ConfigError(f"config key 'warmup_epoch' ({values['warmup_epoch']}) exceeds num_epoch "
+                          f"({values['num_epoch']})")
 
 
 def check_data_path(cfg: SimpleNamespace) -> None:
