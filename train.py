@@ -16,7 +16,9 @@ import contextlib
 import logging
 import math
 import os
+import re
 import sys
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 from types import SimpleNamespace
@@ -270,11 +272,14 @@ def train_step(model: Model, micro_batches, cfg, inject_nan: bool = False) -> tu
                 buffer.copy_(kept)
         if model.scaler.is_enabled():
             model.scaler.update(model.scaler.get_scale() * model.scaler.get_backoff_factor())
+        with warnings.catch_warnings():  # torch warns when the very first step is skipped: that is on purpose
+            warnings.filterwarnings("ignore", re.escape("Detected call of `lr_scheduler.step()` before"))
+            model.scheduler.step()
     else:
         model.scaler.step(model.optimizer)
         model.scaler.update()
         model.optimizer.zero_grad(set_to_none=True)
-    model.scheduler.step()
+        model.scheduler.step()
     return losses, verdict
 
 
