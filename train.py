@@ -368,7 +368,7 @@ def _run(cfg: SimpleNamespace, device: torch.device, source) -> dict[str, float]
                 losses, verdict = train_step(model, micro_batches, cfg, inject)
                 progress.global_step += 1
                 _check_nonfinite(verdict, progress, cfg)
-                if not verdict:
+                if verdict != LOSS_NONFINITE:  # a skipped fp16 overflow step still has a loss worth logging
                     speed(progress.global_step, losses[0], losses[1:], epoch, lr,
                           model.scaler.get_scale() if model.scaler.is_enabled() else None)
                 with speed.paused():
