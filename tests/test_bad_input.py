@@ -174,7 +174,8 @@ def small_tmpfs(tmp_path):
     try:
         yield mount_point
     finally:
-        subprocess.run(["umount", str(mount_point)], check=True, timeout=30)
+        # lazy: a process that still holds a file there (a run killed by a failing test) must not leak the mount
+        subprocess.run(["umount", "--lazy", str(mount_point)], check=True, timeout=30)
 
 
 def test_a_full_disk_while_saving(data, trained, small_tmpfs):
