@@ -20,6 +20,7 @@ bench: $(STAMP)
 	$(PY) bench/bench_backbones.py
 	$(PY) bench/bench_data.py
 	$(PY) bench/bench_train.py
+	$(PY) bench/bench_eval.py
 
 clean-venv:
 	rm -rf .venv
