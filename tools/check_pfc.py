@@ -89,10 +89,12 @@ def run_check(num_views: int, num_classes: int, batch: int, embedding_size: int,
     loss = pfc(features.unbind(1), labels[mine].to(device))
     loss.backward()
 
-    centre_grads = _gather_rows(pfc.weight.grad, num_classes)
-    subset = _gather_sampled(pfc, num_classes)
+    sampled = None if pfc.last_sampled_classes is None else pfc.last_sampled_classes.cpu()
+    shards = distributed.gather_objects((pfc.weight.grad.detach().cpu(), sampled))
     if rank != 0:
         return {}
+    centre_grads = torch.cat([grad for grad, _ in shards])
+    subset = None if sampled is None else torch.cat([classes for _, classes in shards])
     ref_features = reference_backbone(inputs.reshape(-1, in_features)).view(world_size * batch, num_views, -1)
     ref_centres = centres.clone().requires_grad_(True)
     used_centres, used_labels = ref_centres, labels
@@ -106,27 +108,6 @@ def run_check(num_views: int, num_classes: int, batch: int, embedding_size: int,
     for (name, param), ref_param in zip(backbone.named_parameters(), reference_backbone.parameters()):
         errors[f"backbone.{name}.grad"] = relative_error(param.grad, ref_param.grad)
     return errors
-
-
-def _gather_rows(local: torch.Tensor, num_rows: int) -> torch.Tensor:
-    """The full (num_rows, ...) tensor from every rank's contiguous shard."""
-    if not distributed.is_initialized():
-        return local.detach().cpu()
-    shards = [None] * distributed.world()
-    torch.distributed.all_gather_object(shards, local.detach().cpu())
-    full = torch.cat(shards)
-    assert full.shape[0] == num_rows
-    return full
-
-
-def _gather_sampled(pfc: PartialFC, num_classes: int) -> torch.Tensor | None:
-    if pfc.last_sampled_classes is None:
-        return None
-    if not distributed.is_initialized():
-        return pfc.last_sampled_classes.cpu()
-    parts = [None] * distributed.world()
-    torch.distributed.all_gather_object(parts, pfc.last_sampled_classes.cpu())
-    return torch.cat(parts)
 
 
 def main() -> int:

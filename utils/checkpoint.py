@@ -29,7 +29,7 @@ import torch.distributed as dist
 from torch import nn
 
 from partial_fc import class_range
-from utils.distributed import barrier, is_initialized, is_main, rank, world
+from utils.distributed import barrier, gather_objects, is_initialized, is_main, rank, world
 
 CHECKPOINT_NAME = "checkpoint.pt"
 BACKBONE_NAME = "backbone.pth"
@@ -140,15 +140,6 @@ def my_class_rows(full: torch.Tensor, num_classes: int) -> torch.Tensor:
     """This rank's slice of a full class matrix, for the current world size."""
     start, count = class_range(num_classes, rank(), world())
     return full[start:start + count]
-
-
-def gather_objects(obj) -> list | None:
-    """Every rank's small Python object, in rank order, on rank 0 (None elsewhere). Collective."""
-    if not is_initialized():
-        return [obj]
-    out = [None] * world() if is_main() else None
-    dist.gather_object(obj, out, dst=0)
-    return out
 
 
 def _state_index(optimizer: torch.optim.Optimizer, param: nn.Parameter) -> int:

@@ -87,6 +87,15 @@ def broadcast_object(obj, src: int = 0):
     return box[0]
 
 
+def gather_objects(obj) -> list | None:
+    """Every rank's small Python object, in rank order, on rank 0 (None elsewhere). Collective."""
+    if not is_initialized():
+        return [obj]
+    out = [None] * world() if is_main() else None
+    dist.gather_object(obj, out, dst=0)
+    return out
+
+
 def _collective_device() -> torch.device:
     if dist.get_backend() == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
