@@ -27,30 +27,24 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from backbones import WeightsError, get_model, load_backbone
-from dataset import DataError, build_dataset, build_loader
+from backbones import get_model, load_backbone
+from dataset import build_dataset, build_loader
 from eval.callback import VerificationCallback
 from losses import CombinedMarginLoss
 from partial_fc import PartialFC, class_range
-from utils.checkpoint import (BACKBONE_NAME, CHECKPOINT_NAME, CheckpointError, load_checkpoint, my_rank_state,
+from utils.checkpoint import (BACKBONE_NAME, CHECKPOINT_NAME, load_checkpoint, my_rank_state,
                               restore_training_state, save_backbone, save_checkpoint, set_rng_state)
-from utils.config import ConfigError, check_data_path, load_config
-from utils.distributed import all_reduce_max, broadcast_object, cleanup, init_distributed, is_main, rank, world
+from utils.config import check_data_path, load_config
+from utils.distributed import (all_reduce_max, broadcast_object, cleanup, init_distributed, is_main, launched_rank,
+                               rank, world)
 from utils.image import normalize
 from utils.log import SpeedLogger, setup_logging
 from utils.lr_scheduler import build_scheduler
-from utils.run_dir import RunDirError, lock_run_dir, resolve_resume
+from utils.errors import ConfigError, TrainingError, UserError, report
+from utils.run_dir import lock_run_dir, resolve_resume
 
 log = logging.getLogger("train")
 
-
-class TrainingError(RuntimeError):
-    """Training cannot go on (e.g. too many non-finite losses in a row); the message says what to try."""
-
-
-# Errors a user can cause: reported as one sentence and a non-zero exit, without a traceback.
-USER_ERRORS = (ConfigError, DataError, CheckpointError, RunDirError, TrainingError, WeightsError,
-               FileNotFoundError)
 
 LOSS_NONFINITE, GRAD_NONFINITE = 2.0, 1.0  # severities agreed over ranks with a max
 
@@ -76,8 +70,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             train(cfg, env.device)
         finally:
             cleanup()
-    except USER_ERRORS as error:
-        _report(error)
+    except UserError as error:
+        # Config errors happen identically on every process, before the process group exists: one copy is enough.
+        if launched_rank() == 0 or not isinstance(error, ConfigError):
+            report(error)
         return 1
     return 0
 
@@ -95,15 +91,6 @@ def _share_cpu(num_workers: int) -> None:
     torch.set_num_threads(max(1, per_process - num_workers))
 
 
-def _report(error: BaseException) -> None:
-    # Config errors happen identically on every process, before the process group exists: one
-    # copy is enough. RANK (set by torchrun) tells the processes apart before and after.
-    process = int(os.environ.get("RANK", "0"))
-    if process == 0 or not isinstance(error, ConfigError):
-        prefix = f"[rank {process}] " if process else ""
-        print(f"error: {prefix}{error}", file=sys.stderr, flush=True)
-
-
 def _agreed(decide, share: bool = True):
     """Run `decide()` on rank 0 and raise its user error on every rank, so that no process is left
     waiting at a collective for one that stopped. Returns the result on every rank (`share`), or
@@ -112,7 +99,7 @@ def _agreed(decide, share: bool = True):
     if is_main():
         try:
             outcome = decide()
-        except USER_ERRORS as raised:
+        except UserError as raised:
             error = raised
     error = broadcast_object(error)
     if error is not None:

@@ -10,15 +10,12 @@ import torch.nn.functional as F
 from PIL import Image, UnidentifiedImageError
 from torch import nn
 
+from utils.errors import FaceImageError
 from utils.image import normalize
 
 logger = logging.getLogger(__name__)
 
 FACE_SIZE = 112
-
-
-class FaceImageError(ValueError):
-    """An image file that cannot be used as an aligned face."""
 
 
 def read_face_image(path: str | Path) -> torch.Tensor:
@@ -29,7 +26,7 @@ def read_face_image(path: str | Path) -> torch.Tensor:
     """
     path = Path(path)
     if not path.is_file():
-        raise FileNotFoundError(f"Image file {path} does not exist.")
+        raise FaceImageError(f"image file {path} does not exist; check the path")
     try:
         with Image.open(path) as image:
             image = image.convert("RGB")

@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from backbones.registry import NETWORKS, get_model
+from utils.errors import WeightsError
 
 logger = logging.getLogger(__name__)
 
@@ -27,10 +28,6 @@ _FIRST_LAYER: dict[str, tuple[str, int]] = {
 }
 
 
-class WeightsError(ValueError):
-    """A weights file that is unreadable or does not fit the requested backbone."""
-
-
 def _is_state_dict(obj: object) -> bool:
     return isinstance(obj, dict) and bool(obj) and all(isinstance(v, torch.Tensor) for v in obj.values())
 
@@ -39,10 +36,8 @@ def read_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
     """The backbone state_dict stored in ``path`` (a plain state_dict or a checkpoint wrapping one)."""
     path = Path(path)
     if not path.is_file():
-        raise FileNotFoundError(
-            f"Weights file {path} does not exist; pass the backbone.pth written by training "
-            f"(e.g. output/backbone.pth)."
-        )
+        raise WeightsError(f"weights file {path} does not exist; pass the backbone.pth written by training "
+                           "(e.g. output/backbone.pth)")
     try:
         obj = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as error:  # torch raises many types for a foreign or truncated file
@@ -109,7 +104,7 @@ def load_backbone(
 ) -> nn.Module:
     """Backbone ``network`` built with ``model_options`` (see get_model), weights loaded strictly, in eval mode.
 
-    Raises FileNotFoundError for a missing file and WeightsError naming the missing, unexpected and
+    Raises WeightsError for a missing file, and naming the missing, unexpected and
     mis-shaped keys (and the network the file does fit, when one does) for anything else.
     """
     model = get_model(network, **model_options)

@@ -9,6 +9,7 @@ from torch import nn
 
 from eval.verification import VerificationSet, load_bin, test
 from utils.distributed import broadcast_object, is_main
+from utils.errors import ConfigError
 
 logger = logging.getLogger(__name__)
 
@@ -53,7 +54,7 @@ class VerificationCallback:
         problem = _missing_targets_message(val_targets, rec_prefix) if is_main() else None
         problem = broadcast_object(problem)
         if problem is not None:
-            raise FileNotFoundError(problem)
+            raise ConfigError(problem)
         if is_main():
             for target in val_targets:
                 name, path = resolve_target(target, rec_prefix)

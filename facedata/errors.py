@@ -2,5 +2,6 @@
 from __future__ import annotations
 
 
-class DataError(ValueError):
-    """A dataset file, record or folder is unusable; the message names it and says how to fix it."""
+from utils.errors import DataError
+
+__all__ = ["DataError"]

@@ -121,7 +121,7 @@ def test_a_missing_weights_file_exits_with_one_sentence(tmp_path):
     result = run_cli("eval.verification", *NETWORK, "--weights", str(tmp_path / "nope.pth"), "--bins", VERIFY_BIN)
     assert result.returncode == 1
     assert "Traceback" not in result.stderr
-    assert re.fullmatch(r"error: Weights file .*nope\.pth does not exist.*\n", result.stderr)
+    assert re.fullmatch(r"error: weights file .*nope\.pth does not exist.*\n", result.stderr)
 
 
 @pytest.mark.parametrize("argv, message", [

@@ -93,7 +93,7 @@ def test_load_backbone_accepts_ddp_prefixes_and_training_checkpoints(r18_weights
 
 
 def test_missing_weights_file_is_named(tmp_path):
-    with pytest.raises(FileNotFoundError, match="nothing.pth"):
+    with pytest.raises(WeightsError, match="nothing.pth"):
         load_backbone("r18", tmp_path / "nothing.pth")
 
 
@@ -214,7 +214,7 @@ def test_read_face_image_refuses_non_square_and_non_images(tmp_path):
     (tmp_path / "text.jpg").write_text("hello")
     with pytest.raises(FaceImageError, match="not a readable image"):
         read_face_image(tmp_path / "text.jpg")
-    with pytest.raises(FileNotFoundError, match="missing.jpg"):
+    with pytest.raises(FaceImageError, match="missing.jpg"):
         read_face_image(tmp_path / "missing.jpg")
 
 

@@ -24,6 +24,7 @@ from eval.roc import roc_points, tar_at_far
 from eval.verification import evaluate, load_bin
 from eval.verification import test as verification_test
 from tests.distributed_helpers import run_world
+from utils.errors import ConfigError
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures", "recordio")
 VERIFY_BIN = os.path.join(FIXTURES, "verify.bin")
@@ -302,7 +303,7 @@ def test_callback_logs_upstream_lines_writes_tensorboard_and_restores_modes(tmp_
 
 
 def test_callback_rejects_a_missing_target_naming_the_key_and_path(tmp_path):
-    with pytest.raises(FileNotFoundError, match=r"val_targets entry 'agedb_30'.*agedb_30\.bin"):
+    with pytest.raises(ConfigError, match=r"val_targets entry 'agedb_30'.*agedb_30\.bin"):
         VerificationCallback(frequent=1, val_targets=["agedb_30"], rec_prefix=str(tmp_path))
 
 
@@ -310,7 +311,7 @@ def _callback_in_world(rank, world_size, rec_prefix):
     try:
         VerificationCallback(frequent=2, val_targets=["lfw", "missing"], rec_prefix=rec_prefix)
         missing_error = None
-    except FileNotFoundError as error:
+    except ConfigError as error:
         missing_error = str(error)
     model = nn.parallel.DistributedDataParallel(TinyNet())
     callback = VerificationCallback(frequent=2, val_targets=["lfw"], rec_prefix=rec_prefix, batch_size=16)

@@ -30,6 +30,7 @@ from torch import nn
 
 from partial_fc import class_range
 from utils.distributed import barrier, gather_objects, is_initialized, is_main, rank, world
+from utils.errors import CheckpointError
 
 CHECKPOINT_NAME = "checkpoint.pt"
 BACKBONE_NAME = "backbone.pth"
@@ -37,10 +38,6 @@ FORMAT = "pairface-checkpoint-1"
 _TMP_PREFIX = ".tmp-"
 
 log = logging.getLogger(__name__)
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint cannot be written, read, or does not fit this run; the message says why and what to do."""
 
 
 def atomic_save(obj, path: str | os.PathLike) -> None:

@@ -16,11 +16,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from types import SimpleNamespace
 
+from utils.errors import ConfigError
+
 BASE_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "base.py"
-
-
-class ConfigError(ValueError):
-    """A configuration the user wrote cannot be used; the message says which key and how to fix it."""
 
 
 def load_config(path: str | os.PathLike, overrides: Sequence[str] = ()) -> SimpleNamespace:

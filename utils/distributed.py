@@ -37,6 +37,11 @@ def is_main() -> bool:
     return rank() == 0
 
 
+def launched_rank() -> int:
+    """This process's rank as the launcher (torchrun) announced it: valid before the process group exists."""
+    return int(os.environ.get("RANK", "0"))
+
+
 def barrier() -> None:
     if is_initialized():
         dist.barrier()

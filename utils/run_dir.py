@@ -8,12 +8,9 @@ from pathlib import Path
 from typing import IO
 
 from utils.checkpoint import BACKBONE_NAME, CHECKPOINT_NAME, find_resume_source
+from utils.errors import RunDirError
 
 LOCK_NAME = ".lock"
-
-
-class RunDirError(ValueError):
-    """The output folder cannot be used as asked; the message says why and what to do instead."""
 
 
 def resolve_resume(output: str, resume: bool | str) -> tuple[str, Path] | None:

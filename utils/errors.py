@@ -1,0 +1,63 @@
+"""The errors a user can cause, and how every command line reports them.
+
+Each is a ``UserError``: its message is one sentence, ``<what is wrong>; <how to fix it>``, naming the
+file, key or record at fault. The CLIs catch exactly ``UserError`` and print ``error: <message>``
+with exit status 1; anything else is a bug and keeps its traceback. The second base of each class
+is the built-in a caller would expect to catch for it (a bad value, a failed run).
+"""
+from __future__ import annotations
+
+import contextlib
+import sys
+from collections.abc import Iterator
+
+from utils.distributed import launched_rank
+
+
+class UserError(Exception):
+    """Something the user can fix (a config, a path, the data, a checkpoint); the message says how."""
+
+
+class ConfigError(UserError, ValueError):
+    """A configuration key, value or file cannot be used."""
+
+
+class DataError(UserError, ValueError):
+    """A dataset file, record, label or folder is unusable."""
+
+
+class CheckpointError(UserError, RuntimeError):
+    """A checkpoint cannot be written, read, or does not fit this run."""
+
+
+class RunDirError(UserError, ValueError):
+    """The output folder cannot be used as asked."""
+
+
+class TrainingError(UserError, RuntimeError):
+    """Training cannot go on (e.g. too many non-finite losses in a row)."""
+
+
+class WeightsError(UserError, ValueError):
+    """A weights file is missing, unreadable or does not fit the requested network."""
+
+
+class FaceImageError(UserError, ValueError):
+    """A face image cannot be read or is not an aligned square crop."""
+
+
+def report(error: UserError) -> None:
+    """Print ``error: <message>`` on stderr, prefixed with the process's rank under torchrun."""
+    process = launched_rank()
+    prefix = f"[rank {process}] " if process else ""
+    print(f"error: {prefix}{error}", file=sys.stderr, flush=True)
+
+
+@contextlib.contextmanager
+def exit_on_user_error() -> Iterator[None]:
+    """For a command line's main(): a UserError ends it with its one sentence and exit status 1."""
+    try:
+        yield
+    except UserError as error:
+        report(error)
+        raise SystemExit(1) from None
