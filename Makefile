@@ -2,25 +2,28 @@
 PY := .venv/bin/python
 STAMP := .venv/.installed
 
-.PHONY: test demo bench clean-venv
+.PHONY: test lint demo bench clean-venv
 
-$(STAMP): requirements.txt
+$(STAMP): requirements.txt requirements-dev.txt
 	test -x $(PY) || python3 -m venv .venv
-	$(PY) -m pip install -q -r requirements.txt
+	$(PY) -m pip install -q -r requirements-dev.txt
 	touch $(STAMP)
 
-test: $(STAMP)
+lint: $(STAMP)
+	$(PY) -m ruff check .
+
+test: lint
 	$(PY) -m pytest -q tests
 
 demo: $(STAMP)
-	$(PY) tools/demo.py
+	$(PY) -m tools.demo
 
 bench: $(STAMP)
-	$(PY) bench/bench_pfc.py
-	$(PY) bench/bench_backbones.py
-	$(PY) bench/bench_data.py
-	$(PY) bench/bench_train.py
-	$(PY) bench/bench_eval.py
+	$(PY) -m bench.bench_pfc
+	$(PY) -m bench.bench_backbones
+	$(PY) -m bench.bench_data
+	$(PY) -m bench.bench_train
+	$(PY) -m bench.bench_eval
 
 clean-venv:
 	rm -rf .venv

@@ -9,12 +9,17 @@ Each rank holds a contiguous range of class centres. One forward:
 3. all-gather the L2-normalised embeddings of all views (autograd-aware: its backward is a
    reduce-scatter, so every view's embeddings receive exactly their own gradient);
 4. one fused, memory-lean sharded softmax cross-entropy over all views at once
-   (``_ShardedMarginSoftmax``), float32 even under autocast;
-5. return ``sum_v w_v * CE_v``: the same scalar on every rank, with an ordinary backward.
+   (``_ShardedMarginSoftmax``): its GEMMs in the caller's autocast precision (float16/bfloat16),
+   the softmax always in float32;
+5. return ``sum_v w_v * CE_v`` (the same scalar on every rank, with an ordinary backward) and
+   each view's mean cross-entropy.
+
+The centres are initialised here, from a seed alone: the same matrix for any world size, and each
+rank draws only the rows it holds.
 """
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
@@ -22,9 +27,12 @@ from torch import nn
 
 from losses import CombinedMarginLoss
 from utils.distributed import is_initialized, rank, world
+from utils.errors import ConfigError, DataError
 
 NORM_EPS = 1e-12  # F.normalize's default; rows shorter than this are divided by it instead
 COLUMN_CHUNK_ELEMENTS = 1 << 24  # bounds the (N, chunk) temporaries of the softmax passes
+INIT_STD = 0.01  # arcface_torch's centre initialisation: normal(0, 0.01)
+INIT_BLOCK_ROWS = 1 << 14  # centres are drawn in blocks of this many rows, each from its own seeded stream
 
 
 def class_range(num_classes: int, rank: int, world_size: int) -> tuple[int, int]:
@@ -34,39 +42,57 @@ def class_range(num_classes: int, rank: int, world_size: int) -> tuple[int, int]
     return start, base + (1 if rank < extra else 0)
 
 
+def initial_centres(seed: int, start: int, count: int, embedding_size: int) -> torch.Tensor:
+    """Rows ``start .. start + count - 1`` of the seeded initial centre matrix, whatever its height.
+
+    Row r lies in block ``r // INIT_BLOCK_ROWS``, drawn from a generator seeded by (seed, block):
+    a rank draws only the blocks its rows touch (memory O(C / W + block)), and the rows equal those
+    of a single-process draw of the whole matrix.
+    """
+    rows = torch.empty(count, embedding_size)
+    first_block, end_block = start // INIT_BLOCK_ROWS, -(-(start + count) // INIT_BLOCK_ROWS)
+    for block in range(first_block, end_block):
+        generator = torch.Generator().manual_seed(seed * 1_000_003 + block)
+        drawn = torch.normal(0.0, INIT_STD, (INIT_BLOCK_ROWS, embedding_size), generator=generator)
+        low, high = max(start, block * INIT_BLOCK_ROWS), min(start + count, (block + 1) * INIT_BLOCK_ROWS)
+        rows[low - start:high - start] = drawn[low - block * INIT_BLOCK_ROWS:high - block * INIT_BLOCK_ROWS]
+    return rows
+
+
 class PartialFC(nn.Module):
     """Sharded margin softmax over ``num_classes`` centres for one or several embedding views.
 
     ``view_weights`` (default: equal, summing to 1) weight each view's mean cross-entropy, so a
-    single-view learning rate carries over to V views.
+    single-view learning rate carries over to V views. ``seed`` fixes the initial centres (the
+    same matrix on any number of processes).
     """
 
     def __init__(self, margin_loss: CombinedMarginLoss, embedding_size: int, num_classes: int,
-                 sample_rate: float = 1.0, fp16: bool = False,
-                 view_weights: Sequence[float] | None = None):
+                 sample_rate: float = 1.0, view_weights: Sequence[float] | None = None, seed: int = 0):
         super().__init__()
         if not 0.0 < sample_rate <= 1.0:
-            raise ValueError(f"sample_rate={sample_rate} must lie in (0, 1] (1.0 uses every class centre)")
+            raise ConfigError(f"sample_rate={sample_rate} must lie in (0, 1] (1.0 uses every class centre)")
         self.margin_loss = margin_loss
         self.embedding_size = embedding_size
         self.num_classes = num_classes
         self.sample_rate = sample_rate
-        self.fp16 = fp16
         self.view_weights = None if view_weights is None else tuple(float(w) for w in view_weights)
         self.rank, self.world_size = rank(), world()
         if num_classes < self.world_size:
-            raise ValueError(f"num_classes={num_classes} is smaller than the {self.world_size} processes: "
-                             "every rank needs at least one class centre")
+            raise ConfigError(f"num_classes={num_classes} is smaller than the {self.world_size} processes; every "
+                              "rank needs at least one class centre: use fewer processes")
         self.class_start, self.num_local = class_range(num_classes, self.rank, self.world_size)
-        self.weight = nn.Parameter(torch.normal(0, 0.01, (self.num_local, embedding_size)))
-        self.last_view_losses = torch.zeros(0)
+        self.weight = nn.Parameter(initial_centres(seed, self.class_start, self.num_local, embedding_size))
+        # Which global classes the last forward used (None: all of this rank's), for checks and tests.
         self.last_sampled_classes: torch.Tensor | None = None
 
     def extra_repr(self) -> str:
         return (f"num_classes={self.num_classes}, local={self.class_start}..{self.class_start + self.num_local - 1}, "
-                f"embedding_size={self.embedding_size}, sample_rate={self.sample_rate}, fp16={self.fp16}")
+                f"embedding_size={self.embedding_size}, sample_rate={self.sample_rate}")
 
-    def forward(self, embeddings: torch.Tensor | Sequence[torch.Tensor], labels: torch.Tensor) -> torch.Tensor:
+    def forward(self, embeddings: torch.Tensor | Sequence[torch.Tensor],
+                labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(loss, per-view mean cross-entropy (V,), detached) for the global batch of all ranks."""
         views = [embeddings] if isinstance(embeddings, torch.Tensor) else list(embeddings)
         weights = self._view_weights(len(views))
         self._check_shapes(views, labels)
@@ -91,25 +117,44 @@ class PartialFC(nn.Module):
         row_coef = (torch.tensor(weights, dtype=dtype, device=gathered.device) / global_batch)
         row_coef = row_coef.view(1, num_views, 1).expand(self.world_size, -1, batch).reshape(-1)
 
-        with torch.autocast(gathered.device.type, enabled=False):
+        device_type = gathered.device.type
+        gemm_dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else None
+        with torch.autocast(device_type, enabled=False):
             loss, row_losses = _ShardedMarginSoftmax.apply(
-                gathered, self.weight, index, row_labels, row_coef, self.margin_loss,
-                torch.float16 if self.fp16 else None)
-        self.last_view_losses = row_losses.view(self.world_size, num_views, batch).mean(dim=(0, 2)).detach()
-        return loss
+                gathered, self.weight, index, row_labels, row_coef, self.margin_loss, gemm_dtype)
+        return loss, row_losses.view(self.world_size, num_views, batch).mean(dim=(0, 2)).detach()
+
+    def gather_rows(self, shard: torch.Tensor) -> torch.Tensor | None:
+        """The whole (num_classes, ...) matrix on rank 0 (CPU) from every rank's rows of a centre-shaped
+        tensor (the centres, their momentum, ...); None elsewhere. Collective: every rank calls it.
+        Shards differ in length by one in uneven splits, so they travel padded to the longest."""
+        if not is_initialized():
+            return shard.detach().cpu().clone()
+        counts = [class_range(self.num_classes, r, self.world_size)[1] for r in range(self.world_size)]
+        padded = shard.new_zeros((max(counts), *shard.shape[1:]))
+        padded[: shard.shape[0]] = shard.detach()
+        pieces = [torch.empty_like(padded) for _ in counts] if self.rank == 0 else None
+        dist.gather(padded, pieces, dst=0)
+        if pieces is None:
+            return None
+        return torch.cat([piece[:count].cpu() for piece, count in zip(pieces, counts)])
+
+    def local_rows(self, full: torch.Tensor) -> torch.Tensor:
+        """This rank's rows of a whole (num_classes, ...) matrix."""
+        return full[self.class_start:self.class_start + self.num_local]
 
     def _view_weights(self, num_views: int) -> tuple[float, ...]:
         if self.view_weights is None:
             return (1.0 / num_views,) * num_views
         if len(self.view_weights) != num_views:
-            raise ValueError(f"view_weights has {len(self.view_weights)} entries but {num_views} views were "
+            raise ConfigError(f"view_weights has {len(self.view_weights)} entries but {num_views} views were "
                              f"given: set view_weights in the config to {num_views} numbers (or None for equal)")
         return self.view_weights
 
     def _check_shapes(self, views: list[torch.Tensor], labels: torch.Tensor) -> None:
         for v, emb in enumerate(views):
             if emb.dim() != 2 or emb.shape[1] != self.embedding_size or emb.shape[0] != labels.numel():
-                raise ValueError(f"view {v} embeddings have shape {tuple(emb.shape)}, expected "
+                raise ConfigError(f"view {v} embeddings have shape {tuple(emb.shape)}, expected "
                                  f"({labels.numel()}, {self.embedding_size}) to match the labels and "
                                  "embedding_size: check embedding_size in the config and the backbone")
 
@@ -118,7 +163,7 @@ class PartialFC(nn.Module):
         if bool(bad.any()):
             position = int(torch.nonzero(bad)[0])
             batch = global_labels.numel() // self.world_size
-            raise ValueError(
+            raise DataError(
                 f"label {int(global_labels[position])} (sample {position % batch} on rank {position // batch}) "
                 f"is outside [0, {self.num_classes}): set num_classes to more than the largest label "
                 "in the data, or fix the dataset's labels")

@@ -1,7 +1,7 @@
 """Backbone sizes, FLOPs and CPU inference speed, and what channels_last / fused BN earn.
 
-    python bench/bench_backbones.py                       # all ten networks, a few minutes
-    python bench/bench_backbones.py --networks r18 mbf    # a subset
+    python -m bench.bench_backbones                       # all ten networks, a few minutes
+    python -m bench.bench_backbones --networks r18 mbf    # a subset
 
 For each network at full width: parameters, GFLOPs per 112x112 image (counted by
 torch.utils.flop_counter on a real forward: 2 per multiply-add of conv/linear/attention; BN and
@@ -18,19 +18,15 @@ import argparse
 import copy
 import math
 import os
-import sys
 import time
 import types
-from pathlib import Path
 
 import torch
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode, sdpa_flop_count
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from backbones import NETWORKS, fuse_batchnorm, get_model  # noqa: E402
-from backbones.vit import Attention  # noqa: E402
+from backbones import NETWORKS, fuse_batchnorm, get_model
+from backbones.vit import Attention
 
 BATCH = 8
 THREADS = 2

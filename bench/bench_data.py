@@ -2,7 +2,7 @@
 JPEG views (quality 95), V = 1 and V = 2, through pairface's loader with 0, 1 and 2 workers, next
 to a straightforward PIL reader of the same records measured in the same run.
 
-    python bench/bench_data.py [--records 2000] [--batch-size 64] [--rounds 3]
+    python -m bench.bench_data [--records 2000] [--batch-size 64] [--rounds 3]
 
 Ratios are against the PIL reader at the same V (one process). Each path runs once to warm up
 (workers, page cache), then ``--rounds`` times interleaved with the others; the best round counts,
@@ -14,7 +14,6 @@ import argparse
 import io
 import os
 import struct
-import sys
 import tempfile
 import time
 
@@ -23,11 +22,7 @@ import torch
 from PIL import Image
 from torchvision.io import decode_jpeg
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from dataset import build_dataset, build_loader  # noqa: E402
-from facedata.packing import InsightfaceWriter, encode, side_by_side  # noqa: E402
-from facedata.synthetic import render_faces  # noqa: E402
+from dataset import InsightfaceWriter, build_dataset, build_loader, encode, render_faces, side_by_side
 
 DISTINCT_FACES = 240  # drawn once, reused across records: the bench measures reading, not drawing
 

@@ -4,22 +4,18 @@ Upstream's algorithms are the loop-per-threshold and loop-per-template reference
 against (tests/test_verification.py, tests/test_ijb.py). Ratios are measured in this one run;
 absolute times depend on the machine (the project's dev box: 2 CPU cores shared with others).
 
-    .venv/bin/python bench/bench_eval.py
+    python -m bench.bench_eval
 """
 from __future__ import annotations
 
-import os
-import sys
 import time
 
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from eval.ijb import template_features  # noqa: E402
-from eval.verification import evaluate  # noqa: E402
-from tests.test_ijb import upstream_template_features  # noqa: E402
-from tests.test_verification import planted_pairs, reference_evaluate  # noqa: E402
+from eval.ijb import template_features
+from eval.verification import evaluate
+from tests.test_ijb import upstream_template_features
+from tests.test_verification import planted_pairs, reference_evaluate
 
 
 def best_time(fn, repeats):

@@ -1,6 +1,6 @@
 """PartialFC forward+backward time and peak memory, as ratios to a dense reference, on this CPU.
 
-    .venv/bin/python bench/bench_pfc.py [--classes 10000 100000 1000000] [--device cuda]
+    python -m bench.bench_pfc [--classes 10000 100000 1000000] [--device cuda]
 
 The reference is what a user would write without Partial FC: ``nn.Linear`` on normalised
 weights, the same margin, ``F.cross_entropy``, over the same 256 embeddings (batch 128 x 2
@@ -21,17 +21,19 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+from losses import CombinedMarginLoss
+from partial_fc import PartialFC
 
-from losses import CombinedMarginLoss  # noqa: E402
-from partial_fc import PartialFC  # noqa: E402
+ROOT = Path(__file__).resolve().parent.parent
 
 BATCH, VIEWS, DIM = 128, 2, 512
 IMPLEMENTATIONS = ("dense", "pfc@1.0", "pfc@0.1")
 
 
 class DenseReference(torch.nn.Module):
+    """nn.Linear on normalised features + the margin + F.cross_entropy over all views at once; returns
+    (loss, None) like PartialFC's (loss, per-view losses)."""
+
     def __init__(self, num_classes: int, margin: CombinedMarginLoss):
         super().__init__()
         self.weight = torch.nn.Parameter(torch.normal(0, 0.01, (num_classes, DIM)))
@@ -40,7 +42,7 @@ class DenseReference(torch.nn.Module):
     def forward(self, views, labels):
         embeddings = torch.cat(views)
         cos = F.linear(F.normalize(embeddings), F.normalize(self.weight))
-        return F.cross_entropy(self.margin(cos, labels.repeat(len(views))), labels.repeat(len(views)))
+        return F.cross_entropy(self.margin(cos, labels.repeat(len(views))), labels.repeat(len(views))), None
 
 
 def _resident_bytes(field: str) -> int:
@@ -73,7 +75,7 @@ def measure(implementation: str, num_classes: int, device: torch.device, steps: 
     if implementation == "dense":
         head = DenseReference(num_classes, margin)
     else:
-        head = PartialFC(margin, DIM, num_classes, sample_rate=float(implementation.split("@")[1]), fp16=fp16)
+        head = PartialFC(margin, DIM, num_classes, sample_rate=float(implementation.split("@")[1]))
     head = head.to(device)
     views = [torch.randn(BATCH, DIM, device=device, requires_grad=True) for _ in range(VIEWS)]
     labels = torch.randint(0, num_classes, (BATCH,), device=device)
@@ -81,7 +83,7 @@ def measure(implementation: str, num_classes: int, device: torch.device, steps: 
     def step():
         head.weight.grad = None
         with torch.autocast(device.type, dtype=torch.float16, enabled=fp16 and device.type == "cuda"):
-            loss = head(views, labels)
+            loss, _ = head(views, labels)
         loss.backward()
 
     baseline = _reset_peak(device)
@@ -104,9 +106,9 @@ def measure(implementation: str, num_classes: int, device: torch.device, steps: 
 
 
 def run_in_subprocess(implementation: str, num_classes: int, args) -> dict:
-    command = [sys.executable, __file__, "--worker", implementation, str(num_classes), "--device", args.device,
-               "--threads", str(args.threads)] + (["--fp16"] if args.fp16 else [])
-    done = subprocess.run(command, capture_output=True, text=True, check=False)
+    command = [sys.executable, "-m", "bench.bench_pfc", "--worker", implementation, str(num_classes),
+               "--device", args.device, "--threads", str(args.threads)] + (["--fp16"] if args.fp16 else [])
+    done = subprocess.run(command, capture_output=True, text=True, check=False, cwd=ROOT)
     if done.returncode != 0:
         raise RuntimeError(f"{implementation} at C={num_classes} failed:\n{done.stderr[-2000:]}")
     return json.loads(done.stdout.strip().splitlines()[-1])
@@ -134,7 +136,8 @@ def main() -> None:
     if device.type == "cpu":
         print("CPU note: this machine's 2 cores may be shared; GPU figures need `--device cuda --fp16` "
               "on a GPU (bench/gpu.sh).")
-    header = f"{'classes':>9} {'impl':>8} {'ms/step':>10} {'x time':>7} {'MiB above W':>12} {'x memory':>9} {'TFLOP/s':>8}"
+    header = (f"{'classes':>9} {'impl':>8} {'ms/step':>10} {'x time':>7} {'MiB above W':>12} {'x memory':>9} "
+              f"{'TFLOP/s':>8}")
     print(header)
     print("-" * len(header))
     for num_classes in args.classes:

@@ -1,7 +1,7 @@
 """Training-step throughput: one view vs two views in one backbone pass vs two views in two passes.
 
-    .venv/bin/python bench/bench_train.py                      # CPU, tiny r18, a couple of minutes
-    .venv/bin/python bench/bench_train.py --device cuda --network r50 --width-mult 1 \\
+    python -m bench.bench_train                      # CPU, tiny r18, a couple of minutes
+    python -m bench.bench_train --device cuda --network r50 --width-mult 1 \\
         --embedding-size 512 --batch-size 128 --fp16 --steps 100 --rounds 2   # what bench/gpu.sh runs
 
 Modes, each a full optimizer step (normalise, backbone, PartialFC, backward, clip, SGD, LR step)
@@ -22,11 +22,10 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+from train import build_training, train_step
+from utils.config import load_config
 
-from train import build_training, train_step  # noqa: E402
-from utils.config import load_config  # noqa: E402
+ROOT = Path(__file__).resolve().parent.parent
 
 MODES = {"a": ("one view", 1), "b": ("two views, one pass", 2), "c": ("two views, two passes", 2)}
 
@@ -74,7 +73,7 @@ def make_mode(args, mode: str, device: torch.device):
     labels = torch.randint(0, args.classes, (args.batch_size,), generator=generator)
     batch = [(images.to(device), labels.to(device))]
     if mode == "c":
-        model.forward = PerViewPasses(model.backbone, views)
+        model.ddp_backbone = PerViewPasses(model.backbone, views)
     return lambda: train_step(model, batch, cfg)
 
 

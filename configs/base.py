@@ -3,14 +3,17 @@
 An experiment file (e.g. configs/ms1mv3_r50_pair.py) assigns module-level names that override
 these; `train.py configs/X.py --set key=value` overrides both. Only keys defined here exist: a
 misspelt key is an error that suggests the closest one. The annotation of each key is its type;
-`--set` values are parsed as Python literals and checked against it.
+`--set` values are parsed as Python literals and checked against it (a `Literal[...]` lists the
+values a key accepts).
 """
+from typing import Literal
 
 # --- data ---------------------------------------------------------------------------------
 rec: str = ""                     # folder with train.rec/train.idx (+ val .bin files), an image folder, or "synthetic"
 num_views: int = 1                # images per record fed through the backbone (2: a 112x224 record = two 112x112 views)
-view_source: str = "record"       # where the views come from: "record" (side by side in one record),
-                                  # "identity" (other photos of the record's identity), "augment" (copies of one image)
+view_source: Literal["record", "identity", "augment"] = "record"  # where the views come from: "record" (side by
+                                  # side in one record), "identity" (other photos of the record's identity),
+                                  # "augment" (copies of one image)
 num_classes: int | None = None    # identities in the classifier; None: read from the data
 flip: bool = True                 # random horizontal flip, drawn independently per view
 skip_bad_records: bool = False    # skip undecodable records (counted and logged) instead of stopping
@@ -37,7 +40,7 @@ fp16: bool = False                # backbone in float16 autocast with a GradScal
 bf16: bool = False                # backbone in bfloat16 autocast, no scaler needed (exclusive with fp16)
 
 # --- optimisation -------------------------------------------------------------------------
-optimizer: str = "sgd"            # "sgd" or "adamw"; one optimizer, backbone and class centres as two param groups
+optimizer: Literal["sgd", "adamw"] = "sgd"  # one optimizer, backbone and class centres as two param groups
 lr: float = 0.1                   # learning rate of the GLOBAL batch batch_size * world_size * gradient_acc, as is:
                                   # like arcface_torch, nothing is rescaled when the number of processes changes
 momentum: float = 0.9             # SGD momentum (ignored by adamw)
@@ -62,6 +65,3 @@ save_all_states: bool = True      # write the full resumable checkpoint.pt (Fals
 save_every_steps: int = 0         # also checkpoint every this many steps (0: at the end of each epoch only)
 resume: bool | str = False        # True: continue the run in `output`; a path: start from that checkpoint.pt,
                                   # run folder or bare backbone.pth (e.g. from arcface_torch) into a new output
-
-# --- testing only -------------------------------------------------------------------------
-debug_nan_steps: tuple[int, ...] = ()  # TEST ONLY: rank 0's loss becomes NaN at these global steps (1-based, as logged)

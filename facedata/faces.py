@@ -4,6 +4,7 @@ from __future__ import annotations
 import logging
 import os
 from functools import partial
+from typing import Literal
 
 import numpy as np
 import torch
@@ -16,7 +17,7 @@ from facedata.sources import FolderSource, RecSource, Source, SyntheticSource
 
 log = logging.getLogger(__name__)
 
-VIEW_SOURCES = ("record", "identity", "augment")
+ViewSource = Literal["record", "identity", "augment"]  # the config loader checks the user's choice
 
 
 class FaceDataset(Dataset):
@@ -26,7 +27,7 @@ class FaceDataset(Dataset):
     sample's flips and view draws depend only on (seed, epoch, index).
     """
 
-    def __init__(self, source: Source, num_views: int, view_source: str, num_classes: int, flip: bool,
+    def __init__(self, source: Source, num_views: int, view_source: ViewSource, num_classes: int, flip: bool,
                  skip_bad_records: bool, seed: int) -> None:
         self.source = source
         self.num_views, self.view_source, self.num_classes = num_views, view_source, num_classes
@@ -67,7 +68,7 @@ class FaceDataset(Dataset):
         elif self.view_source == "identity":
             views = [self._single_view(image, index)] + [self._same_identity_view(index, label, other)
                                                          for other in self._draw_others(index, rng)]
-        else:
+        else:  # "augment"
             view = self._single_view(image, index)
             views = [jitter(view, rng) for _ in range(self.num_views)]
         flips = coins(rng, self.num_views) if self.flip else [False] * self.num_views
@@ -103,7 +104,7 @@ class FaceDataset(Dataset):
         return split_views(image, 1, partial(self.source.describe, index), fix)[0]
 
 
-def _source_for(path: str, num_views: int, view_source: str, num_classes: int | None, seed: int) -> Source:
+def _source_for(path: str, num_views: int, view_source: ViewSource, num_classes: int | None, seed: int) -> Source:
     if path == "synthetic":
         if num_classes is None:
             raise DataError("the synthetic speed mode needs num_classes; set num_classes in the config")
@@ -119,7 +120,7 @@ def _source_for(path: str, num_views: int, view_source: str, num_classes: int | 
     return FolderSource(path)
 
 
-def build_dataset(path: str, num_views: int = 1, view_source: str = "record", num_classes: int | None = None,
+def build_dataset(path: str, num_views: int = 1, view_source: ViewSource = "record", num_classes: int | None = None,
                   flip: bool = True, skip_bad_records: bool = False, seed: int = 0) -> FaceDataset:
     """A dataset of ``num_views`` views per sample from a ``.rec`` folder, an image folder or "synthetic".
 
@@ -127,9 +128,6 @@ def build_dataset(path: str, num_views: int = 1, view_source: str = "record", nu
     """
     if not isinstance(num_views, int) or num_views < 1:
         raise DataError(f"num_views must be a positive integer, got {num_views!r}; set it to 1 for plain datasets")
-    if view_source not in VIEW_SOURCES:
-        raise DataError(f"view_source {view_source!r} is not one of {', '.join(VIEW_SOURCES)}; "
-                        "set view_source to one of them")
     path = os.fspath(path)
     source = _source_for(path, num_views, view_source, num_classes, seed)
     if num_classes is not None and source.labels is not None and source.labels.max() >= num_classes:

@@ -1,9 +1,9 @@
-"""The training loader: a seeded distributed order, resumable mid-epoch, batches on the device.
+"""The training loader: a seeded distributed order, batches on the device, any step a starting point.
 
 The order of an epoch is exactly ``DistributedSampler(shuffle=True, drop_last=True, seed=seed)``'s.
 Each index travels to the workers together with its epoch, so a sample's randomness never depends
-on worker state, and a loader restored from ``state_dict()`` yields the very batches an
-uninterrupted run would have yielded next.
+on worker state. Where a run stands in the data is a function of its optimizer step alone
+(``steps(start, ...)``), so a resumed run gets the very batches the uninterrupted run got next.
 """
 from __future__ import annotations
 
@@ -18,9 +18,11 @@ from facedata.faces import FaceDataset
 
 log = logging.getLogger(__name__)
 
+Batch = tuple[torch.Tensor, torch.Tensor]  # images uint8 (B, V, 3, H, W), labels int64 (B,)
+
 
 class EpochOrder:
-    """This rank's sample indices per epoch, cut into batches, starting after a given batch."""
+    """This rank's sample indices per epoch, cut into batches, starting at a given batch."""
 
     def __init__(self, num_samples: int, batch_size: int, rank: int, world_size: int, seed: int,
                  drop_last: bool) -> None:
@@ -93,30 +95,44 @@ class FaceLoader:
         self._loader = DataLoader(_EpochIndexed(dataset), batch_sampler=self.order, num_workers=num_workers,
                                   collate_fn=_collate, pin_memory=on_gpu, persistent_workers=num_workers > 0,
                                   generator=torch.Generator().manual_seed(seed))
-        self._consumed = 0
-        self._restored = False
         self.skipped = 0
 
     def __len__(self) -> int:
         return len(self.order)
 
     def set_epoch(self, epoch: int) -> None:
-        if epoch != self.order.epoch:
-            self.order.epoch, self._consumed = epoch, 0
+        """The epoch the next ``iter(loader)`` walks, as a DataLoader's sampler.set_epoch."""
+        self.order.epoch = epoch
 
-    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        if self._consumed >= len(self) and not self._restored:
-            self._consumed = 0  # another pass over the same epoch, as a DataLoader without set_epoch
-        # A run restored at the end of an epoch has nothing left of it, as the uninterrupted one had.
-        self._restored = False
-        self.order.start_batch = self._consumed
+    def __iter__(self) -> Iterator[Batch]:
+        return self.batches(self.order.epoch)
+
+    def batches(self, epoch: int, start: int = 0) -> Iterator[Batch]:
+        """The batches of ``epoch`` from batch number ``start`` on."""
+        self.order.epoch, self.order.start_batch = epoch, start
         batches = _raise_errors(self._loader)
         if self.device.type == "cuda":
             batches = _prefetch_to_gpu(batches, self.device)
         for images, labels, skipped in batches:
-            self._consumed += 1
             self._note_skipped(int(skipped.sum()))
             yield images.to(self.device), labels.to(self.device)
+
+    def steps(self, start: int, stop: int, batches_per_step: int = 1) -> Iterator[list[Batch]]:
+        """The micro-batches of optimizer steps ``start`` .. ``stop - 1``, one list per step.
+
+        An epoch holds ``len(self) // batches_per_step`` steps; batches left over at its end are
+        dropped, as the sampler drops a short batch. The data workers of an epoch are released
+        when it ends, and when the caller stops early.
+        """
+        per_epoch = len(self) // batches_per_step
+        for epoch in range(start // per_epoch, -(-stop // per_epoch)):
+            first, last = max(start, epoch * per_epoch), min(stop, (epoch + 1) * per_epoch)
+            batches = self.batches(epoch, (first - epoch * per_epoch) * batches_per_step)
+            try:
+                for _ in range(first, last):
+                    yield [next(batches) for _ in range(batches_per_step)]
+            finally:
+                batches.close()
 
     def _note_skipped(self, count: int) -> None:
         if count:
@@ -124,25 +140,11 @@ class FaceLoader:
             log.warning("%d bad records skipped in this batch, %d so far", count, self.skipped)
 
     def state_dict(self) -> dict:
-        order = self.order
-        return {"epoch": order.epoch, "batches_consumed": self._consumed, "batch_size": order.batch_size,
-                "world_size": order.world_size, "seed": order.seed, "skipped": self.skipped}
+        """What the position (a function of the step) does not tell: the count of skipped records."""
+        return {"skipped": self.skipped}
 
     def load_state_dict(self, state: dict) -> None:
-        order = self.order
-        if state["seed"] != order.seed:
-            log.warning("the saved loader used seed %d, this one %d: the resumed order differs", state["seed"],
-                        order.seed)
-        consumed = state["batches_consumed"]
-        saved_global_batch = state["batch_size"] * state["world_size"]
-        if saved_global_batch != order.batch_size * order.world_size:
-            # Another world or batch size cannot replay the same order; keep the share of the epoch done.
-            consumed = consumed * saved_global_batch // (order.batch_size * order.world_size)
-            log.warning("resuming with a global batch of %d instead of %d: the sample order of the resumed "
-                        "epoch differs from the original run", order.batch_size * order.world_size,
-                        saved_global_batch)
-        order.epoch, self._consumed, self.skipped = state["epoch"], consumed, state["skipped"]
-        self._restored = True
+        self.skipped = state["skipped"]
 
 
 def _prefetch_to_gpu(batches, device: torch.device):

@@ -108,7 +108,7 @@ class InsightfaceWriter:
         with open(self.rec_path, "r+b") as rec:
             rec.write(header)  # same size as the placeholder: a flag-2 header never holds the magic
 
-    def __enter__(self) -> "InsightfaceWriter":
+    def __enter__(self) -> InsightfaceWriter:
         return self
 
     def __exit__(self, exc_type, exc, traceback) -> None:

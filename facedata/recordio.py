@@ -105,7 +105,7 @@ class RecordWriter:
         self._rec.close()
         self._idx.close()
 
-    def __enter__(self) -> "RecordWriter":
+    def __enter__(self) -> RecordWriter:
         return self
 
     def __exit__(self, *exc) -> None:

@@ -48,7 +48,7 @@ class IdentityTable:
         self._position = None if is_identity_order else np.argsort(order)
 
     @classmethod
-    def from_labels(cls, labels: np.ndarray) -> "IdentityTable":
+    def from_labels(cls, labels: np.ndarray) -> IdentityTable:
         order = np.argsort(labels, kind="stable")
         bounds = np.searchsorted(labels[order], np.arange(labels.max() + 2 if len(labels) else 1))
         return cls(order, bounds)

@@ -1,9 +1,10 @@
 """Running train.py for the reliability tests and reading back what a run left.
 
-Three ways to run the real CLI: `run_here` calls `train.main` in this process (no import cost:
-a few tenths of a second per start), `start_child` forks a process that runs it (so a test can
-SIGKILL it or limit its file sizes), and `start_torchrun` launches 2 processes through torchrun.
-All of them take the same `--set` overrides.
+Every test launches training through this module, in one of three ways, all taking the same
+`--set` overrides on top of `base` (QUIET unless a test needs other settings): `run_here` calls
+`train.main` in this process (no import cost: a few tenths of a second per start), `start_child` /
+`run_child` fork a process that runs it (so a test can SIGKILL it or limit its file sizes), and
+`start_cli` / `run_cli` run the real command line as `python train.py` or through torchrun.
 """
 from __future__ import annotations
 
@@ -15,14 +16,13 @@ import multiprocessing
 import os
 import subprocess
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 import torch
 
 import train
 from backbones import get_model
-from tests.test_train import digest
 from utils.checkpoint import CHECKPOINT_NAME, load_checkpoint
 from utils.run_dir import LOCK_NAME
 
@@ -38,21 +38,27 @@ QUIET = ["network=r18", "network_kwargs={'width_mult': 0.125}", "embedding_size=
 INFO = {"network": "r18", "network_kwargs": {"width_mult": 0.125}, "embedding_size": 32, "num_classes": 20}
 
 
-def arguments(data: Path, output: Path, *overrides: str, resume: bool = False, config: str = CONFIG) -> list[str]:
+def digest(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def arguments(data: Path, output: Path, *overrides: str, resume: bool = False, config: str = CONFIG,
+              base: Sequence[str] = QUIET) -> list[str]:
     argv = [config]
-    for item in [f"rec={data}", f"output={output}", *QUIET, *overrides]:
+    for item in [f"rec={data}", f"output={output}", *base, *overrides]:
         argv += ["--set", item]
     return argv + (["--resume"] if resume else [])
 
 
-def run_here(data: Path, output: Path, *overrides: str, resume: bool = False, config: str = CONFIG) -> tuple[int, str]:
+def run_here(data: Path, output: Path, *overrides: str, resume: bool = False, config: str = CONFIG,
+             base: Sequence[str] = QUIET) -> tuple[int, str]:
     """train.main in this process: (exit status, what it wrote to stderr)."""
     root = logging.getLogger()
     handlers, level = list(root.handlers), root.level
     stderr = io.StringIO()
     try:
         with contextlib.chdir(ROOT), contextlib.redirect_stderr(stderr), contextlib.redirect_stdout(io.StringIO()):
-            status = train.main(arguments(data, output, *overrides, resume=resume, config=config))
+            status = train.main(arguments(data, output, *overrides, resume=resume, config=config, base=base))
     finally:
         # train.py's logging setup replaced the root handlers (pytest's among them): put them back.
         for handler in root.handlers:
@@ -61,17 +67,34 @@ def run_here(data: Path, output: Path, *overrides: str, resume: bool = False, co
     return status, stderr.getvalue()
 
 
-def start_torchrun(data: Path, output: Path, *overrides: str, resume: bool = False) -> subprocess.Popen:
-    """`torchrun --nproc_per_node 2 train.py ...`, started (not awaited: starting costs seconds of
-    imports, so tests start independent runs side by side)."""
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "train.py",
-               *arguments(data, output, *overrides, resume=resume)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    return subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+def _command(nproc: int) -> list[str]:
+    if not nproc:
+        return [sys.executable, "train.py"]
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc), "train.py"]
+
+
+def _environment(env: Mapping[str, str] | None) -> dict[str, str]:
+    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
+
+
+def start_cli(data: Path, output: Path, *overrides: str, nproc: int = 2, resume: bool = False,
+              base: Sequence[str] = QUIET, env: Mapping[str, str] | None = None) -> subprocess.Popen:
+    """`torchrun --nproc_per_node <nproc> train.py ...` (`python train.py ...` for nproc 0), started, not
+    awaited: starting costs seconds of imports, so tests start independent runs side by side."""
+    command = _command(nproc) + arguments(data, output, *overrides, resume=resume, base=base)
+    return subprocess.Popen(command, cwd=ROOT, env=_environment(env), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+
+
+def run_cli(data: Path, output: Path, *overrides: str, nproc: int = 0, resume: bool = False,
+            base: Sequence[str] = QUIET, env: Mapping[str, str] | None = None) -> subprocess.CompletedProcess:
+    """The command line, run to its end (`python train.py` for nproc 0, else torchrun)."""
+    command = _command(nproc) + arguments(data, output, *overrides, resume=resume, base=base)
+    return subprocess.run(command, cwd=ROOT, env=_environment(env), capture_output=True, text=True, timeout=400)
 
 
 def finish(process: subprocess.Popen, timeout: float = 400) -> str:
-    """Wait for a started torchrun; assert it succeeded; its stderr."""
+    """Wait for a started command line; assert it succeeded; its stderr."""
     out, err = process.communicate(timeout=timeout)
     assert process.returncode == 0, out[-3000:] + err[-3000:]
     return err

@@ -16,9 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.data_helpers import one_torch_thread  # noqa: F401 (autouse fixture)
 from tests.run_helpers import assert_nothing_lost, file_states, load_run, run_child, run_here, start_child
-from tests.test_train import data  # noqa: F401 (fixture)
 from tests.test_train_errors import only_line
 
 

@@ -13,8 +13,15 @@ import torch
 from losses import CombinedMarginLoss
 from partial_fc import PartialFC
 from tests.distributed_helpers import run_world
-from utils.checkpoint import (CHECKPOINT_NAME, CheckpointError, atomic_save, find_resume_source, load_checkpoint,
-                              restore_training_state, save_checkpoint)
+from utils.checkpoint import (
+    CHECKPOINT_NAME,
+    CheckpointError,
+    atomic_save,
+    find_resume_source,
+    load_checkpoint,
+    restore_training_state,
+    save_checkpoint,
+)
 from utils.lr_scheduler import build_scheduler
 
 NUM_CLASSES, DIM = 7, 3          # 7 classes over 2 ranks: rows 0..3 and 4..6 (uneven on purpose)

@@ -96,8 +96,8 @@ def test_wrong_type_names_the_key_and_the_expected_type(tmp_path, text, override
 
 
 @pytest.mark.parametrize("overrides, fragment", [
-    (["optimizer=adam"], "'optimizer' is 'adam'; use one of 'sgd', 'adamw'"),
-    (["view_source=pairs"], "'view_source' is 'pairs'"),
+    (["optimizer=adam"], "'optimizer' must be one of 'sgd', 'adamw', not str 'adam'"),
+    (["view_source=pairs"], "'view_source' must be one of 'record', 'identity', 'augment', not str 'pairs'"),
     (["fp16=True", "bf16=True"], "'fp16' and 'bf16' are both True"),
     (["margin_list=(1.0, 0.5)"], "'margin_list' must hold three numbers"),
     (["sample_rate=0"], "'sample_rate' must be in (0, 1]"),

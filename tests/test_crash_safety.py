@@ -16,9 +16,7 @@ import signal
 import time
 from pathlib import Path
 
-from tests.data_helpers import one_torch_thread  # noqa: F401 (autouse fixture)
 from tests.run_helpers import load_backbone_strict, load_run, run_child, start_child
-from tests.test_train import data  # noqa: F401 (fixture)
 from utils.checkpoint import BACKBONE_NAME, CHECKPOINT_NAME, find_resume_source
 
 OVERRIDES = ["save_every_steps=1", "num_epoch=100"]  # a write after every step; never ends on its own

@@ -5,7 +5,6 @@ embeddings computed in the test from a model loaded with plain ``load_state_dict
 """
 from __future__ import annotations
 
-import importlib.util
 import logging
 import re
 import subprocess
@@ -22,20 +21,12 @@ from PIL import Image
 from torch import nn
 
 from backbones import FaceImageError, WeightsError, get_model, load_backbone, read_face_image
+from tools import export_onnx, inference
 
 ROOT = Path(__file__).resolve().parent.parent
 torch.set_num_threads(1)
 
 
-def load_tool(name: str):
-    spec = importlib.util.spec_from_file_location(f"tool_{name}", ROOT / "tools" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-export_tool = load_tool("export_onnx")
-inference_tool = load_tool("inference")
 
 
 def trained_like(name: str, width_mult: float, seed: int = 0) -> nn.Module:
@@ -146,7 +137,7 @@ def check_onnx_against_pytorch(path: Path, model: nn.Module) -> None:
 def test_export_cli_writes_a_checked_onnx_model_of_a_small_r18(r18_weights, tmp_path, capsys):
     path, model = r18_weights
     output = tmp_path / "r18.onnx"
-    assert export_tool.main(["--network", "r18", "--weights", str(path), "--width-mult", "0.25",
+    assert export_onnx.main(["--network", "r18", "--weights", str(path), "--width-mult", "0.25",
                              "--output", str(output)]) == 0
     reported = float(re.search(r"max abs difference (\S+)", capsys.readouterr().out).group(1))
     assert reported < 1e-4
@@ -155,7 +146,7 @@ def test_export_cli_writes_a_checked_onnx_model_of_a_small_r18(r18_weights, tmp_
 
 def test_export_of_mbf_matches_pytorch_in_onnxruntime(tmp_path):
     model = trained_like("mbf", 1.0)
-    export_tool.export_onnx(model, tmp_path / "mbf.onnx")
+    export_onnx.export_onnx(model, tmp_path / "mbf.onnx")
     check_onnx_against_pytorch(tmp_path / "mbf.onnx", model)
 
 
@@ -163,17 +154,16 @@ def test_export_cli_refuses_to_overwrite_and_explains_bad_weights(r18_weights, t
     path, _ = r18_weights
     existing = tmp_path / "model.onnx"
     existing.write_bytes(b"keep me")
-    assert export_tool.main(["--network", "r18", "--weights", str(path), "--output", str(existing)]) == 1
+    assert export_onnx.main(["--network", "r18", "--weights", str(path), "--output", str(existing)]) == 1
     assert "--force" in capsys.readouterr().err and existing.read_bytes() == b"keep me"
-    assert export_tool.main(["--network", "r34", "--weights", str(path), "--output", str(tmp_path / "x.onnx")]) == 1
+    assert export_onnx.main(["--network", "r34", "--weights", str(path), "--output", str(tmp_path / "x.onnx")]) == 1
     assert "fits network r18, width_mult=0.25" in capsys.readouterr().err
 
 
 def test_export_script_reports_a_missing_weights_file_without_a_traceback(tmp_path):
     run = subprocess.run(
-        [sys.executable, str(ROOT / "tools" / "export_onnx.py"), "--network", "r18",
-         "--weights", str(tmp_path / "none.pth")],
-        capture_output=True, text=True, timeout=120,
+        [sys.executable, "-m", "tools.export_onnx", "--network", "r18", "--weights", str(tmp_path / "none.pth")],
+        capture_output=True, text=True, timeout=120, cwd=ROOT,
     )
     assert run.returncode == 1
     assert run.stderr.startswith("error: ") and "none.pth does not exist" in run.stderr
@@ -230,12 +220,12 @@ def test_inference_cli_saves_one_unit_embedding(r18_weights, tmp_path, capsys):
     path, _ = r18_weights
     face = write_face(tmp_path / "a.jpg", (112, 112), seed=4)
     saved = tmp_path / "a.npy"
-    assert inference_tool.main(["--network", "r18", "--weights", str(path), "--width-mult", "0.25",
+    assert inference.main(["--network", "r18", "--weights", str(path), "--width-mult", "0.25",
                                 str(face), "--save", str(saved)]) == 0
     embedding = np.load(saved)
     assert embedding.shape == (512,) and embedding.dtype == np.float32
     np.testing.assert_allclose(embedding, reference_embeddings(path, face)[0], atol=1e-5)
-    assert inference_tool.main(["--network", "r18", "--weights", str(path), "--width-mult", "0.25",
+    assert inference.main(["--network", "r18", "--weights", str(path), "--width-mult", "0.25",
                                 str(face)]) == 0
     printed = np.array(re.findall(r"-?\d+\.\d+", capsys.readouterr().out.split("\n", 1)[1]), dtype=np.float64)
     assert printed.shape == (512,) and abs(np.linalg.norm(printed) - 1) < 1e-3
@@ -246,20 +236,20 @@ def test_inference_cli_prints_the_cosine_similarity_of_two_faces(r18_weights, tm
     a = write_face(tmp_path / "a.jpg", (112, 112), seed=5)
     b = write_face(tmp_path / "b.png", (112, 112), seed=6)
     args = ["--network", "r18", "--weights", str(path), "--width-mult", "0.25"]
-    assert inference_tool.main(args + [str(a), str(b)]) == 0
+    assert inference.main(args + [str(a), str(b)]) == 0
     printed = float(re.search(r"cosine similarity: (\S+)", capsys.readouterr().out).group(1))
     expected = reference_embeddings(path, a, b)
     assert printed == pytest.approx(float(expected[0] @ expected[1]), abs=1e-5)
-    assert inference_tool.main(args + [str(a), str(a)]) == 0
+    assert inference.main(args + [str(a), str(a)]) == 0
     assert "cosine similarity: 1.000000" in capsys.readouterr().out
 
 
 def test_inference_cli_turns_user_errors_into_one_line(r18_weights, tmp_path, capsys):
     path, _ = r18_weights
     pair = write_face(tmp_path / "pair.jpg", (224, 112), seed=7)
-    assert inference_tool.main(["--network", "r18", "--weights", str(path), "--width-mult", "0.25", str(pair)]) == 1
+    assert inference.main(["--network", "r18", "--weights", str(path), "--width-mult", "0.25", str(pair)]) == 1
     err = capsys.readouterr().err
     assert err.startswith("error: ") and "not square" in err and "Traceback" not in err
     face = write_face(tmp_path / "a.jpg", (112, 112), seed=8)
-    assert inference_tool.main(["--network", "vit_t", "--weights", str(path), str(face)]) == 1
+    assert inference.main(["--network", "vit_t", "--weights", str(path), str(face)]) == 1
     assert "fits network r18, width_mult=0.25" in capsys.readouterr().err

@@ -13,8 +13,16 @@ import torch
 from PIL import Image
 
 from eval.alignment import ARCFACE_TEMPLATE, align_face, umeyama_similarity, warp_affine
-from eval.ijb import (AlignedFaces, embed_faces, face_features, format_tar_table, pair_scores, read_meta,
-                      tar_table, template_features)
+from eval.ijb import (
+    AlignedFaces,
+    embed_faces,
+    face_features,
+    format_tar_table,
+    pair_scores,
+    read_meta,
+    tar_table,
+    template_features,
+)
 from tests.test_verification import TinyNet
 
 torch.set_num_threads(1)
@@ -204,7 +212,8 @@ def test_miniature_ijb_end_to_end(tmp_path):
 
 
 @pytest.mark.parametrize("damage, message", [
-    (lambda root: os.remove(os.path.join(root, "meta", "ijbc_face_tid_mid.txt")), "ijbc_face_tid_mid.txt does not exist"),
+    (lambda root: os.remove(os.path.join(root, "meta", "ijbc_face_tid_mid.txt")),
+     "ijbc_face_tid_mid.txt does not exist"),
     (lambda root: os.remove(os.path.join(root, "loose_crop", "6.jpg")), "6.jpg .*does not exist"),
     (lambda root: open(os.path.join(root, "meta", "ijbc_template_pair_label.txt"), "a").write("1 42 0\n"),
      "template 42"),

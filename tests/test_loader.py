@@ -1,16 +1,22 @@
 """The loader: DistributedSampler's order, worker-independent batches, exact mid-epoch resume."""
 from __future__ import annotations
 
-import logging
-
 import pytest
 import torch
 from torch.utils.data import DistributedSampler
 
-from dataset import RecordReader, RecordWriter, build_dataset, build_loader, pack, unpack
-from facedata.packing import InsightfaceWriter, encode, side_by_side
-from facedata.synthetic import render_faces
-from tests.data_helpers import one_torch_thread  # noqa: F401 (autouse)
+from dataset import (
+    InsightfaceWriter,
+    RecordReader,
+    RecordWriter,
+    build_dataset,
+    build_loader,
+    encode,
+    pack,
+    render_faces,
+    side_by_side,
+    unpack,
+)
 
 NUM_SAMPLES = 30
 
@@ -70,47 +76,34 @@ def test_batches_do_not_depend_on_num_workers(pair_rec):
     assert first.shape == (4, 2, 3, 112, 112) and first.dtype == torch.uint8
 
 
-@pytest.mark.parametrize("stop_after", [3, 7, 14])  # mid-epoch, last batch of an epoch, mid second epoch
-def test_resume_yields_exactly_the_uninterrupted_batches(pair_rec, stop_after):
+@pytest.mark.parametrize("start", [3, 7, 14])  # mid-epoch, last batch of an epoch, mid second epoch
+def test_steps_from_any_start_are_the_uninterrupted_batches(pair_rec, start):
+    """A resumed run asks for the steps from its saved step on: it gets what the uninterrupted run got."""
     ds = build_dataset(pair_rec, num_views=2, flip=True, seed=7)
-    uninterrupted = collect(build_loader(ds, 4, seed=2, num_workers=0), range(3))
-
-    first = build_loader(ds, 4, seed=2, num_workers=2)
-    taken, state = 0, None
-    for epoch in range(3):
-        first.set_epoch(epoch)
-        for _ in first:
-            taken += 1
-            if taken == stop_after:
-                state = first.state_dict()
-                break
-        if state is not None:
-            break
-
+    uninterrupted = collect(build_loader(ds, 4, seed=2, num_workers=0), range(3))  # 7 batches per epoch
     resumed = build_loader(ds, 4, seed=2, num_workers=1)
-    resumed.load_state_dict(state)
-    assert_same_batches(collect(resumed, range(state["epoch"], 3)), uninterrupted[stop_after:])
+    steps = list(resumed.steps(start, 21))
+    assert all(len(micro_batches) == 1 for micro_batches in steps)
+    assert_same_batches([micro_batches[0] for micro_batches in steps], uninterrupted[start:])
+
+
+def test_steps_group_micro_batches_and_drop_an_epochs_leftover(pair_rec):
+    """7 batches per epoch, 2 per step: 3 steps an epoch, the 7th batch of each epoch unused."""
+    ds = build_dataset(pair_rec, num_views=2, seed=7)
+    batches = collect(build_loader(ds, 4, seed=2, num_workers=0), range(2))
+    steps = list(build_loader(ds, 4, seed=2, num_workers=0).steps(1, 5, batches_per_step=2))
+    expected = [batches[2:4], batches[4:6], batches[7:9], batches[9:11]]
+    assert len(steps) == 4
+    for got, want in zip(steps, expected):
+        assert_same_batches(got, want)
 
 
 def test_length_and_drop_last(pair_rec):
     ds = build_dataset(pair_rec, num_views=2)
     kept = build_loader(ds, 4, world_size=2, num_workers=0)
-    assert len(kept) == 3 and [len(l) for _, l in kept] == [4, 4, 4]
+    assert len(kept) == 3 and [len(label) for _, label in kept] == [4, 4, 4]
     partial = build_loader(ds, 4, world_size=2, num_workers=0, drop_last=False)
-    assert len(partial) == 4 and [len(l) for _, l in partial] == [4, 4, 4, 3]
-
-
-def test_resume_with_another_global_batch_keeps_the_share_of_the_epoch(pair_rec, caplog):
-    ds = build_dataset(pair_rec, num_views=2)
-    old = build_loader(ds, 2, num_workers=0)
-    iterator = iter(old)
-    for _ in range(6):
-        next(iterator)
-    resumed = build_loader(ds, 2, rank=1, world_size=2, num_workers=0)
-    with caplog.at_level(logging.WARNING):
-        resumed.load_state_dict(old.state_dict())
-    assert "global batch of 4 instead of 2" in caplog.text
-    assert len(list(resumed)) == len(resumed) - 3
+    assert len(partial) == 4 and [len(label) for _, label in partial] == [4, 4, 4, 3]
 
 
 def test_skipped_records_are_summed_over_workers(tmp_path, pair_rec):
@@ -136,4 +129,4 @@ def test_gpu_batches_arrive_on_the_device_unchanged(pair_rec):
     on_cpu = collect(build_loader(ds, 4, num_workers=0), range(2))
     on_gpu = collect(build_loader(ds, 4, num_workers=2, device="cuda"), range(2))
     assert all(images.is_cuda and labels.is_cuda for images, labels in on_gpu)
-    assert_same_batches([(i.cpu(), l.cpu()) for i, l in on_gpu], on_cpu)
+    assert_same_batches([(i.cpu(), label.cpu()) for i, label in on_gpu], on_cpu)

@@ -1,4 +1,4 @@
-"""The non-finite loss guard, through the real CLI with its test-only switch `debug_nan_steps`
+"""The non-finite loss guard, through the real CLI with its test-only switch PAIRFACE_DEBUG_NAN_STEPS
 (rank 0's loss becomes NaN at those steps): a skipped step changes no weight and no optimizer state
 on any rank, is logged with its counters; too many in a row stop the run with one sentence and a
 non-zero exit, leaving the last good checkpoint byte for byte (and mtime) as it was; fp16's routine
@@ -7,18 +7,17 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from tests.data_helpers import one_torch_thread  # noqa: F401 (autouse fixture)
-from tests.run_helpers import (file_states, finish, load_run, run_here, same_tensors, scalars, start_torchrun)
-from tests.test_train import data  # noqa: F401 (fixture)
+from tests.run_helpers import file_states, finish, load_run, run_here, same_tensors, scalars, start_cli
 from tests.test_train_errors import only_line
+from train import DEBUG_NAN_STEPS_VARIABLE
 
 
 def test_a_nonfinite_loss_on_rank_0_skips_the_step_on_both_ranks(data, tmp_path):
     """Two ranks: the run with a NaN at step 3 ends with the weights, centres (both shards) and
     momentum of the run that stopped after step 2; only the counters and the LR schedule moved on."""
     before, skipped = tmp_path / "two_steps", tmp_path / "nan_at_3"
-    runs = [start_torchrun(data, before, "max_steps=2"),
-            start_torchrun(data, skipped, "max_steps=3", "debug_nan_steps=(3,)")]
+    runs = [start_cli(data, before, "max_steps=2"),
+            start_cli(data, skipped, "max_steps=3", env={DEBUG_NAN_STEPS_VARIABLE: "3"})]
     for run in runs:
         finish(run)
     good, guarded = load_run(before), load_run(skipped)
@@ -32,13 +31,15 @@ def test_a_nonfinite_loss_on_rank_0_skips_the_step_on_both_ranks(data, tmp_path)
     assert sorted(scalars(skipped, "loss")) == [1, 2]  # no loss line for the skipped step
 
 
-def test_too_many_in_a_row_stop_the_run_and_leave_the_last_checkpoint_untouched(data, tmp_path):
+def test_too_many_in_a_row_stop_the_run_and_leave_the_last_checkpoint_untouched(data, tmp_path, monkeypatch):
     """A checkpoint after every step would overwrite the last good one inside the streak: it must not."""
     output = tmp_path / "run"
     assert run_here(data, output, "max_steps=4", "save_every_steps=1") == (0, "")
     good = {name: state for name, state in file_states(output).items() if name.endswith((".pt", ".pth"))}
-    status, stderr = run_here(data, output, "max_steps=20", "save_every_steps=1", "debug_nan_steps=(5, 6, 7)",
-                              "max_nonfinite_steps=3", resume=True)
+    monkeypatch.setenv(DEBUG_NAN_STEPS_VARIABLE, "5,6,7")
+    status, stderr = run_here(data, output, "max_steps=20", "save_every_steps=1", "max_nonfinite_steps=3",
+                              resume=True)
+    monkeypatch.delenv(DEBUG_NAN_STEPS_VARIABLE)
     assert status == 1
     assert only_line(stderr) == (
         f"error: stopped at global step 7: 3 non-finite losses in a row (max_nonfinite_steps=3); the last good "

@@ -12,9 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.data_helpers import one_torch_thread  # noqa: F401 (autouse fixture)
 from tests.run_helpers import assert_same_run, load_run, run_here, scalars
-from tests.test_train import data  # noqa: F401 (fixture)
 from utils.checkpoint import restore_training_state, save_checkpoint
 
 # 1 process, 40 records, batch 4: 10 steps per epoch (5 with gradient_acc=2).
@@ -50,8 +48,8 @@ def test_one_process_resume_is_the_uninterrupted_run(data, tmp_path, case):
 def test_grad_scaler_state_round_trips_through_a_checkpoint(tmp_path, device):
     """A scaler that grew twice and backed off once (growth tracker mid-interval) comes back from the
     checkpoint as it was, and then scales the next steps as the original does."""
-    from partial_fc import PartialFC
     from losses import CombinedMarginLoss
+    from partial_fc import PartialFC
     from utils.lr_scheduler import build_scheduler
 
     def make():

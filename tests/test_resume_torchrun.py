@@ -23,11 +23,20 @@ import torch
 
 import train
 from backbones import get_model
-from tests.data_helpers import one_torch_thread  # noqa: F401 (autouse fixture)
 from tests.distributed_helpers import run_world
-from tests.run_helpers import (CONFIG, INFO, QUIET, ROOT, assert_same_run, finish, load_run, run_here, same_tensors,
-                               scalars, start_torchrun)
-from tests.test_train import data  # noqa: F401 (fixture)
+from tests.run_helpers import (
+    CONFIG,
+    INFO,
+    QUIET,
+    ROOT,
+    assert_same_run,
+    finish,
+    load_run,
+    run_here,
+    same_tensors,
+    scalars,
+    start_cli,
+)
 from utils.checkpoint import CHECKPOINT_NAME, load_checkpoint, restore_training_state, save_checkpoint
 from utils.config import load_config
 
@@ -48,8 +57,8 @@ def centre_momentum(checkpoint: dict) -> torch.Tensor:
 @pytest.fixture(scope="module")
 def runs(data, tmp_path_factory) -> SimpleNamespace:
     root = tmp_path_factory.mktemp("torchrun")
-    whole = start_torchrun(data, root / "whole", *OVERRIDES, "max_steps=6")
-    first_half = start_torchrun(data, root / "split", *OVERRIDES, "max_steps=3")
+    whole = start_cli(data, root / "whole", *OVERRIDES, "max_steps=6")
+    first_half = start_cli(data, root / "split", *OVERRIDES, "max_steps=3")
     assert run_here(data, root / "one_to_two", *OVERRIDES, "max_steps=4") == (0, "")
     finish(first_half)
     shutil.copytree(root / "split", root / "two_to_one")
@@ -58,8 +67,8 @@ def runs(data, tmp_path_factory) -> SimpleNamespace:
     with ThreadPoolExecutor(1) as pool:
         split_by_two = pool.submit(run_world, restore_and_save, 2, str(root / "written_by_one.pt"),
                                    str(root / "rewritten_by_two"))
-        second_half = start_torchrun(data, root / "split", *OVERRIDES, "max_steps=6", resume=True)
-        one_to_two = start_torchrun(data, root / "one_to_two", *OVERRIDES, "max_steps=4", resume=True)
+        second_half = start_cli(data, root / "split", *OVERRIDES, "max_steps=6", resume=True)
+        one_to_two = start_cli(data, root / "one_to_two", *OVERRIDES, "max_steps=4", resume=True)
         assert run_here(data, root / "two_to_one", *OVERRIDES, "max_steps=8", resume=True) == (0, "")
         for process in (whole, second_half, one_to_two):
             finish(process)
@@ -69,7 +78,7 @@ def runs(data, tmp_path_factory) -> SimpleNamespace:
 def test_two_process_resume_is_the_uninterrupted_run(runs):
     assert sorted(scalars(runs.root / "split", "loss")) == [1, 2, 3, 4, 5, 6]
     resumed = load_run(runs.root / "split", INFO21)
-    assert resumed["world_size"] == 2 and [r["loader"]["epoch"] for r in resumed["per_rank"]] == [1, 1]
+    assert resumed["world_size"] == 2 and resumed["progress"]["epoch"] == 1
     assert_same_run(runs.root / "split", runs.root / "whole", INFO21)
 
 

@@ -3,54 +3,29 @@ its log, TensorBoard file, verification lines and checkpoints; resume (also on a
 the output folder guard."""
 from __future__ import annotations
 
-import hashlib
-import os
 import re
-import subprocess
-import sys
+import shutil
 from pathlib import Path
 
 import pytest
 import torch
 
 from backbones import get_model
-from tools import make_synthetic
+from tests.run_helpers import digest, run_cli
 
-ROOT = Path(__file__).resolve().parent.parent
 NETWORK = ["network=r18", "network_kwargs={'width_mult': 0.125}", "embedding_size=32"]
-TINY = NETWORK + ["batch_size=4", "num_workers=0", "frequent=2", "verbose=4", "num_epoch=2"]
+TINY = (*NETWORK, "batch_size=4", "num_workers=0", "frequent=2", "verbose=4", "num_epoch=2")
 LOG_LINE = re.compile(r"Speed [\d.]+ samples/sec [\d.]+ images/sec   Loss [\d.]+ \(v1 [\d.]+ v2 [\d.]+\)   "
                       r"LR [\d.]+   Epoch: \d+   Global Step: (\d+)   Required: \d+ (seconds|minutes|hours)")
 
 
-@pytest.fixture(scope="module")
-def data(tmp_path_factory) -> Path:
-    """20 identities x 2 two-view records (40 records) and 20 held-out verification pairs."""
-    folder = tmp_path_factory.mktemp("synthetic")
-    assert make_synthetic.main(["--output", str(folder), "--identities", "20", "--images-per-identity", "4",
-                                "--val-identities", "10", "--val-pairs", "20", "--workers", "1"]) == 0
-    return folder
-
-
-def train(data: Path, output: Path, *overrides: str, nproc: int = 0, resume: bool = False, base=tuple(TINY)):
-    """Run train.py on configs/synthetic_pair.py with `base` then `overrides` as --set (later wins)."""
-    command = ["train.py", "configs/synthetic_pair.py", "--set", f"rec={data}", "--set", f"output={output}"]
-    for item in [*base, *overrides]:
-        command += ["--set", item]
-    if resume:
-        command.append("--resume")
-    launcher = ([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc)]
-                if nproc else [sys.executable])
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    return subprocess.run(launcher + command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=400)
+def train(data: Path, output: Path, *overrides: str, nproc: int = 0, resume: bool = False, env=None):
+    """train.py with these tests' settings (every other step logged, verification at step 4)."""
+    return run_cli(data, output, *overrides, nproc=nproc, resume=resume, base=TINY, env=env)
 
 
 def steps_logged(text: str) -> list[int]:
     return [int(m.group(1)) for m in LOG_LINE.finditer(text)]
-
-
-def digest(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
 @pytest.fixture(scope="module")
@@ -96,8 +71,8 @@ def test_two_process_run_writes_tensorboard_scalars(two_process_run):
     assert all(0 < e.value < 100 for e in events.Scalars("loss"))
 
 
-def test_resume_on_one_process_continues_at_the_saved_step_with_the_saved_lr(two_process_run, data):
-    output, _ = two_process_run
+def test_resume_on_one_process_continues_at_the_saved_step_with_the_saved_lr(two_process_run, data, tmp_path):
+    output = Path(shutil.copytree(two_process_run[0], tmp_path / "run"))  # the shared run stays as it was
     saved = torch.load(output / "checkpoint.pt", weights_only=True)
     saved_lr = saved["optimizer"]["param_groups"][0]["lr"]
     # 2 ranks x 5 batches of 4 per epoch became 1 rank x 10: step 4 of 10 is step 8 of 20
@@ -117,7 +92,6 @@ def test_resume_in_the_same_world_continues_exactly_where_it_stopped(data, tmp_p
     assert first.returncode == 0, first.stderr[-3000:]
     saved = torch.load(output / "checkpoint.pt", weights_only=True)
     assert saved["progress"]["global_step"] == 3
-    assert saved["per_rank"][0]["loader"]["batches_consumed"] == 3
     second = train(data, output, "max_steps=6", "frequent=1", "verbose=100", resume=True)
     assert second.returncode == 0, second.stderr[-3000:]
     log = (output / "training.log").read_text()
@@ -135,7 +109,7 @@ def test_an_existing_run_is_never_overwritten_without_resume(data, tmp_path):
     again = train(data, output, "max_steps=1")
     assert again.returncode != 0
     assert again.stderr.strip().splitlines() == [
-        f"error: output folder {output} already holds a run (backbone.pth, checkpoint.pt, tensorboard); pass "
+        f"error: output folder {output} already holds a run (backbone.pth, checkpoint.pt, model.json); pass "
         "--resume to continue it, or choose a new folder with --set output=<folder>"]
     assert {p.name: digest(p) for p in output.iterdir() if p.is_file()} == before
 

@@ -6,7 +6,7 @@ import re
 
 import pytest
 
-from tests.test_train import train
+from tests.run_helpers import run_cli
 from tools import make_synthetic
 
 FINAL = re.compile(r"training finished at global step (\d+): synthetic_val Accuracy-Flip ([\d.]+)")
@@ -19,7 +19,7 @@ def test_two_view_training_verifies_held_out_identities(tmp_path):
                                 "--val-identities", "100", "--val-pairs", "200", "--workers", "1"]) == 0
     output = tmp_path / "run"
     # configs/synthetic_pair.py as it is, shorter: 1200 records / 16 = 75 steps per epoch, 150 steps
-    result = train(data, output, "num_epoch=2", "verbose=1000", base=())
+    result = run_cli(data, output, "num_epoch=2", "verbose=1000", base=())
     assert result.returncode == 0, result.stderr[-3000:]
     log = (output / "training.log").read_text()
     losses = [float(m) for m in re.findall(r"Loss ([\d.]+) \(", log)]

@@ -12,7 +12,7 @@ from torch import nn
 
 from losses import CombinedMarginLoss
 from partial_fc import PartialFC
-from train import Model, build_optimizer, train_step
+from train import Model, StepOutcome, build_optimizer, train_step
 from utils.config import load_config
 from utils.lr_scheduler import build_scheduler
 
@@ -25,8 +25,9 @@ def make_model(cfg) -> Model:
     backbone = nn.Sequential(nn.AvgPool2d(8), nn.Flatten(), nn.Linear(3 * 14 * 14, D))  # no BatchNorm: exact
     pfc = PartialFC(CombinedMarginLoss(S, 1.0, 0.0, M3), D, C)
     optimizer = build_optimizer(cfg, backbone, pfc)
-    return Model(backbone=backbone, forward=backbone, pfc=pfc, optimizer=optimizer,
-                 scheduler=build_scheduler(optimizer, 0, 10), scaler=torch.amp.GradScaler("cpu", enabled=False))
+    return Model(backbone=backbone, ddp_backbone=backbone, pfc=pfc, optimizer=optimizer,
+                 scheduler=build_scheduler(optimizer, 0, 10), scaler=torch.amp.GradScaler("cpu", enabled=False),
+                 precision=None)
 
 
 def dense_reference(model: Model, images: torch.Tensor, labels: torch.Tensor, max_norm: float):
@@ -63,10 +64,10 @@ def test_one_step_equals_the_dense_float64_step(tmp_path, accumulate, max_norm):
 
     size = B // accumulate
     micro = [(images[i:i + size], labels[i:i + size]) for i in range(0, B, size)]
-    losses, verdict = train_step(model, micro, cfg)
+    losses, outcome = train_step(model, micro, cfg)
 
-    assert verdict == 0
-    assert losses[0] == pytest.approx(reference_loss, rel=1e-5)
+    assert outcome == StepOutcome.TAKEN
+    assert losses[0].item() == pytest.approx(reference_loss, rel=1e-5)
     for mine, theirs in zip(model.backbone.parameters(), reference_backbone.parameters()):
         torch.testing.assert_close(mine.detach().double(), theirs.detach(), rtol=1e-4, atol=1e-6)
     torch.testing.assert_close(model.pfc.weight.detach().double(), reference_centres, rtol=1e-4, atol=1e-6)
@@ -80,8 +81,8 @@ def test_a_nonfinite_loss_leaves_weights_and_optimizer_untouched(tmp_path):
     model = make_model(cfg)
     before = [p.detach().clone() for p in [*model.backbone.parameters(), model.pfc.weight]]
     images = torch.zeros((B, V, 3, 112, 112), dtype=torch.uint8)
-    losses, verdict = train_step(model, [(images, torch.tensor([0, 1, 2, 3]))], cfg, inject_nan=True)
-    assert verdict > 0 and losses[0] != losses[0]  # NaN
+    losses, outcome = train_step(model, [(images, torch.tensor([0, 1, 2, 3]))], cfg, inject_nan=True)
+    assert outcome == StepOutcome.LOSS_NONFINITE and torch.isnan(losses[0])
     after = [*model.backbone.parameters(), model.pfc.weight]
     assert all(torch.equal(a, b) for a, b in zip(before, after))
     assert model.optimizer.state_dict()["state"] == {}  # no momentum was started from a bad gradient

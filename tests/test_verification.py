@@ -1,7 +1,8 @@
 """eval.verification and eval.callback: .bin loading, 10-fold accuracy, embedding, the training callback.
 
 References are computed here independently: upstream's loop-per-threshold algorithm with sklearn's
-KFold and a segment-by-segment walk of the FAR curve, dense float64 embeddings from one direct forward pass, ROC points by hand.
+KFold and a segment-by-segment walk of the FAR curve, dense float64 embeddings from one direct forward
+pass, ROC points by hand.
 """
 from __future__ import annotations
 
@@ -271,8 +272,8 @@ UPSTREAM_LINES = [
 
 
 def test_callback_logs_upstream_lines_writes_tensorboard_and_restores_modes(tmp_path, caplog):
-    from torch.utils.tensorboard import SummaryWriter
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from torch.utils.tensorboard import SummaryWriter
 
     shutil.copy(VERIFY_BIN, tmp_path / "lfw.bin")
     writer = SummaryWriter(str(tmp_path / "tb"))

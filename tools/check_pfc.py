@@ -1,7 +1,7 @@
 """Check PartialFC's loss and gradients on this cluster against a dense float64 reference.
 
-    torchrun --nproc_per_node=8 tools/check_pfc.py          # NCCL on GPUs, gloo on CPU
-    python tools/check_pfc.py --views 3 --classes 1001       # one process
+    torchrun --nproc_per_node=8 -m tools.check_pfc          # NCCL on GPUs, gloo on CPU
+    python -m tools.check_pfc --views 3 --classes 1001       # one process
 
 Every rank builds the same random problem (a small backbone, V views of a global batch, uneven
 class shards), runs one PartialFC step with the backbone in DistributedDataParallel, and rank 0
@@ -14,16 +14,13 @@ from __future__ import annotations
 import argparse
 import math
 import sys
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from losses import CombinedMarginLoss  # noqa: E402
-from partial_fc import PartialFC, class_range  # noqa: E402
-from utils import distributed  # noqa: E402
+from losses import CombinedMarginLoss
+from partial_fc import PartialFC, initial_centres
+from utils import distributed
 
 
 def dense_reference(views: list[torch.Tensor], labels: torch.Tensor, centres: torch.Tensor,
@@ -68,25 +65,24 @@ def run_check(num_views: int, num_classes: int, batch: int, embedding_size: int,
     in_features = 32
     inputs = torch.randn(world_size * batch, num_views, in_features, generator=gen, dtype=torch.float64)
     labels = torch.randint(0, num_classes, (world_size * batch,), generator=gen)
-    centres = torch.randn(num_classes, embedding_size, generator=gen, dtype=torch.float64)
+    centres = initial_centres(seed, 0, num_classes, embedding_size).double()  # the matrix PartialFC starts from
     torch.manual_seed(seed)
     reference_backbone = make_backbone(in_features, embedding_size).double()
     backbone = make_backbone(in_features, embedding_size).to(device=device, dtype=dtype)
     backbone.load_state_dict(reference_backbone.state_dict())
 
     margin_loss = CombinedMarginLoss(64.0, *margin)
-    pfc = PartialFC(margin_loss, embedding_size, num_classes, sample_rate=sample_rate).to(device=device, dtype=dtype)
-    start, count = class_range(num_classes, rank, world_size)
-    with torch.no_grad():
-        pfc.weight.copy_(centres[start:start + count])
+    pfc = PartialFC(margin_loss, embedding_size, num_classes, sample_rate=sample_rate, seed=seed)
+    pfc = pfc.to(device=device, dtype=dtype)
     model = backbone
     if distributed.is_initialized():
-        model = torch.nn.parallel.DistributedDataParallel(backbone, device_ids=[device] if device.type == "cuda" else None)
+        device_ids = [device] if device.type == "cuda" else None
+        model = torch.nn.parallel.DistributedDataParallel(backbone, device_ids=device_ids)
 
     mine = slice(rank * batch, (rank + 1) * batch)
     local_inputs = inputs[mine].to(device=device, dtype=dtype)
     features = model(local_inputs.reshape(batch * num_views, in_features)).view(batch, num_views, -1)
-    loss = pfc(features.unbind(1), labels[mine].to(device))
+    loss, _ = pfc(features.unbind(1), labels[mine].to(device))
     loss.backward()
 
     sampled = None if pfc.last_sampled_classes is None else pfc.last_sampled_classes.cpu()

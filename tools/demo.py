@@ -15,13 +15,12 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+from backbones import load_backbone
+from eval.verification import load_bin, test
+from tools import make_synthetic
+from utils.config import load_config
 
-from backbones import load_backbone  # noqa: E402
-from eval.verification import load_bin, test  # noqa: E402
-from tools import make_synthetic  # noqa: E402
-from utils.config import load_config  # noqa: E402
+ROOT = Path(__file__).resolve().parent.parent
 
 CONFIG = ROOT / "configs" / "synthetic_pair.py"
 # The dataset the config's numbers were tuned on: identities x images, packed two per record.

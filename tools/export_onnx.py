@@ -1,7 +1,7 @@
 """Export a trained backbone to ONNX and check the export with onnxruntime.
 
-    python tools/export_onnx.py --network r50 --weights output/backbone.pth
-    python tools/export_onnx.py --network r18 --weights backbone.pth --width-mult 0.25 --output r18.onnx
+    python -m tools.export_onnx --network r50 --weights output/backbone.pth
+    python -m tools.export_onnx --network r18 --weights backbone.pth --width-mult 0.25 --output r18.onnx
 
 The model takes ``data``: float32 (batch, 3, 112, 112) RGB in [-1, 1] (any batch size) and returns
 ``embedding``: float32 (batch, num_features), not yet L2-normalised (as arcface_torch's export).
@@ -20,9 +20,7 @@ import numpy as np
 import torch
 from torch import nn
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from backbones import NETWORKS, load_backbone  # noqa: E402
+from backbones import NETWORKS, load_backbone
 
 INPUT_NAME = "data"
 OUTPUT_NAME = "embedding"

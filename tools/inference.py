@@ -1,8 +1,8 @@
 """Embed one aligned face image, or compare two.
 
-    python tools/inference.py --network r50 --weights output/backbone.pth face.jpg
-    python tools/inference.py --network r50 --weights output/backbone.pth face.jpg --save face.npy
-    python tools/inference.py --network r50 --weights output/backbone.pth a.jpg b.jpg
+    python -m tools.inference --network r50 --weights output/backbone.pth face.jpg
+    python -m tools.inference --network r50 --weights output/backbone.pth face.jpg --save face.npy
+    python -m tools.inference --network r50 --weights output/backbone.pth a.jpg b.jpg
 
 Images are aligned face crops (square; resized to 112x112 if another size), read as RGB. One image:
 its L2-normalised embedding is printed, or saved as a float32 .npy of shape (num_features,). Two
@@ -18,9 +18,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from backbones import NETWORKS, embed, load_backbone, read_face_image  # noqa: E402
+from backbones import NETWORKS, embed, load_backbone, read_face_image
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

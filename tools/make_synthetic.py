@@ -1,7 +1,7 @@
 """Make a synthetic face dataset: ``train.rec/.idx`` (V views per record, insightface layout) and a
 verification set ``synthetic_val.bin`` of held-out identities with equal positive and negative pairs.
 
-    python tools/make_synthetic.py --output data/synthetic_pair --identities 1000 \\
+    python -m tools.make_synthetic --output data/synthetic_pair --identities 1000 \\
         --images-per-identity 8 --views 2 --val-pairs 600 --seed 0
 
 Each identity draws ``--images-per-identity`` photos, packed ``--views`` per record (leftovers are
@@ -18,11 +18,7 @@ from multiprocessing import Pool
 
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from facedata.errors import DataError  # noqa: E402
-from facedata.packing import InsightfaceWriter, check_output, encode  # noqa: E402
-from facedata.synthetic import identity_records, verification_pairs  # noqa: E402
+from dataset import DataError, InsightfaceWriter, check_output, encode, identity_records, verification_pairs
 
 VAL_NAME = "synthetic_val.bin"
 

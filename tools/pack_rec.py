@@ -1,6 +1,6 @@
 """Pack an image folder (one sub-folder per identity) into ``train.rec/.idx`` in insightface's layout.
 
-    python tools/pack_rec.py faces/ data/faces_pair --views 2 --resize
+    python -m tools.pack_rec faces/ data/faces_pair --views 2 --resize
 
 Any image size and grayscale images are fine: every image is fitted to 112x112 RGB, stretched
 (``--resize``, the default) or shrunk to fit and centred on black (``--pad``). With ``--views V``
@@ -18,10 +18,7 @@ import time
 from functools import partial
 from multiprocessing import Pool
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from facedata.errors import DataError  # noqa: E402
-from facedata.packing import InsightfaceWriter, check_output, pack_identity, scan_identities  # noqa: E402
+from dataset import DataError, InsightfaceWriter, check_output, pack_identity, scan_identities
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

@@ -9,6 +9,8 @@ Layout of a run folder:
   whole, a run can resume on any number of processes: each rank slices its own range again.
 - `backbone.pth`: the plain backbone state_dict (unwrapped, CPU tensors), as arcface_torch saves
   it, so either project loads the other's with strict=True.
+- `model.json`: what network `backbone.pth` belongs to (network, network_kwargs, embedding_size,
+  num_classes), so that tools given the run folder need no more options.
 
 Writes go to a hidden temporary file in the same folder, are fsynced, then renamed over the old
 file (`os.replace` is atomic), and the folder is fsynced. A crash at any moment leaves either the
@@ -17,31 +19,36 @@ removed by the next save.
 """
 from __future__ import annotations
 
+import json
 import logging
 import os
 import random
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
+from typing import IO
 
 import numpy as np
 import torch
-import torch.distributed as dist
 from torch import nn
 
-from partial_fc import class_range
-from utils.distributed import barrier, gather_objects, is_initialized, is_main, rank, world
+from backbones import load_backbone
+from utils.distributed import barrier, gather_objects, is_main, rank, world
 from utils.errors import CheckpointError
+from utils.lr_scheduler import jump_to_step
 
 CHECKPOINT_NAME = "checkpoint.pt"
 BACKBONE_NAME = "backbone.pth"
+MODEL_INFO_NAME = "model.json"
 FORMAT = "pairface-checkpoint-1"
 _TMP_PREFIX = ".tmp-"
 
 log = logging.getLogger(__name__)
 
 
-def atomic_save(obj, path: str | os.PathLike) -> None:
-    """torch.save `obj` to `path` so that `path` is always either the old or the new complete file."""
+def atomic_save(obj, path: str | os.PathLike, write: Callable[[object, IO[bytes]], object] = torch.save) -> None:
+    """Write `obj` to `path` (with torch.save, or `write(obj, binary_file)`) so that `path` is always
+    either the old or the new complete file."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     for stale in path.parent.glob(f"{_TMP_PREFIX}{path.name}.*"):
@@ -49,7 +56,7 @@ def atomic_save(obj, path: str | os.PathLike) -> None:
     tmp = path.parent / f"{_TMP_PREFIX}{path.name}.{os.getpid()}"
     try:
         with open(tmp, "wb") as handle:
-            torch.save(obj, handle)
+            write(obj, handle)
             handle.flush()
             os.fsync(handle.fileno())
         os.replace(tmp, path)
@@ -84,10 +91,12 @@ def cpu_state_dict(module: nn.Module) -> dict[str, torch.Tensor]:
     return {key: value.detach().cpu().clone() for key, value in module.state_dict().items()}
 
 
-def save_backbone(backbone: nn.Module, output_dir: str | os.PathLike) -> Path:
-    """Write `output_dir/backbone.pth` (rank 0 only; other ranks return the path untouched)."""
+def save_backbone(backbone: nn.Module, output_dir: str | os.PathLike, model_info: Mapping) -> Path:
+    """Write `output_dir/backbone.pth` and `model.json` (rank 0 only; other ranks return the path untouched)."""
     path = Path(output_dir) / BACKBONE_NAME
     if is_main():
+        atomic_save(json.dumps(dict(model_info), indent=2).encode(), path.parent / MODEL_INFO_NAME,
+                    write=lambda data, handle: handle.write(data))
         atomic_save(cpu_state_dict(backbone), path)
     return path
 
@@ -115,30 +124,6 @@ def _as_tuples(value):
     return tuple(_as_tuples(v) for v in value) if isinstance(value, (list, tuple)) else value
 
 
-def gather_class_rows(shard: torch.Tensor, num_classes: int) -> torch.Tensor | None:
-    """The full (num_classes, ...) matrix on rank 0 (CPU) from every rank's contiguous shard; None elsewhere.
-
-    Collective: every rank must call it. Shards may differ in length by one (uneven splits), so
-    they travel padded to the longest.
-    """
-    if not is_initialized():
-        return shard.detach().cpu().clone()
-    counts = [class_range(num_classes, r, world())[1] for r in range(world())]
-    padded = shard.new_zeros((max(counts), *shard.shape[1:]))
-    padded[: shard.shape[0]] = shard.detach()
-    pieces = [torch.empty_like(padded) for _ in counts] if is_main() else None
-    dist.gather(padded, pieces, dst=0)
-    if not is_main():
-        return None
-    return torch.cat([piece[:count].cpu() for piece, count in zip(pieces, counts)])
-
-
-def my_class_rows(full: torch.Tensor, num_classes: int) -> torch.Tensor:
-    """This rank's slice of a full class matrix, for the current world size."""
-    start, count = class_range(num_classes, rank(), world())
-    return full[start:start + count]
-
-
 def _state_index(optimizer: torch.optim.Optimizer, param: nn.Parameter) -> int:
     """The number optimizer.state_dict() gives `param` (parameters counted in group order)."""
     params = [p for group in optimizer.param_groups for p in group["params"]]
@@ -153,32 +138,30 @@ def _cpu(value):
     return value.detach().cpu() if torch.is_tensor(value) else value
 
 
-def _optimizer_state_full(optimizer: torch.optim.Optimizer, centres: nn.Parameter, num_classes: int) -> dict | None:
+def _optimizer_state_full(optimizer: torch.optim.Optimizer, pfc) -> dict | None:
     """optimizer.state_dict() with the centres' per-row state (momentum, Adam moments) made whole,
     on rank 0 (None elsewhere). Collective."""
     state = optimizer.state_dict()  # its per-parameter dicts are the live ones: build new dicts, never assign into them
-    index = _state_index(optimizer, centres)
+    index = _state_index(optimizer, pfc.weight)
     shard_state = state["state"].get(index, {})
     whole = {}
     # the same gathers in the same order on every rank: every rank's centre state has the same keys
     for name in sorted(shard_state):
         value = shard_state[name]
-        whole[name] = (gather_class_rows(value, num_classes) if _is_class_rows(value, *centres.shape)
-                       else _cpu(value))
+        whole[name] = pfc.gather_rows(value) if _is_class_rows(value, *pfc.weight.shape) else _cpu(value)
     if not is_main():
         return None
     per_param = {i: whole if i == index else {k: _cpu(v) for k, v in s.items()} for i, s in state["state"].items()}
     return {"state": per_param, "param_groups": state["param_groups"]}
 
 
-def _optimizer_state_mine(saved: Mapping, optimizer: torch.optim.Optimizer, centres: nn.Parameter,
-                          num_classes: int) -> dict:
+def _optimizer_state_mine(saved: Mapping, optimizer: torch.optim.Optimizer, pfc) -> dict:
     """A saved whole optimizer state cut down to this rank's centre rows."""
-    index = _state_index(optimizer, centres)
+    index = _state_index(optimizer, pfc.weight)
     per_param = dict(saved["state"])
     if index in per_param:
-        per_param[index] = {name: my_class_rows(value, num_classes)
-                            if _is_class_rows(value, num_classes, centres.shape[1]) else value
+        per_param[index] = {name: pfc.local_rows(value)
+                            if _is_class_rows(value, pfc.num_classes, pfc.embedding_size) else value
                             for name, value in per_param[index].items()}
     return {"state": per_param, "param_groups": saved["param_groups"]}
 
@@ -193,8 +176,8 @@ def save_checkpoint(output_dir: str | os.PathLike, *, backbone: nn.Module, pfc: 
     num_classes) so that a mismatched resume is refused with a clear message.
     """
     path = Path(output_dir) / CHECKPOINT_NAME
-    centres = gather_class_rows(pfc.weight, pfc.num_classes)
-    optimizer_state = _optimizer_state_full(optimizer, pfc.weight, pfc.num_classes)
+    centres = pfc.gather_rows(pfc.weight)
+    optimizer_state = _optimizer_state_full(optimizer, pfc)
     per_rank = gather_objects({"rng": rng_state(), "loader": loader_state})
     if is_main():
         atomic_save({
@@ -262,8 +245,8 @@ def restore_training_state(checkpoint: Mapping, *, backbone: nn.Module, pfc: nn.
     the class centres (and their optimizer state) for this run's world size."""
     backbone.load_state_dict(checkpoint["backbone"], strict=True)
     with torch.no_grad():
-        pfc.weight.copy_(my_class_rows(checkpoint["class_centres"], pfc.num_classes))
-    optimizer.load_state_dict(_optimizer_state_mine(checkpoint["optimizer"], optimizer, pfc.weight, pfc.num_classes))
+        pfc.weight.copy_(pfc.local_rows(checkpoint["class_centres"]))
+    optimizer.load_state_dict(_optimizer_state_mine(checkpoint["optimizer"], optimizer, pfc))
     scheduler.load_state_dict(checkpoint["scheduler"])
     grad_scaler.load_state_dict(checkpoint["grad_scaler"])
 
@@ -274,3 +257,117 @@ def my_rank_state(checkpoint: Mapping) -> dict | None:
     if checkpoint["world_size"] != world():
         return None
     return checkpoint["per_rank"][rank()]
+
+
+@dataclass
+class Progress:
+    """Where a run stands: optimizer steps taken (skipped ones included) and non-finite losses met."""
+
+    global_step: int = 0
+    steps_per_epoch: int = 1
+    nonfinite_in_a_row: int = 0
+    nonfinite_total: int = 0
+
+    @property
+    def epoch(self) -> int:
+        return self.global_step // self.steps_per_epoch
+
+    def saved(self) -> dict:
+        return {"global_step": self.global_step, "epoch": self.epoch, "steps_per_epoch": self.steps_per_epoch,
+                "nonfinite_total": self.nonfinite_total}
+
+
+class Checkpointer:
+    """The training loop's one contact with checkpoints: the resume at the start, then every save.
+
+    A save is due every `save_every_steps` steps, at each epoch end and at the end of the run; one
+    that falls inside a streak of non-finite losses waits for the next step taken, so the last good
+    checkpoint stays as it was (the end of the run saves in any case). `model` is train.Model: the
+    backbone, the PartialFC, the optimizer over both, the LR scheduler and the grad scaler.
+    """
+
+    def __init__(self, output: str, model, loader, model_info: Mapping, config: Mapping, *,
+                 save_every_steps: int = 0, save_all_states: bool = True) -> None:
+        self.output, self.model, self.loader = output, model, loader
+        self.model_info, self.config = dict(model_info), dict(config)
+        self.save_every_steps, self.save_all_states = save_every_steps, save_all_states
+        self._saved_at = -1
+        self._waiting = False  # a save fell inside a non-finite streak
+
+    def resume(self, source: tuple[str, Path], progress: Progress) -> None:
+        """Load `source` (("checkpoint" | "backbone", file)) into the run and `progress`."""
+        kind, path = source
+        if kind == "backbone":
+            self._start_from_backbone(path)
+            return
+        checkpoint = load_checkpoint(path, self.model_info)
+        model = self.model
+        restore_training_state(checkpoint, backbone=model.backbone, pfc=model.pfc, optimizer=model.optimizer,
+                               scheduler=model.scheduler, grad_scaler=model.scaler)
+        saved = checkpoint["progress"]
+        progress.nonfinite_total = saved["nonfinite_total"]
+        mine = my_rank_state(checkpoint)
+        if saved["steps_per_epoch"] == progress.steps_per_epoch and mine is not None:
+            progress.global_step = saved["global_step"]
+            self.loader.load_state_dict(mine["loader"])
+            set_rng_state(mine["rng"])
+        else:
+            self._renumber(checkpoint, progress)
+        log.info("resumed from %s at global step %d (epoch %d), lr %.6f", path, progress.global_step, progress.epoch,
+                 model.optimizer.param_groups[0]["lr"])
+        _log_config_changes(checkpoint["config"], self.config)
+
+    def _renumber(self, checkpoint: Mapping, progress: Progress) -> None:
+        """Another world size, batch size or accumulation: keep the fraction of training done, so the LR
+        schedule and the epoch go on where they were (the exact sample order cannot)."""
+        saved = checkpoint["progress"]
+        progress.global_step = round(saved["global_step"] * progress.steps_per_epoch / saved["steps_per_epoch"])
+        jump_to_step(self.model.scheduler, progress.global_step)
+        self.loader.load_state_dict(checkpoint["per_rank"][0]["loader"])
+        log.warning("resuming a run of %d process(es) and %d steps per epoch with %d and %d: step %d becomes step "
+                    "%d; the data order of this epoch differs from the original run", checkpoint["world_size"],
+                    saved["steps_per_epoch"], world(), progress.steps_per_epoch, saved["global_step"],
+                    progress.global_step)
+
+    def _start_from_backbone(self, path: Path) -> None:
+        info = self.model_info
+        weights = load_backbone(info["network"], path, num_features=info["embedding_size"], **info["network_kwargs"])
+        self.model.backbone.load_state_dict(weights.state_dict())
+        log.info("initialised the backbone from %s (a bare backbone: class centres, optimizer and schedule "
+                 "start fresh)", path)
+
+    def after_step(self, progress: Progress, final: bool = False) -> None:
+        """Save if a save is due after this step (`final`: the last step of the run)."""
+        step = progress.global_step
+        every = self.save_every_steps
+        due = self._waiting or final or step % progress.steps_per_epoch == 0 or (every and step % every == 0)
+        if not due or step == self._saved_at:
+            return
+        self._waiting = progress.nonfinite_in_a_row > 0 and not final
+        if not self._waiting:
+            self.save(progress)
+
+    def save(self, progress: Progress) -> None:
+        model = self.model
+        if self.save_all_states:
+            path = save_checkpoint(self.output, backbone=model.backbone, pfc=model.pfc, optimizer=model.optimizer,
+                                   scheduler=model.scheduler, grad_scaler=model.scaler, progress=progress.saved(),
+                                   loader_state=self.loader.state_dict(), model_info=self.model_info,
+                                   config=self.config)
+            log.info("saved %s at global step %d", path, progress.global_step)
+        save_backbone(model.backbone, self.output, self.model_info)
+        self._saved_at = progress.global_step
+
+    def last_good(self) -> str:
+        """What a stopped run leaves to continue from, for its error message."""
+        for name, advice in ((CHECKPOINT_NAME, " (continue with --resume)"), (BACKBONE_NAME, "")):
+            if os.path.exists(os.path.join(self.output, name)):
+                return f"the last good {name} in {self.output} is untouched{advice}"
+        return "no checkpoint had been written yet"
+
+
+def _log_config_changes(saved: Mapping, current: Mapping) -> None:
+    changed = [f"{key}: {saved[key]!r} -> {current[key]!r}" for key in sorted(current)
+               if key in saved and saved[key] != current[key] and key != "resume"]
+    if changed:
+        log.info("config differs from the checkpoint's: %s", "; ".join(changed))

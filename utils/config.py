@@ -1,7 +1,7 @@
 """Configuration: configs/base.py, then an experiment file, then `--set key=value` overrides.
 
 A config file is plain Python whose module-level names are the keys (names starting with `_`,
-imported modules, functions and classes are helpers, not keys). configs/base.py defines every key
+imported modules, functions, classes and typing forms are helpers, not keys). configs/base.py defines every key
 and annotates its type; anything else is an error naming the key and the closest valid one.
 """
 from __future__ import annotations
@@ -67,8 +67,11 @@ def _module_names(path: Path) -> dict:
 
 
 def _keys_of(names: dict) -> dict:
+    """A config file's keys: its names but private ones and imported helpers (modules, functions, classes,
+    typing forms such as Literal)."""
     helpers = (types.ModuleType, types.FunctionType, type)
-    return {k: v for k, v in names.items() if not k.startswith("_") and not isinstance(v, helpers)}
+    return {k: v for k, v in names.items()
+            if not k.startswith("_") and not isinstance(v, helpers) and getattr(v, "__module__", None) != "typing"}
 
 
 def _parse_override(item: str, types_by_key: dict) -> tuple[str, object]:
@@ -105,6 +108,8 @@ def _checked(key: str, value, types_by_key: dict, where: str):
 
 def _matches(value, expected) -> bool:
     origin = typing.get_origin(expected)
+    if origin is typing.Literal:
+        return value in typing.get_args(expected)
     if origin in (types.UnionType, typing.Union):
         return any(_matches(value, option) for option in typing.get_args(expected))
     if expected is type(None):
@@ -137,22 +142,22 @@ def _coerced(value, expected):
 
 
 def _accepts_str(expected) -> bool:
-    return expected is str or str in typing.get_args(expected)
+    if typing.get_origin(expected) is typing.Literal:
+        return any(isinstance(choice, str) for choice in typing.get_args(expected))
+    return expected is str or any(_accepts_str(option) for option in typing.get_args(expected))
 
 
 def _type_name(expected) -> str:
+    if typing.get_origin(expected) is typing.Literal:
+        return "one of " + ", ".join(map(repr, typing.get_args(expected)))
     return expected.__name__ if isinstance(expected, type) else str(expected)
 
 
-_CHOICES = {"optimizer": ("sgd", "adamw"), "view_source": ("record", "identity", "augment")}
 _POSITIVE = ("num_views", "embedding_size", "batch_size", "gradient_acc", "num_epoch", "frequent", "verbose")
 
 
 def _check_values(values: dict) -> None:
     """Value checks no single component could make on its own (types are already right)."""
-    for key, allowed in _CHOICES.items():
-        if values[key] not in allowed:
-            raise ConfigError(f"config key {key!r} is {values[key]!r}; use one of {', '.join(map(repr, allowed))}")
     for key in _POSITIVE:
         if values[key] < 1:
             raise ConfigError(f"config key {key!r} must be at least 1, not {values[key]}")

@@ -74,13 +74,12 @@ def cleanup() -> None:
         dist.destroy_process_group()
 
 
-def all_reduce_max(value: float) -> float:
-    """A Python float's maximum over ranks (used to agree on decisions such as skipping a step)."""
-    if not is_initialized():
-        return value
-    t = torch.tensor([value], dtype=torch.float64, device=_collective_device())
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return float(t.item())
+def all_reduce_max(tensor: torch.Tensor) -> torch.Tensor:
+    """`tensor`'s element-wise maximum over ranks, in place (used to agree on decisions such as skipping
+    a step). The tensor lives where the backend needs it: on this rank's GPU for NCCL."""
+    if is_initialized():
+        dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+    return tensor
 
 
 def broadcast_object(obj, src: int = 0):
@@ -100,8 +99,3 @@ def gather_objects(obj) -> list | None:
     dist.gather_object(obj, out, dst=0)
     return out
 
-
-def _collective_device() -> torch.device:
-    if dist.get_backend() == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")

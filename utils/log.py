@@ -7,7 +7,9 @@ import logging
 import os
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator
+
+import torch
 
 from utils.distributed import is_main, rank
 
@@ -35,25 +37,6 @@ def setup_logging(output_dir: str) -> logging.Logger:
     return root
 
 
-class AverageMeter:
-    """Mean of the values seen since the last reset."""
-
-    def __init__(self) -> None:
-        self.reset()
-
-    def reset(self) -> None:
-        self.sum = 0.0
-        self.count = 0
-
-    def update(self, value: float, n: int = 1) -> None:
-        self.sum += value * n
-        self.count += n
-
-    @property
-    def avg(self) -> float:
-        return self.sum / max(self.count, 1)
-
-
 def format_duration(seconds: float) -> str:
     """Upstream prints whole hours ("Required: 3 hours"); short runs need minutes or seconds."""
     if seconds >= 3600:
@@ -67,7 +50,9 @@ class SpeedLogger:
     """Every `frequent` steps: one log line and TensorBoard scalars (rank 0 only).
 
     Speed counts training time only: time spent inside `paused()` (verification, checkpoints) is
-    left out, so a verification pass does not show up as a slow step as it does upstream.
+    left out, so a verification pass does not show up as a slow step as it does upstream. Losses
+    are summed where they are (on the GPU in training) and read only on logging steps, so that a
+    normal step never waits for the device because of the log.
     """
 
     def __init__(self, frequent: int, total_steps: int, global_batch: int, num_views: int,
@@ -77,8 +62,8 @@ class SpeedLogger:
         self.global_batch = global_batch
         self.num_views = num_views
         self.writer = summary_writer
-        self.loss = AverageMeter()
-        self.view_losses = [AverageMeter() for _ in range(num_views)]
+        self._loss_sum: torch.Tensor | float = 0.0  # [loss, loss of view 1..V] summed over the steps seen
+        self._loss_count = 0
         self._first_step = start_step
         self._last_step = start_step
         self._train_seconds = 0.0
@@ -98,12 +83,12 @@ class SpeedLogger:
         self._window_seconds += now - self._tic
         self._tic = now
 
-    def __call__(self, global_step: int, loss: float, view_losses: Sequence[float], epoch: int, lr: float,
-                 grad_scale: float | None = None) -> str | None:
-        """Record one step's losses; on logging steps return (and log) the line."""
-        self.loss.update(loss)
-        for meter, value in zip(self.view_losses, view_losses):
-            meter.update(value)
+    def __call__(self, global_step: int, losses: torch.Tensor, epoch: int, lr: float,
+                 grad_scale: Callable[[], float] | None = None) -> str | None:
+        """Record one step's [loss, loss of view 1..V]; on logging steps return (and log) the line.
+        `grad_scale` (fp16) is asked for the scale on logging steps only."""
+        self._loss_sum = self._loss_sum + losses.detach()
+        self._loss_count += 1
         if global_step % self.frequent != 0 or not is_main():
             return None
         self._clock()
@@ -111,22 +96,21 @@ class SpeedLogger:
         self._train_seconds += self._window_seconds
         samples_per_sec = steps * self.global_batch / max(self._window_seconds, 1e-9)
         eta = self._train_seconds / max(global_step - self._first_step, 1) * (self.total_steps - global_step)
-        views = " ".join(f"v{i + 1} {m.avg:.2f}" for i, m in enumerate(self.view_losses))
+        loss, *view_losses = (self._loss_sum / self._loss_count).tolist()
+        views = " ".join(f"v{i + 1} {value:.2f}" for i, value in enumerate(view_losses))
         line = (f"Speed {samples_per_sec:.2f} samples/sec {samples_per_sec * self.num_views:.2f} images/sec   "
-                f"Loss {self.loss.avg:.4f} ({views})   LR {lr:.4f}   Epoch: {epoch}   Global Step: {global_step}   ")
+                f"Loss {loss:.4f} ({views})   LR {lr:.4f}   Epoch: {epoch}   Global Step: {global_step}   ")
         if grad_scale is not None:
-            line += f"Fp16 Grad Scale: {grad_scale:.0f}   "
+            line += f"Fp16 Grad Scale: {grad_scale():.0f}   "
         line += f"Required: {format_duration(max(eta, 0.0))}"
         logging.info(line)
         if self.writer is not None:
-            self.writer.add_scalar("loss", self.loss.avg, global_step)
-            for i, meter in enumerate(self.view_losses):
-                self.writer.add_scalar(f"loss_view{i + 1}", meter.avg, global_step)
+            self.writer.add_scalar("loss", loss, global_step)
+            for i, value in enumerate(view_losses):
+                self.writer.add_scalar(f"loss_view{i + 1}", value, global_step)
             self.writer.add_scalar("learning_rate", lr, global_step)
             self.writer.add_scalar("samples_per_sec", samples_per_sec, global_step)
-        self.loss.reset()
-        for meter in self.view_losses:
-            meter.reset()
+        self._loss_sum, self._loss_count = 0.0, 0
         self._last_step = global_step
         self._window_seconds = 0.0
         return line

@@ -29,3 +29,13 @@ def build_scheduler(optimizer: torch.optim.Optimizer, warmup_steps: int, total_s
     if total_steps < 1:
         raise ValueError(f"the LR schedule needs at least one step, got total_steps={total_steps}")
     return LambdaLR(optimizer, partial(poly_factor, warmup_steps=warmup_steps, total_steps=total_steps))
+
+
+def jump_to_step(scheduler: LambdaLR, step: int) -> None:
+    """Put the schedule (and the optimizer's learning rates) at optimizer step `step`, as if it had
+    been stepped that many times: a resumed run whose step was renumbered goes on from there."""
+    scheduler.last_epoch = step
+    lrs = [base_lr * factor(step) for base_lr, factor in zip(scheduler.base_lrs, scheduler.lr_lambdas)]
+    for group, lr in zip(scheduler.optimizer.param_groups, lrs):
+        group["lr"] = lr
+    scheduler._last_lr = lrs
