@@ -53,8 +53,9 @@ class DropPath(nn.Module):
         if not self.training or self.drop_prob == 0.0:
             return x
         keep = 1.0 - self.drop_prob
-        mask = x.new_empty((x.shape[0],) + (1,) * (x.dim() - 1)).bernoulli_(keep)
-        return x * mask / keep
+        # Scaling the per-sample mask, not x, keeps it to one pass over the activations.
+        scale = x.new_empty((x.shape[0],) + (1,) * (x.dim() - 1)).bernoulli_(keep).div_(keep)
+        return x * scale
 
 
 class Mlp(nn.Module):

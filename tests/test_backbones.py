@@ -1,7 +1,8 @@
-"""Backbones: arcface_torch's exact state_dicts, sane forward/backward, precision, fusion, DDP.
+"""Backbones: arcface_torch's exact state_dicts and outputs, sane forward/backward, precision, fusion, DDP.
 
 References: the upstream state_dict fixtures (keys, shapes, dtypes, parameter counts written by
-arcface_torch itself), the option values arcface_torch's get_model passes, float64 functional re-derivations of
+arcface_torch itself), embeddings computed by arcface_torch's own code (fixtures/golden, see its
+README), the option values arcface_torch's get_model passes, float64 functional re-derivations of
 upstream's block and attention maths, and plain single-process autograd for the checkpointing and
 DDP checks.
 """
@@ -31,6 +32,7 @@ UPSTREAM = {
     for file in ("backbone_state_dicts.json", "backbone_state_dicts_more.json")
     for name, entry in json.loads((FIXTURES / "upstream" / file).read_text()).items()
 }
+GOLDEN = FIXTURES / "golden" / "embeddings.pt"
 SMALL = 0.125  # width_mult for the CPU-sized copies of each network
 # Too deep to run at SMALL width on 2 cores within the time budget: tested at 1/64 instead.
 TINY = {"r2060": 1 / 64}
@@ -44,6 +46,7 @@ UPSTREAM_VIT_OPTIONS = {
     "vit_l_dp005_mask_005": (0.05, 0.05, True), "vit_h": (0.1, 0.0, True),
 }
 UPSTREAM_R2060_CHECKPOINT_SEGMENTS = (0, 20, 100, 0)
+GOLDEN_TRAIN_SEED = 1  # torch.manual_seed right before a train-mode forward (ViT masking, drop path)
 
 torch.set_num_threads(1)
 
@@ -96,6 +99,37 @@ def fixture_state_dict(name: str, seed: int = 0) -> dict[str, torch.Tensor]:
     return state
 
 
+def golden_weights(template: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The golden fixture's weights: drawn from one generator, key after key in state_dict order
+    (arcface_torch's order, which ours equals), from the key's name and shape alone, so they owe
+    nothing to either codebase's initialisation. tests/fixtures/golden/README.md describes this recipe.
+    """
+    generator = torch.Generator().manual_seed(0)
+    weights = {}
+    for key, value in template.items():
+        shape = value.shape
+        if key.endswith("num_batches_tracked"):
+            weights[key] = torch.zeros((), dtype=torch.int64)
+        elif key.endswith("running_var"):
+            weights[key] = torch.rand(shape, generator=generator) + 0.5
+        elif key.endswith("running_mean"):
+            weights[key] = torch.randn(shape, generator=generator) * 0.1
+        elif len(shape) >= 2:  # conv/linear weights, position embedding, mask token: unit gain
+            weights[key] = torch.randn(shape, generator=generator) / math.sqrt(value.numel() / shape[0])
+        elif key.endswith("weight") and key.removesuffix("weight") + "bias" in template:  # BN/LN scale
+            weights[key] = torch.rand(shape, generator=generator) + 0.5
+        elif key.endswith("weight"):  # PReLU slopes: the only 1-D weights without a bias
+            weights[key] = torch.rand(shape, generator=generator) * 0.4 + 0.05
+        else:  # biases and BN/LN shifts
+            weights[key] = torch.randn(shape, generator=generator) * 0.1
+    return weights
+
+
+def golden_images() -> torch.Tensor:
+    """The golden fixture's input: 3 images in [-1, 1), as tests/fixtures/golden/README.md says."""
+    return torch.rand(3, 3, 112, 112, generator=torch.Generator().manual_seed(0)) * 2 - 1
+
+
 @functools.cache
 def meta_model(name: str) -> nn.Module:
     """Full-size network without memory or arithmetic (r2060 alone takes seconds to build)."""
@@ -136,6 +170,27 @@ def test_vits_train_with_upstreams_drop_path_masking_and_checkpointing(name):
 
 def test_r2060_recomputes_stages_2_and_3_in_upstreams_segments():
     assert meta_model("r2060").checkpoint_segments == UPSTREAM_R2060_CHECKPOINT_SEGMENTS
+
+
+@pytest.mark.parametrize("name", ["r18", "mbf", "vit_t"])
+@pytest.mark.parametrize("mode", ["eval", "train"])
+def test_embeddings_equal_arcface_torchs_own(name, mode):
+    """arcface_torch's code, given the golden weights and images, produced fixtures/golden (see its
+    README); ours must give the same embeddings up to float32 rounding. The convnets run the same
+    operations in the same order (bit-equal here); the ViT's fused attention kernel sums in another
+    order. Train mode uses batch statistics, and for the ViT the token masking and drop path drawn
+    after torch.manual_seed(GOLDEN_TRAIN_SEED) in upstream's order; there the last BN normalises each
+    feature over only 3 images, some spread by < 0.01, which magnifies rounding ~100x (measured:
+    7e-5), while a wrong mask or drop path moves embeddings by ~4."""
+    expected = torch.load(GOLDEN, weights_only=True)[f"{name}/{mode}"]
+    model = get_model(name)
+    model.load_state_dict(golden_weights(model.state_dict()), strict=True)
+    model.train(mode == "train")
+    torch.manual_seed(GOLDEN_TRAIN_SEED)
+    with torch.no_grad():
+        out = model(golden_images())
+    atol = 1e-5 if mode == "eval" else 1e-3
+    torch.testing.assert_close(out, expected, rtol=1e-4, atol=atol)
 
 
 @pytest.mark.parametrize("name", NETWORKS)
