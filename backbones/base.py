@@ -6,6 +6,8 @@ import contextlib
 import torch
 from torch import nn
 
+from utils.errors import ConfigError
+
 
 def autocast_dtype(device_type: str) -> torch.dtype:
     """float16 on GPUs (paired with the GradScaler); bfloat16 on CPU, the only half type it autocasts."""
@@ -25,16 +27,16 @@ def _autocast(device_type: str, enabled: bool) -> contextlib.AbstractContextMana
 
 
 def scaled_width(channels: int, width_mult: float, what: str = "channel count") -> int:
-    """``channels * width_mult`` as a whole number, or a ValueError saying which multipliers work.
+    """``channels * width_mult`` as a whole number, or a ConfigError saying which multipliers work.
 
     Widths are never rounded: rounding could break the divisibility that grouped convolutions and
     attention heads rely on, and a silently different network is worse than a clear refusal.
     """
     scaled = channels * width_mult
     if width_mult <= 0 or abs(scaled - round(scaled)) > 1e-9 or round(scaled) < 1:
-        raise ValueError(
+        raise ConfigError(
             f"width_mult={width_mult} gives a {what} of {channels} x {width_mult} = {scaled:g}, which "
-            f"is not a positive whole number; use a multiple of 1/{channels} such as 0.25 or 0.125."
+            f"is not a positive whole number; use a multiple of 1/{channels} such as 0.25 or 0.125"
         )
     return int(round(scaled))
 

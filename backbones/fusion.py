@@ -19,7 +19,7 @@ def _fusable_pairs(module: nn.Module) -> list[tuple[str, str]]:
     """Names of (layer, BN applied directly to that layer's output) among module's children."""
     if isinstance(module, nn.Sequential):
         names = [name for name, _ in module.named_children()]
-        return list(zip(names, names[1:]))
+        return list(zip(names, names[1:], strict=False))
     # Modules whose forward is not a plain chain declare their pairs (see IBasicBlock).
     return list(getattr(module, "bn_fusable_pairs", ()))
 

@@ -31,12 +31,13 @@ def read_face_image(path: str | Path) -> torch.Tensor:
         with Image.open(path) as image:
             image = image.convert("RGB")
     except (UnidentifiedImageError, OSError) as error:
-        raise FaceImageError(f"{path} is not a readable image ({error}).") from error
+        raise FaceImageError(f"{path} is not a readable image ({error}); pass a face crop in a common "
+                             "format such as PNG or JPEG") from error
     width, height = image.size
     if width != height:
         raise FaceImageError(
             f"{path} is {width}x{height} (width x height), not square; pass an aligned face crop "
-            f"of {FACE_SIZE}x{FACE_SIZE} (split multi-view records into their square views first)."
+            f"of {FACE_SIZE}x{FACE_SIZE} (split multi-view records into their square views first)"
         )
     if width != FACE_SIZE:
         logger.warning("%s is %dx%d; resizing to %dx%d", path, width, height, FACE_SIZE, FACE_SIZE)

@@ -1,8 +1,12 @@
-"""Improved ResNet (iresnet r18..r200) with arcface_torch's parameter names and BN-dropout-FC-BN head."""
+"""Improved ResNet (iresnet r18..r200, r2060) with arcface_torch's parameter names and BN-dropout-FC-BN head."""
 from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
 
 import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from backbones.base import FaceBackbone, scaled_width
 
@@ -13,6 +17,13 @@ IRESNET_LAYERS: dict[str, tuple[int, int, int, int]] = {
     "r50": (3, 4, 14, 3),
     "r100": (3, 13, 30, 3),
     "r200": (6, 26, 60, 6),
+    "r2060": (3, 128, 896, 3),
+}
+
+# Per stage, how many segments its activations are recomputed in during backward instead of kept
+# (0: kept), as arcface_torch's iresnet2060 does: otherwise its 1030 blocks' activations do not fit.
+IRESNET_CHECKPOINT_SEGMENTS: dict[str, tuple[int, int, int, int]] = {
+    "r2060": (0, 20, 100, 0),
 }
 
 # A 112x112 input is halved by each of the four stages.
@@ -50,6 +61,37 @@ class IBasicBlock(nn.Module):
         return out + identity
 
 
+@contextlib.contextmanager
+def _batchnorm_statistics_kept(module: nn.Module) -> Iterator[None]:
+    """Undo whatever the enclosed forward does to BN running statistics.
+
+    Recomputing a checkpointed segment runs its BNs in training mode a second time on the same batch;
+    without this, the batch would count twice in the running statistics (as it does upstream).
+    """
+    buffers = [buffer for bn in module.modules() if isinstance(bn, nn.modules.batchnorm._BatchNorm)
+               for buffer in (bn.running_mean, bn.running_var, bn.num_batches_tracked) if buffer is not None]
+    saved = [buffer.clone() for buffer in buffers]
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for buffer, value in zip(buffers, saved, strict=True):
+                buffer.copy_(value)
+
+
+def _run_checkpointed(stage: nn.Sequential, segments: int, x: torch.Tensor) -> torch.Tensor:
+    """``stage(x)``, keeping only each segment's input for backward, as checkpoint_sequential splits
+    it: ``segments - 1`` checkpointed runs of ``len // segments`` blocks, the rest run plainly."""
+    size = len(stage) // segments
+    end = size * (segments - 1)
+    for start in range(0, end, size):
+        segment = stage[start:start + size]
+        x = checkpoint(segment, x, use_reentrant=False,
+                       context_fn=lambda segment=segment: (contextlib.nullcontext(),
+                                                           _batchnorm_statistics_kept(segment)))
+    return stage[end:](x)
+
+
 class IResNet(FaceBackbone):
     bn_fusable_pairs = (("conv1", "bn1"), ("fc", "features"))
 
@@ -60,15 +102,17 @@ class IResNet(FaceBackbone):
         dropout: float = 0.0,
         fp16: bool = False,
         width_mult: float = 1.0,
+        checkpoint_segments: tuple[int, int, int, int] = (0, 0, 0, 0),
     ) -> None:
         super().__init__(fp16)
+        self.checkpoint_segments = checkpoint_segments
         base = scaled_width(64, width_mult)
         widths = (base, 2 * base, 4 * base, 8 * base)
         self.conv1 = _conv3x3(3, base)
         self.bn1 = nn.BatchNorm2d(base, eps=1e-05)
         self.prelu = nn.PReLU(base)
         in_channels = base
-        for index, (blocks, width) in enumerate(zip(layers, widths), start=1):
+        for index, (blocks, width) in enumerate(zip(layers, widths, strict=True), start=1):
             stage = [IBasicBlock(in_channels, width, stride=2)]
             stage += [IBasicBlock(width, width, stride=1) for _ in range(blocks - 1)]
             setattr(self, f"layer{index}", nn.Sequential(*stage))
@@ -93,7 +137,9 @@ class IResNet(FaceBackbone):
 
     def forward_trunk(self, x: torch.Tensor) -> torch.Tensor:
         x = self.prelu(self.bn1(self.conv1(x)))
-        x = self.layer4(self.layer3(self.layer2(self.layer1(x))))
+        stages = (self.layer1, self.layer2, self.layer3, self.layer4)
+        for stage, segments in zip(stages, self.checkpoint_segments, strict=True):
+            x = _run_checkpointed(stage, segments, x) if segments and self.training else stage(x)
         return self.dropout(torch.flatten(self.bn2(x), 1))
 
     def forward_head(self, x: torch.Tensor) -> torch.Tensor:

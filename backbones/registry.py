@@ -5,30 +5,40 @@ import difflib
 
 from torch import nn
 
-from backbones.iresnet import IRESNET_LAYERS, IResNet
+from backbones.iresnet import IRESNET_CHECKPOINT_SEGMENTS, IRESNET_LAYERS, IResNet
 from backbones.mobilefacenet import MOBILEFACENET_CONFIGS, MobileFaceNet
 from backbones.vit import VIT_CONFIGS, VisionTransformer
+from utils.errors import ConfigError
 
 NETWORKS: tuple[str, ...] = (
-    "r18", "r34", "r50", "r100", "r200", "mbf", "mbf_large", "vit_t", "vit_s", "vit_b",
+    "r18", "r34", "r50", "r100", "r200", "r2060", "mbf", "mbf_large",
+    "vit_t", "vit_t_dp005_mask0", "vit_s", "vit_s_dp005_mask_0", "vit_b", "vit_b_dp005_mask_005",
+    "vit_l_dp005_mask_005", "vit_h",
 )
 
 # Options beyond get_model's own arguments that each family understands.
 _VIT_OPTIONS = ("mask_ratio", "drop_path_rate", "using_checkpoint")
 
 
+class NetworkOptionError(ConfigError, TypeError):
+    """An option get_model does not know; also a TypeError, like Python's own for an unexpected
+    keyword argument, which is what callers passing user options through (eval/cli.py) catch."""
+
+
 def _check_name(name: str) -> None:
     if name not in NETWORKS:
         close = difflib.get_close_matches(name, NETWORKS, n=1)
-        hint = f" Did you mean '{close[0]}'?" if close else ""
-        raise ValueError(f"Unknown network '{name}'; valid networks are: {', '.join(NETWORKS)}.{hint}")
+        valid = ", ".join(NETWORKS)
+        fix = f"did you mean '{close[0]}'? (valid networks: {valid})" if close else f"use one of {valid}"
+        raise ConfigError(f"unknown network '{name}'; {fix}")
 
 
 def _check_options(name: str, options: dict, allowed: tuple[str, ...]) -> None:
     unknown = sorted(set(options) - set(allowed))
     if unknown:
         valid = ", ".join(("num_features", "dropout", "fp16", "width_mult") + allowed)
-        raise TypeError(f"get_model('{name}') got unknown option(s) {', '.join(unknown)}; valid options: {valid}.")
+        raise NetworkOptionError(f"get_model('{name}') got unknown option(s) {', '.join(unknown)}; "
+                                 f"use only {valid}")
 
 
 def get_model(
@@ -45,19 +55,22 @@ def get_model(
     runs the trunk under autocast (float16 on GPU, bfloat16 on CPU) and the head in float32.
     ``width_mult`` scales every channel width (ViT: the embedding width), e.g. 0.125 for CPU demos;
     the default 1.0 is arcface_torch's network, parameter for parameter. ViTs also take
-    ``mask_ratio``, ``drop_path_rate`` and ``using_checkpoint`` (defaults: arcface_torch's).
+    ``mask_ratio``, ``drop_path_rate`` and ``using_checkpoint`` (defaults: arcface_torch's for that
+    name). r2060 recomputes activations in backward, as arcface_torch does. Raises ConfigError for an
+    unknown name, option or impossible width.
     """
     _check_name(name)
     common = dict(num_features=num_features, dropout=dropout, fp16=fp16, width_mult=width_mult)
     if name in IRESNET_LAYERS:
         _check_options(name, kw, ())
-        return IResNet(IRESNET_LAYERS[name], **common)
+        segments = IRESNET_CHECKPOINT_SEGMENTS.get(name, (0, 0, 0, 0))
+        return IResNet(IRESNET_LAYERS[name], checkpoint_segments=segments, **common)
     if name in MOBILEFACENET_CONFIGS:
         _check_options(name, kw, ())
         blocks, scale = MOBILEFACENET_CONFIGS[name]
         return MobileFaceNet(blocks, scale, **common)
     _check_options(name, kw, _VIT_OPTIONS)
-    embed_dim, depth, using_checkpoint = VIT_CONFIGS[name]
-    kw.setdefault("using_checkpoint", using_checkpoint)
-    return VisionTransformer(embed_dim, depth, **common, **kw)
-
+    config = VIT_CONFIGS[name]
+    options = dict(mask_ratio=config.mask_ratio, drop_path_rate=config.drop_path_rate,
+                   using_checkpoint=config.using_checkpoint) | kw
+    return VisionTransformer(config.embed_dim, config.depth, **common, **options)

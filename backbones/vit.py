@@ -1,10 +1,12 @@
 """Vision transformer for 112x112 faces (patch 9, 144 tokens, no class token), arcface_torch names.
 
-Training behaviour follows arcface_torch: 10% of the patch tokens are dropped at random before the
-blocks and replaced by a learned mask token after them (``mask_ratio``), and stochastic depth
-(``drop_path_rate``) grows linearly to 0.1 over the blocks. Both are off in eval mode.
+Training behaviour follows arcface_torch: a share of the patch tokens (``mask_ratio``, 10% for vit_t)
+is dropped at random before the blocks and replaced by a learned mask token after them, and the
+stochastic depth rate grows linearly over the blocks up to ``drop_path_rate``. Both are off in eval mode.
 """
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -12,16 +14,31 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from backbones.base import FaceBackbone, at_least_float32, scaled_width
+from utils.errors import ConfigError
 
 IMAGE_SIZE = 112
 PATCH_SIZE = 9
 NUM_HEADS = 8
 
-# (embed_dim, depth, recompute activations in training), as arcface_torch's vit_t / vit_s / vit_b.
-VIT_CONFIGS: dict[str, tuple[int, int, bool]] = {
-    "vit_t": (256, 12, False),
-    "vit_s": (512, 12, False),
-    "vit_b": (512, 24, True),
+
+class ViTConfig(NamedTuple):
+    embed_dim: int
+    depth: int
+    drop_path_rate: float
+    mask_ratio: float
+    using_checkpoint: bool  # recompute each block's activations in backward instead of keeping them
+
+
+# As arcface_torch's get_model builds them (the *_dp005_* ones are its WebFace42M recipes).
+VIT_CONFIGS: dict[str, ViTConfig] = {
+    "vit_t": ViTConfig(256, 12, 0.1, 0.1, False),
+    "vit_t_dp005_mask0": ViTConfig(256, 12, 0.05, 0.0, False),
+    "vit_s": ViTConfig(512, 12, 0.1, 0.1, False),
+    "vit_s_dp005_mask_0": ViTConfig(512, 12, 0.05, 0.0, False),
+    "vit_b": ViTConfig(512, 24, 0.1, 0.1, True),
+    "vit_b_dp005_mask_005": ViTConfig(512, 24, 0.05, 0.05, True),
+    "vit_l_dp005_mask_005": ViTConfig(768, 24, 0.05, 0.05, True),
+    "vit_h": ViTConfig(1024, 48, 0.1, 0.0, True),
 }
 
 
@@ -36,8 +53,9 @@ class DropPath(nn.Module):
         if not self.training or self.drop_prob == 0.0:
             return x
         keep = 1.0 - self.drop_prob
-        mask = x.new_empty((x.shape[0],) + (1,) * (x.dim() - 1)).bernoulli_(keep)
-        return x * mask / keep
+        # Scaling the per-sample mask, not x, keeps it to one pass over the activations.
+        scale = x.new_empty((x.shape[0],) + (1,) * (x.dim() - 1)).bernoulli_(keep).div_(keep)
+        return x * scale
 
 
 class Mlp(nn.Module):
@@ -107,13 +125,17 @@ class VisionTransformer(FaceBackbone):
         super().__init__(fp16)
         embed_dim = scaled_width(embed_dim, width_mult, "ViT embedding width")
         if embed_dim % NUM_HEADS:
-            raise ValueError(
+            raise ConfigError(
                 f"width_mult={width_mult} gives a ViT embedding width of {embed_dim}, which does not "
                 f"split into {NUM_HEADS} attention heads; pick a width_mult giving a multiple of "
-                f"{NUM_HEADS}, such as 0.25 or 0.125."
+                f"{NUM_HEADS}, such as 0.25 or 0.125"
             )
         if not 0.0 <= mask_ratio < 1.0:
-            raise ValueError(f"mask_ratio={mask_ratio} must be in [0, 1) (the share of patch tokens dropped).")
+            raise ConfigError(f"mask_ratio={mask_ratio} is outside [0, 1); set it to the share of patch "
+                              f"tokens to drop in training, e.g. 0.1 (0 for none)")
+        if not 0.0 <= drop_path_rate < 1.0:
+            raise ConfigError(f"drop_path_rate={drop_path_rate} is outside [0, 1); set it to the stochastic "
+                              f"depth rate of the last block, e.g. 0.1 (0 for none)")
         self.embed_dim = embed_dim
         self.num_patches = (IMAGE_SIZE // PATCH_SIZE) ** 2
         self.mask_ratio = mask_ratio

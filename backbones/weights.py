@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from backbones.registry import NETWORKS, get_model
-from utils.errors import WeightsError
+from utils.errors import ConfigError, WeightsError
 
 logger = logging.getLogger(__name__)
 
@@ -19,12 +19,14 @@ _DDP_PREFIX = "module."
 
 # The first weight of each network and its output width at width_mult 1: a file's width follows.
 _FIRST_LAYER: dict[str, tuple[str, int]] = {
-    **{name: ("conv1.weight", 64) for name in ("r18", "r34", "r50", "r100", "r200")},
+    **{name: ("conv1.weight", 64) for name in ("r18", "r34", "r50", "r100", "r200", "r2060")},
     "mbf": ("layers.0.layers.0.weight", 128),
     "mbf_large": ("layers.0.layers.0.weight", 256),
-    "vit_t": ("patch_embed.proj.weight", 256),
-    "vit_s": ("patch_embed.proj.weight", 512),
-    "vit_b": ("patch_embed.proj.weight", 512),
+    **{name: ("patch_embed.proj.weight", 256) for name in ("vit_t", "vit_t_dp005_mask0")},
+    **{name: ("patch_embed.proj.weight", 512)
+       for name in ("vit_s", "vit_s_dp005_mask_0", "vit_b", "vit_b_dp005_mask_005")},
+    "vit_l_dp005_mask_005": ("patch_embed.proj.weight", 768),
+    "vit_h": ("patch_embed.proj.weight", 1024),
 }
 
 
@@ -41,14 +43,16 @@ def read_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
     try:
         obj = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as error:  # torch raises many types for a foreign or truncated file
-        raise WeightsError(f"{path} is not a readable PyTorch weights file ({error}); "
-                           f"pass a backbone.pth saved with torch.save.") from error
+        # torch's own text runs to paragraphs (e.g. on weights_only); its first sentence says what failed.
+        reason = str(error).splitlines()[0].split(". ")[0] if str(error) else type(error).__name__
+        raise WeightsError(f"{path} is not a readable PyTorch weights file ({reason}); pass a backbone "
+                           "state_dict saved with torch.save(model.state_dict(), path)") from error
     if isinstance(obj, dict) and not _is_state_dict(obj):
         obj = next((obj[key] for key in _WRAPPER_KEYS if _is_state_dict(obj.get(key))), obj)
     if not _is_state_dict(obj):
         found = f"a dict with keys {sorted(obj)[:6]}" if isinstance(obj, dict) else type(obj).__name__
         raise WeightsError(f"{path} holds {found}, not a backbone state_dict; pass the backbone.pth "
-                           f"written by training.")
+                           "written by training")
     if all(key.startswith(_DDP_PREFIX) for key in obj):
         obj = {key[len(_DDP_PREFIX):]: value for key, value in obj.items()}
     return obj
@@ -70,7 +74,7 @@ def _fits(state_dict: dict, name: str, **options) -> bool:
     with torch.device("meta"):
         try:
             model = get_model(name, **options)
-        except ValueError:
+        except ConfigError:  # e.g. a width that network cannot have
             return False
     return not any(_shape_mismatches(model.state_dict(), state_dict))
 
@@ -81,11 +85,14 @@ def suggest_network(state_dict: dict[str, torch.Tensor]) -> str | None:
     if not embedding_keys:
         return None
     num_features = state_dict[embedding_keys[-1]].shape[0]
+    candidates = []
     for name in NETWORKS:
         first_key, base_width = _FIRST_LAYER[name]
-        if first_key not in state_dict:
-            continue
-        width_mult = state_dict[first_key].shape[0] / base_width
+        if first_key in state_dict:
+            candidates.append((name, state_dict[first_key].shape[0] / base_width))
+    # Networks at their own width first: a full-size vit_l checkpoint also fits vit_b scaled by 1.5.
+    candidates.sort(key=lambda candidate: candidate[1] != 1)
+    for name, width_mult in candidates:
         if _fits(state_dict, name, width_mult=width_mult, num_features=num_features):
             return f"network {name}, width_mult={width_mult:g}, num_features={num_features}"
     return None
@@ -119,11 +126,11 @@ def load_backbone(
         ]
         options = ", ".join(f"{k}={v}" for k, v in model_options.items())
         suggestion = suggest_network(state_dict)
-        fix = (f"it fits {suggestion}; use that." if suggestion
-               else "pass the network (and width/embedding size) it was trained with.")
+        fix = (f"it fits {suggestion}: use those settings" if suggestion
+               else "pass the network (and width/embedding size) it was trained with")
         raise WeightsError(
             f"{weights} does not fit network {network}{f' ({options})' if options else ''}: "
-            f"{'; '.join(problems)}; {fix}"
+            f"{', '.join(problems)}; {fix}"
         )
     model.load_state_dict(state_dict, strict=True)
     logger.info("Loaded %s weights from %s", network, weights)
