@@ -21,7 +21,8 @@ num_workers: int = 2              # data-loading processes per training process
 seed: int = 2048                  # seeds data order, augmentation, initialisation and centre sampling
 
 # --- model --------------------------------------------------------------------------------
-network: str = "r50"              # backbone name: r18 r34 r50 r100 r200 mbf mbf_large vit_t vit_s vit_b
+network: str = "r50"              # backbone: r18 r34 r50 r100 r200 r2060 mbf mbf_large vit_t vit_s vit_b, and
+                                  # vit_t_dp005_mask0 vit_s_dp005_mask_0 vit_b_dp005_mask_005 vit_l_dp005_mask_005 vit_h
 network_kwargs: dict = {}         # extra backbone options, e.g. {"width_mult": 0.25} for CPU-sized runs
 embedding_size: int = 512         # length of the face embedding
 dropout: float = 0.0              # dropout before the embedding layer
