@@ -124,21 +124,6 @@ class PartialFC(nn.Module):
                 gathered, self.weight, index, row_labels, row_coef, self.margin_loss, gemm_dtype)
         return loss, row_losses.view(self.world_size, num_views, batch).mean(dim=(0, 2)).detach()
 
-    def gather_rows(self, shard: torch.Tensor) -> torch.Tensor | None:
-        """The whole (num_classes, ...) matrix on rank 0 (CPU) from every rank's rows of a centre-shaped
-        tensor (the centres, their momentum, ...); None elsewhere. Collective: every rank calls it.
-        Shards differ in length by one in uneven splits, so they travel padded to the longest."""
-        if not is_initialized():
-            return shard.detach().cpu().clone()
-        counts = [class_range(self.num_classes, r, self.world_size)[1] for r in range(self.world_size)]
-        padded = shard.new_zeros((max(counts), *shard.shape[1:]))
-        padded[: shard.shape[0]] = shard.detach()
-        pieces = [torch.empty_like(padded) for _ in counts] if self.rank == 0 else None
-        dist.gather(padded, pieces, dst=0)
-        if pieces is None:
-            return None
-        return torch.cat([piece[:count].cpu() for piece, count in zip(pieces, counts)])
-
     def local_rows(self, full: torch.Tensor) -> torch.Tensor:
         """This rank's rows of a whole (num_classes, ...) matrix."""
         return full[self.class_start:self.class_start + self.num_local]

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import logging
 import os
 import re
@@ -36,7 +37,6 @@ from utils.checkpoint import Checkpointer, Progress
 from utils.config import check_data_path, load_config
 from utils.distributed import (
     all_reduce_max,
-    broadcast_object,
     cleanup,
     init_distributed,
     is_main,
@@ -44,10 +44,11 @@ from utils.distributed import (
     rank,
     world,
 )
-from utils.errors import ConfigError, TrainingError, UserError, report
+from utils.errors import ConfigError, TrainingError, UserError, agreed, report
 from utils.image import normalize
 from utils.log import SpeedLogger, setup_logging
 from utils.lr_scheduler import build_scheduler
+from utils.memory_plan import describe, device_bytes, memory_plan, processes_that_fit
 from utils.run_dir import lock_run_dir, resolve_resume
 
 log = logging.getLogger("train")
@@ -71,6 +72,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--set", metavar="KEY=VALUE", action="append", default=[],
                         help="override a config key (value parsed as a Python literal); repeatable")
     parser.add_argument("--resume", action="store_true", help="continue the run in the config's output folder")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="print the resolved config and each process's memory plan; read no data, start no "
+                             "process group, write nothing")
+    parser.add_argument("--world-size", type=int, default=None, metavar="N",
+                        help="with --dry-run: plan for N processes (default: WORLD_SIZE, else 1)")
+    parser.add_argument("--json", action="store_true", help="with --dry-run: one JSON object {config, memory}")
     return parser.parse_args(argv)
 
 
@@ -78,6 +85,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     try:
         cfg = load_config(args.config, args.set + (["resume=True"] if args.resume else []))
+        if args.dry_run:
+            print(dry_run_report(cfg, args.world_size or int(os.environ.get("WORLD_SIZE", "1")), args.json))
+            return 0
         check_data_path(cfg)
         env = init_distributed()
         if env.device.type == "cpu":
@@ -94,6 +104,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
+def dry_run_report(cfg: SimpleNamespace, world_size: int, as_json: bool) -> str:
+    """The resolved configuration and the memory plan of one process of `world_size`."""
+    plan = memory_plan(cfg, cfg.num_classes, world_size)
+    if as_json:
+        return json.dumps({"config": vars(cfg), "memory": {"world_size": world_size, **plan}})
+    keys = "\n".join(f"{key} = {value!r}" for key, value in vars(cfg).items())
+    return f"{keys}\n\nmemory per process, {world_size} process(es) (activations not included):\n{describe(plan)}"
+
+
 def _share_cpu(num_workers: int) -> None:
     """Compute threads for CPU training: the cores left by the data workers and this machine's other
     training processes, unless OMP_NUM_THREADS says otherwise (torchrun sets it to 1).
@@ -105,22 +124,6 @@ def _share_cpu(num_workers: int) -> None:
         return
     per_process = (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     torch.set_num_threads(max(1, per_process - num_workers))
-
-
-def agreed(decide, share: bool = True):
-    """Run `decide()` on rank 0 and raise its user error on every rank, so that no process is left
-    waiting at a collective for one that stopped. Returns the result on every rank (`share`), or
-    on rank 0 only (None elsewhere) for results that cannot travel, such as an open file."""
-    outcome, error = None, None
-    if is_main():
-        try:
-            outcome = decide()
-        except UserError as raised:
-            error = raised
-    error = broadcast_object(error)
-    if error is not None:
-        raise error
-    return broadcast_object(outcome) if share else outcome
 
 
 @dataclass
@@ -309,6 +312,7 @@ def _train_in_folder(cfg: SimpleNamespace, device: torch.device, source) -> dict
     loader = build_loader(dataset, cfg.batch_size, rank=rank(), world_size=world(), seed=cfg.seed,
                           num_workers=cfg.num_workers, device=device)
     progress = Progress(steps_per_epoch=_steps_per_epoch(loader, cfg.gradient_acc))
+    _check_memory(cfg, dataset.num_classes, device)
     model = build_training(cfg, dataset.num_classes, device, progress.steps_per_epoch)
     checkpointer = Checkpointer(cfg.output, model, loader, model_info(cfg, dataset.num_classes), vars(cfg),
                                 save_every_steps=cfg.save_every_steps, save_all_states=cfg.save_all_states)
@@ -329,6 +333,19 @@ def _train_in_folder(cfg: SimpleNamespace, device: torch.device, source) -> dict
     log.info("training finished at global step %d: %s", progress.global_step,
              ", ".join(f"{name} Accuracy-Flip {acc:.5f}" for name, acc in results.items()) or "no val_targets")
     return results
+
+
+def _check_memory(cfg: SimpleNamespace, num_classes: int, device: torch.device) -> None:
+    """Log the memory plan; warn, with what would fit, when it exceeds what this process may use."""
+    plan, available = memory_plan(cfg, num_classes, world()), device_bytes(device)
+    log.info("memory plan per process: %.2f GiB (class centres %.2f GiB), %.2f GiB available on %s",
+             plan["total"] / 2 ** 30, plan["class_centres"] / 2 ** 30, available / 2 ** 30, device)
+    if plan["total"] > available:
+        fits = processes_that_fit(cfg, num_classes, world(), available)
+        advice = f"use {fits} processes or more" if fits else "use a smaller network"
+        log.warning("the memory plan (%.2f GiB per process) exceeds the %.2f GiB available on %s: lower sample_rate "
+                    "(now %g) or batch_size, or %s", plan["total"] / 2 ** 30, available / 2 ** 30, device,
+                    cfg.sample_rate, advice)
 
 
 def _steps_per_epoch(loader: FaceLoader, gradient_acc: int) -> int:

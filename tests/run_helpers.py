@@ -11,20 +11,24 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import io
+import json
 import logging
 import multiprocessing
 import os
+import pickle
 import subprocess
 import sys
+import tempfile
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 import torch
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 import train
 from backbones import get_model
-from utils.checkpoint import CHECKPOINT_NAME, load_checkpoint
 from utils.run_dir import LOCK_NAME
+from utils.training_state import POINTER_NAME
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIG = "configs/synthetic_pair.py"
@@ -154,7 +158,21 @@ def assert_nothing_lost(before: dict[str, tuple[str, int, int]], folder: Path) -
 
 
 def load_run(output: Path, info: dict | None = None) -> dict:
-    return load_checkpoint(output / CHECKPOINT_NAME, info or INFO)
+    """The checkpoint `output/checkpoint.json` names, assembled whole in this process by torch's own
+    DCP-to-torch.save converter: {"model", "config", "world_size", "progress", "backbone",
+    "class_centres" (all rows), "optimizer" (state with all centre rows, param_groups), "scheduler",
+    "grad_scaler", "per_rank": [{"rng", "loader"} of each rank]}. Asserts the model is `info`."""
+    pointer = json.loads((output / POINTER_NAME).read_text())
+    with tempfile.TemporaryDirectory() as tmp:
+        dcp_to_torch_save(output / pointer["directory"], f"{tmp}/whole.pt")
+        whole = torch.load(f"{tmp}/whole.pt", weights_only=False)
+    run = pickle.loads(whole["run"])
+    assert pointer["model"] == run["model"] == (info or INFO), (pointer["model"], run["model"])
+    return {**{key: run[key] for key in ("model", "config", "world_size", "progress", "scheduler", "grad_scaler")},
+            "backbone": whole["backbone"], "class_centres": whole["centres"],
+            "optimizer": {"state": {int(index): state for index, state in whole.get("optimizer", {}).items()},
+                          "param_groups": run["param_groups"]},
+            "per_rank": [pickle.loads(whole[f"rank/{r}"]) for r in range(run["world_size"])]}
 
 
 def load_backbone_strict(path: Path) -> torch.nn.Module:

@@ -107,17 +107,18 @@ def test_views_that_do_not_match_the_records(data, run, workers):
 ])
 def test_a_checkpoint_of_another_network_or_embedding_size(data, run, override, difference):
     assert refused(data, run, override) == (
-        f"error: {run}/checkpoint.pt was written for another model ({difference}); resume with the config that "
+        f"error: {run}/checkpoint.json was written for another model ({difference}); resume with the config that "
         "wrote it, or start a new output folder")
 
 
 def test_a_damaged_checkpoint(data, run):
     """A checkpoint cut short by something other than train.py (its own writes are atomic)."""
-    checkpoint = run / "checkpoint.pt"
-    checkpoint.write_bytes(checkpoint.read_bytes()[:4096])
-    assert refused(data, run) == (
-        f"error: cannot read {checkpoint} (RuntimeError); it is damaged or not a checkpoint: resume from another "
-        "file or start a new run")
+    folder = run / "checkpoint-000000002"
+    shard = folder / "__0_0.distcp"
+    shard.write_bytes(shard.read_bytes()[:4096])
+    message = refused(data, run)
+    assert message.startswith(f"error: cannot read checkpoint {folder} (rank 0: "), message
+    assert message.endswith("; it is damaged or incomplete: resume from another run folder or start a new run")
 
 
 def test_an_output_folder_held_by_a_live_run(data, run):
@@ -147,15 +148,15 @@ def save_fails(data: Path, run: Path, prepare=None) -> str:
     status, stderr = run_child(data, run, "max_steps=3", resume=True, prepare=prepare)
     assert status == 1
     assert_nothing_lost(before, run)
-    assert not list(run.glob(".tmp-*"))  # the partial file was removed
+    assert not list(run.glob(".tmp-*")) and not (run / "checkpoint-000000003").exists()  # the partial save removed
     assert load_run(run)["progress"]["global_step"] == 2
     return only_line(stderr)
 
 
 def test_a_file_size_limit_while_saving(data, run):
     assert save_fails(data, run, limit_file_size) == (
-        f"error: could not write {run}/checkpoint.pt (File too large); the previous checkpoint.pt is untouched: free "
-        "disk space or choose another output folder")
+        f"error: could not write checkpoint {run}/checkpoint-000000003 (rank 0: File too large); the previous "
+        "checkpoint is untouched: free disk space or choose another output folder")
 
 
 @pytest.fixture
@@ -179,7 +180,7 @@ def small_tmpfs(tmp_path):
 def test_a_full_disk_while_saving(data, trained, small_tmpfs):
     run = Path(shutil.copytree(trained, small_tmpfs / "run"))
     free = os.statvfs(small_tmpfs).f_bavail * os.statvfs(small_tmpfs).f_frsize
-    assert free < (trained / "checkpoint.pt").stat().st_size
+    assert free < sum(p.stat().st_size for p in trained.glob("checkpoint-*/*"))
     assert save_fails(data, run) == (
-        f"error: could not write {run}/checkpoint.pt (No space left on device); the previous checkpoint.pt is "
-        "untouched: free disk space or choose another output folder")
+        f"error: could not write checkpoint {run}/checkpoint-000000003 (rank 0: No space left on device); the "
+        "previous checkpoint is untouched: free disk space or choose another output folder")

@@ -1,11 +1,18 @@
-"""Checkpoints: atomic writes, full class-centre matrix and its optimizer state across world sizes."""
+"""Checkpoints: sharded through torch.distributed.checkpoint across world sizes, the single-file
+layout of earlier versions, atomic writes, damaged or foreign checkpoints.
+
+The reference for every resharded tensor is the saving ranks' own shards stacked by hand in rank
+order (rows 0..1 from rank 0, 2..3 from rank 1, ...): 7 classes over 4 ranks is 2, 2, 2, 1 rows.
+"""
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
 import textwrap
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -13,150 +20,191 @@ import torch
 from losses import CombinedMarginLoss
 from partial_fc import PartialFC
 from tests.distributed_helpers import run_world
-from utils.checkpoint import (
-    CHECKPOINT_NAME,
-    CheckpointError,
-    atomic_save,
-    find_resume_source,
-    load_checkpoint,
-    restore_training_state,
-    save_checkpoint,
-)
+from utils.atomic import atomic_save
+from utils.checkpoint import find_resume_source
+from utils.errors import CheckpointError
 from utils.lr_scheduler import build_scheduler
+from utils.training_state import LEGACY_FORMAT, LEGACY_NAME, POINTER_NAME, restore_legacy, restore_state, save_state
 
-NUM_CLASSES, DIM = 7, 3          # 7 classes over 2 ranks: rows 0..3 and 4..6 (uneven on purpose)
-RANK_ROWS = {0: (0, 4), 1: (4, 7)}
+NUM_CLASSES, DIM = 7, 3
 INFO = {"network": "toy", "network_kwargs": {}, "embedding_size": DIM, "num_classes": NUM_CLASSES}
 ROOT = Path(__file__).resolve().parent.parent
-
-
-def full_centres() -> torch.Tensor:
-    return torch.arange(NUM_CLASSES * DIM, dtype=torch.float32).reshape(NUM_CLASSES, DIM) / 10
-
-
-def make_run(optimizer_name: str):
-    torch.manual_seed(0)
-    backbone = torch.nn.Linear(4, DIM)
-    pfc = PartialFC(CombinedMarginLoss(), DIM, NUM_CLASSES)
-    groups = [{"params": list(backbone.parameters())}, {"params": [pfc.weight]}]
-    optimizer = (torch.optim.SGD(groups, lr=0.1, momentum=0.9) if optimizer_name == "sgd"
-                 else torch.optim.AdamW(groups, lr=0.1))
-    scheduler = build_scheduler(optimizer, 2, 20)
-    return backbone, pfc, optimizer, scheduler, torch.amp.GradScaler("cpu", enabled=False)
-
-
-def take_steps(backbone, pfc, optimizer, scheduler, steps=2):
-    """Steps with a known, row-dependent centre gradient, so optimizer state differs per row."""
-    for step in range(steps):
-        pfc.weight.grad = (torch.arange(pfc.weight.numel(), dtype=torch.float32).reshape(pfc.weight.shape)
-                           + pfc.class_start * DIM + step)
-        for p in backbone.parameters():
-            p.grad = torch.ones_like(p)
-        optimizer.step()
-        scheduler.step()
-
-
-def save_from_world(rank: int, world_size: int, out_dir: str, optimizer_name: str):
-    backbone, pfc, optimizer, scheduler, scaler = make_run(optimizer_name)
-    start, stop = RANK_ROWS[rank] if world_size == 2 else (0, NUM_CLASSES)
-    assert (pfc.class_start, pfc.num_local) == (start, stop - start)
-    with torch.no_grad():
-        pfc.weight.copy_(full_centres()[start:stop])
-    take_steps(backbone, pfc, optimizer, scheduler)
-    save_checkpoint(out_dir, backbone=backbone, pfc=pfc, optimizer=optimizer, scheduler=scheduler, grad_scaler=scaler,
-                    progress={"global_step": 2}, loader_state={"rank": rank}, model_info=INFO, config={"lr": 0.1})
-    index = len(list(backbone.parameters()))
-    return {"weight": pfc.weight.detach().clone(),
-            "state": {k: v.clone() for k, v in optimizer.state_dict()["state"][index].items()}}
-
-
-def restore_in_world(rank: int, world_size: int, out_dir: str, optimizer_name: str):
-    backbone, pfc, optimizer, scheduler, scaler = make_run(optimizer_name)
-    checkpoint = load_checkpoint(Path(out_dir) / CHECKPOINT_NAME, INFO)
-    restore_training_state(checkpoint, backbone=backbone, pfc=pfc, optimizer=optimizer, scheduler=scheduler,
-                           grad_scaler=scaler)
-    index = len(list(backbone.parameters()))
-    return {"weight": pfc.weight.detach().clone(), "state": dict(optimizer.state_dict()["state"][index]),
-            "lr": optimizer.param_groups[1]["lr"], "per_rank": checkpoint["per_rank"]}
-
-
 OPTIMIZERS = ("sgd", "adamw")
 
 
-def two_rank_round_trips(rank: int, world_size: int, root: str):
-    """In one 2-process world (spawning is the slow part): save a 2-rank checkpoint per optimizer and
-    restore it on 2 ranks; restore the 1-rank checkpoint the parent process wrote."""
-    out = {}
-    for name in OPTIMIZERS:
-        out[name] = {"saved": save_from_world(rank, world_size, f"{root}/two_{name}", name)}
-        out[name]["restored"] = restore_in_world(rank, world_size, f"{root}/two_{name}", name)
-    out["split"] = restore_in_world(rank, world_size, f"{root}/one_sgd", "sgd")
-    return out
+def make_model(optimizer_name: str, seed: int = 0) -> SimpleNamespace:
+    torch.manual_seed(seed)
+    backbone = torch.nn.Sequential(torch.nn.Linear(4, DIM), torch.nn.BatchNorm1d(DIM))
+    pfc = PartialFC(CombinedMarginLoss(), DIM, NUM_CLASSES, seed=seed)
+    groups = [{"params": list(backbone.parameters())}, {"params": [pfc.weight]}]
+    optimizer = (torch.optim.SGD(groups, lr=0.1, momentum=0.9) if optimizer_name == "sgd"
+                 else torch.optim.AdamW(groups, lr=0.1))
+    return SimpleNamespace(backbone=backbone, pfc=pfc, optimizer=optimizer, scheduler=build_scheduler(optimizer, 2, 20),
+                           scaler=torch.amp.GradScaler("cpu", enabled=False))
+
+
+def take_steps(model: SimpleNamespace, steps: int = 2) -> None:
+    """Steps with a known, row-dependent centre gradient, so optimizer state differs per row."""
+    pfc = model.pfc
+    for step in range(steps):
+        rows = torch.arange(pfc.class_start, pfc.class_start + pfc.num_local, dtype=torch.float32)
+        pfc.weight.grad = rows[:, None] * 10 + torch.arange(DIM) + step
+        for p in model.backbone.parameters():
+            p.grad = torch.ones_like(p)
+        model.optimizer.step()
+        model.scheduler.step()
+    model.backbone(torch.randn(5, 4))  # BatchNorm statistics move too
+
+
+def centre_state(model: SimpleNamespace) -> dict:
+    """The centres and their optimizer state (momentum or Adam moments and step), cloned."""
+    state = model.optimizer.state[model.pfc.weight]
+    return {"weight": model.pfc.weight.detach().clone(), **{k: v.clone() for k, v in state.items()}}
+
+
+def save_in_world(rank: int, world_size: int, folder: str, optimizer_name: str) -> dict:
+    model = make_model(optimizer_name, seed=1)
+    take_steps(model)
+    save_state(folder, model, {"global_step": 2, "steps_per_epoch": 10}, {"rank": rank}, INFO, {"lr": 0.1})
+    return {"centres": centre_state(model), "backbone": {k: v.clone() for k, v in model.backbone.state_dict().items()}}
+
+
+def restore_in_world(rank: int, world_size: int, folder: str, optimizer_name: str) -> dict:
+    model = make_model(optimizer_name, seed=2)  # other weights: everything must come from the checkpoint
+    restored = restore_state(Path(folder) / POINTER_NAME, INFO, model)
+    return {"centres": centre_state(model), "backbone": model.backbone.state_dict(), "restored": restored,
+            "lr": model.optimizer.param_groups[1]["lr"]}
 
 
 @pytest.fixture(scope="module")
-def worlds(tmp_path_factory):
-    root = tmp_path_factory.mktemp("checkpoints")
-    single = save_from_world(0, 1, str(root / "one_sgd"), "sgd")  # no process group: world size 1
-    return root, single, run_world(two_rank_round_trips, 2, str(root))
+def written_by_four(tmp_path_factory) -> tuple[Path, list]:
+    root = tmp_path_factory.mktemp("dcp")
+    return root, run_world(_save_both, 4, str(root))
+
+
+def _save_both(rank: int, world_size: int, root: str) -> dict:
+    return {name: save_in_world(rank, world_size, f"{root}/{name}", name) for name in OPTIMIZERS}
+
+
+def _restore_both(rank: int, world_size: int, root: str) -> dict:
+    return {name: restore_in_world(rank, world_size, f"{root}/{name}", name) for name in OPTIMIZERS}
+
+
+@pytest.fixture(scope="module")
+def restored(written_by_four) -> dict[int, list]:
+    root, _ = written_by_four
+    return {1: [_restore_both(0, 1, str(root))],  # no process group at all
+            2: run_world(_restore_both, 2, str(root)), 3: run_world(_restore_both, 3, str(root))}
 
 
 @pytest.mark.parametrize("optimizer_name", OPTIMIZERS)
-def test_two_rank_checkpoint_holds_the_whole_matrix_and_resumes_on_one_and_two_ranks(worlds, optimizer_name):
-    root, _, ranks = worlds
-    folder = root / f"two_{optimizer_name}"
-    saved = [r[optimizer_name]["saved"] for r in ranks]
-    # reference: the two shards stacked by hand, rows 0..3 from rank 0, 4..6 from rank 1
-    whole_weight = torch.cat([r["weight"] for r in saved])
-    state_names = sorted(saved[0]["state"])
-    checkpoint = load_checkpoint(folder / CHECKPOINT_NAME, INFO)
-    assert torch.equal(checkpoint["class_centres"], whole_weight)
-    assert [p["loader"] for p in checkpoint["per_rank"]] == [{"rank": 0}, {"rank": 1}]
-
-    single = restore_in_world(0, 1, str(folder), optimizer_name)
-    assert torch.equal(single["weight"], whole_weight)
-    for name in state_names:
-        per_rank = [r["state"][name] for r in saved]
-        if per_rank[0].dim() == 2:
-            assert torch.equal(single["state"][name], torch.cat(per_rank)), name
-        else:
-            assert torch.equal(single["state"][name], per_rank[0]), name
-    assert single["lr"] == pytest.approx(0.1)  # warmup of 2 steps done: lr is back at the base
-
-    for rank, (start, stop) in RANK_ROWS.items():
-        again = ranks[rank][optimizer_name]["restored"]
-        assert torch.equal(again["weight"], whole_weight[start:stop])
-        for name in state_names:
-            if saved[rank]["state"][name].dim() == 2:
-                assert torch.equal(again["state"][name], saved[rank]["state"][name]), name
+@pytest.mark.parametrize("world_size", [1, 2, 3])
+def test_written_by_four_resumes_on_one_two_and_three_bit_for_bit(written_by_four, restored, world_size,
+                                                                   optimizer_name):
+    _, saved = written_by_four
+    names = sorted(saved[0][optimizer_name]["centres"])
+    assert set(names) >= {"weight", "momentum_buffer"} if optimizer_name == "sgd" else {"weight", "exp_avg"}
+    for name in names:
+        pieces = [rank[optimizer_name]["centres"][name] for rank in saved]
+        whole = torch.cat(pieces) if pieces[0].dim() == 2 else pieces[0]  # Adam's step is one scalar
+        assert [p.shape[0] for p in pieces if p.dim() == 2] in ([], [2, 2, 2, 1])
+        again = torch.cat([rank[optimizer_name]["centres"][name] for rank in restored[world_size]]) \
+            if whole.dim() == 2 else restored[world_size][0][optimizer_name]["centres"][name]
+        assert again.dtype == whole.dtype and torch.equal(again, whole), name
+    for rank in restored[world_size]:
+        mine = rank[optimizer_name]
+        for key, value in saved[0][optimizer_name]["backbone"].items():  # BatchNorm buffers included
+            assert torch.equal(mine["backbone"][key], value), key
+        assert mine["lr"] == pytest.approx(0.1)  # the schedule came back at step 2: warmup done
+        assert mine["restored"].progress == {"global_step": 2, "steps_per_epoch": 10}
+        assert mine["restored"].world_size == 4 and mine["restored"].first_rank_state["loader"] == {"rank": 0}
+        assert mine["restored"].rank_state is None  # another world size: no rank has its own streams back
 
 
-def test_one_rank_checkpoint_splits_over_two_ranks(worlds):
-    _, single, ranks = worlds
-    for rank, (start, stop) in RANK_ROWS.items():
-        split = ranks[rank]["split"]
-        assert torch.equal(split["weight"], single["weight"][start:stop])
-        assert torch.equal(split["state"]["momentum_buffer"], single["state"]["momentum_buffer"][start:stop])
+def test_each_rank_writes_only_its_own_rows(written_by_four):
+    """Four files, one per rank, the centre rows of rank r only in rank r's file."""
+    root, _ = written_by_four
+    folder = root / "sgd" / json.loads((root / "sgd" / POINTER_NAME).read_text())["directory"]
+    assert sorted(p.name for p in folder.iterdir()) == [".metadata"] + [f"__{r}_0.distcp" for r in range(4)]
+    metadata = torch.distributed.checkpoint.FileSystemReader(folder).read_metadata()
+    chunks = metadata.state_dict_metadata["centres"].chunks
+    assert sorted((tuple(c.offsets), tuple(c.sizes)) for c in chunks) == [
+        ((0, 0), (2, 3)), ((2, 0), (2, 3)), ((4, 0), (2, 3)), ((6, 0), (1, 3))]
 
 
-def test_mismatched_model_is_refused_with_the_difference(worlds):
-    root, _, _ = worlds
+def _missing_shard_in_world(rank: int, world_size: int, folder: str) -> str:
+    try:
+        restore_in_world(rank, world_size, folder, "sgd")
+    except CheckpointError as error:
+        return str(error)
+    return "restored"
+
+
+def test_a_missing_shard_stops_every_rank_with_the_same_error(tmp_path):
+    run_world(_save_both, 2, str(tmp_path))
+    folder = tmp_path / "sgd" / json.loads((tmp_path / "sgd" / POINTER_NAME).read_text())["directory"]
+    (folder / "__1_0.distcp").unlink()
+    messages = run_world(_missing_shard_in_world, 2, str(tmp_path / "sgd"))
+    assert messages[0] == messages[1]
+    assert messages[0].startswith(f"cannot read checkpoint {folder} (rank ") and "__1_0.distcp" in messages[0]
+    assert messages[0].endswith("it is damaged or incomplete: resume from another run folder or start a new run")
+
+
+def test_another_model_is_refused_with_the_difference(written_by_four):
+    root, _ = written_by_four
     with pytest.raises(CheckpointError, match=r"another model \(network 'toy' there, 'r50' here; "
                                               r"embedding_size 3 there, 512 here\)"):
-        load_checkpoint(root / "one_sgd" / CHECKPOINT_NAME, {**INFO, "embedding_size": 512, "network": "r50"})
+        restore_state(root / "sgd" / POINTER_NAME, {**INFO, "embedding_size": 512, "network": "r50"},
+                      make_model("sgd"))
 
 
-def test_atomic_save_replaces_whole_files_and_clears_leftovers(tmp_path):
-    path = tmp_path / CHECKPOINT_NAME
-    stale = tmp_path / f".tmp-{CHECKPOINT_NAME}.12345"
-    stale.write_bytes(b"half a checkpoint")
-    atomic_save({"x": torch.ones(3)}, path)
-    assert torch.equal(torch.load(path)["x"], torch.ones(3))
-    assert sorted(p.name for p in tmp_path.iterdir()) == [CHECKPOINT_NAME]
+def test_a_new_save_switches_atomically_and_removes_the_old_folder(tmp_path):
+    model = make_model("sgd")
+    take_steps(model)
+    save_state(tmp_path, model, {"global_step": 2}, {}, INFO, {})
+    (tmp_path / "checkpoint-000000003").mkdir()  # a save that a killed run left half-written
+    take_steps(model)
+    save_state(tmp_path, model, {"global_step": 4}, {}, INFO, {})
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-000000004", POINTER_NAME]
+    assert json.loads((tmp_path / POINTER_NAME).read_text())["global_step"] == 4
 
 
-def test_unreadable_or_foreign_files_are_not_taken_for_checkpoints(tmp_path):
-    (tmp_path / CHECKPOINT_NAME).write_bytes(b"\x00" * 100)  # e.g. truncated by a crash of something else
+def legacy_checkpoint(path: Path, centres: torch.Tensor, momentum: torch.Tensor, world_size: int) -> None:
+    """A checkpoint.pt as earlier versions wrote it: every centre row and its momentum in one file."""
+    model = make_model("sgd")
+    take_steps(model, steps=1)
+    optimizer = model.optimizer.state_dict()
+    optimizer["state"][len(list(model.backbone.parameters()))] = {"momentum_buffer": momentum}
+    rng = {"python": (3, tuple(range(625)), None), "torch": torch.get_rng_state(),
+           "numpy": (torch.zeros(624, dtype=torch.int64), 0, 0, 0.0)}
+    torch.save({"format": LEGACY_FORMAT, "model": INFO, "config": {"lr": 0.1}, "world_size": world_size,
+                "progress": {"global_step": 1, "steps_per_epoch": 10}, "backbone": model.backbone.state_dict(),
+                "class_centres": centres, "optimizer": optimizer, "scheduler": model.scheduler.state_dict(),
+                "grad_scaler": model.scaler.state_dict(),
+                "per_rank": [{"rng": rng, "loader": {"skipped": r}} for r in range(world_size)]}, path)
+
+
+def _legacy_in_world(rank: int, world_size: int, path: str) -> dict:
+    model = make_model("sgd", seed=5)
+    restored = restore_legacy(Path(path), INFO, model)
+    return {"weight": model.pfc.weight.detach().clone(),
+            "momentum": model.optimizer.state[model.pfc.weight]["momentum_buffer"].clone(),
+            "rank_state": restored.rank_state}
+
+
+def test_an_earlier_single_file_checkpoint_still_resumes_on_two_ranks(tmp_path):
+    centres = torch.arange(NUM_CLASSES * DIM, dtype=torch.float32).reshape(NUM_CLASSES, DIM)
+    path = tmp_path / LEGACY_NAME
+    legacy_checkpoint(path, centres, -centres, world_size=2)
+    assert find_resume_source(tmp_path) == ("legacy", path)
+    ranks = run_world(_legacy_in_world, 2, str(path))
+    assert torch.equal(torch.cat([r["weight"] for r in ranks]), centres)  # rows 0..3 and 4..6
+    assert torch.equal(torch.cat([r["momentum"] for r in ranks]), -centres)
+    assert [r["rank_state"]["loader"] for r in ranks] == [{"skipped": 0}, {"skipped": 1}]
+
+
+def test_resume_sources_and_files_that_are_not_checkpoints(tmp_path):
+    (tmp_path / LEGACY_NAME).write_bytes(b"\x00" * 100)  # e.g. truncated by a crash of something else
     with pytest.raises(CheckpointError, match="damaged or not a checkpoint"):
         find_resume_source(tmp_path)
     bare = tmp_path / "model.pt"
@@ -167,16 +215,29 @@ def test_unreadable_or_foreign_files_are_not_taken_for_checkpoints(tmp_path):
     (tmp_path / "run").mkdir()
     with pytest.raises(CheckpointError, match="nothing to resume in"):
         find_resume_source(tmp_path / "run")
+    (tmp_path / "run" / POINTER_NAME).write_text("{}")
+    assert find_resume_source(tmp_path / "run") == ("checkpoint", tmp_path / "run" / POINTER_NAME)
+    with pytest.raises(CheckpointError, match=f"cannot read the checkpoint {tmp_path}/run/{POINTER_NAME} names"):
+        restore_state(tmp_path / "run" / POINTER_NAME, INFO, make_model("sgd"))
 
 
-def test_a_failed_write_keeps_the_previous_checkpoint(tmp_path):
+def test_atomic_save_replaces_whole_files_and_clears_leftovers(tmp_path):
+    path = tmp_path / POINTER_NAME
+    stale = tmp_path / f".tmp-{POINTER_NAME}.12345"
+    stale.write_bytes(b"half a file")
+    atomic_save({"x": torch.ones(3)}, path)
+    assert torch.equal(torch.load(path)["x"], torch.ones(3))
+    assert sorted(p.name for p in tmp_path.iterdir()) == [POINTER_NAME]
+
+
+def test_a_failed_write_keeps_the_previous_file(tmp_path):
     """A real write failure: the file-size limit (as a full disk would) stops the write half-way."""
-    path = tmp_path / CHECKPOINT_NAME
+    path = tmp_path / "backbone.pth"
     atomic_save({"generation": 1}, path)
     script = textwrap.dedent(f"""
         import resource, signal, sys, torch
-        sys.path.insert(0, {str(ROOT)!r})
-        from utils.checkpoint import CheckpointError, atomic_save
+        from utils.atomic import atomic_save
+        from utils.errors import CheckpointError
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
         resource.setrlimit(resource.RLIMIT_FSIZE, (64 * 1024, 64 * 1024))
         try:
@@ -185,8 +246,8 @@ def test_a_failed_write_keeps_the_previous_checkpoint(tmp_path):
             print(error)
             sys.exit(3)
     """)
-    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60, cwd=ROOT)
     assert result.returncode == 3, result.stderr
-    assert "could not write" in result.stdout and "previous checkpoint.pt is untouched" in result.stdout
+    assert "could not write" in result.stdout and "previous backbone.pth is untouched" in result.stdout
     assert torch.load(path) == {"generation": 1}
-    assert os.listdir(tmp_path) == [CHECKPOINT_NAME]
+    assert os.listdir(tmp_path) == ["backbone.pth"]

@@ -35,7 +35,8 @@ def test_too_many_in_a_row_stop_the_run_and_leave_the_last_checkpoint_untouched(
     """A checkpoint after every step would overwrite the last good one inside the streak: it must not."""
     output = tmp_path / "run"
     assert run_here(data, output, "max_steps=4", "save_every_steps=1") == (0, "")
-    good = {name: state for name, state in file_states(output).items() if name.endswith((".pt", ".pth"))}
+    saved = (".json", ".pth", ".distcp", ".metadata")
+    good = {name: state for name, state in file_states(output).items() if name.endswith(saved)}
     monkeypatch.setenv(DEBUG_NAN_STEPS_VARIABLE, "5,6,7")
     status, stderr = run_here(data, output, "max_steps=20", "save_every_steps=1", "max_nonfinite_steps=3",
                               resume=True)
@@ -43,7 +44,7 @@ def test_too_many_in_a_row_stop_the_run_and_leave_the_last_checkpoint_untouched(
     assert status == 1
     assert only_line(stderr) == (
         f"error: stopped at global step 7: 3 non-finite losses in a row (max_nonfinite_steps=3); the last good "
-        f"checkpoint.pt in {output} is untouched (continue with --resume); lower lr, try bf16 instead of fp16, "
+        f"checkpoint.json in {output} is untouched (continue with --resume); lower lr, try bf16 instead of fp16, "
         "or check the data")
     assert {name: file_states(output)[name] for name in good} == good
     log = (output / "training.log").read_text()
@@ -51,7 +52,7 @@ def test_too_many_in_a_row_stop_the_run_and_leave_the_last_checkpoint_untouched(
         assert f"Global Step {step}: non-finite loss, step skipped ({count} in a row, {count} in this run)" in log
 
     assert run_here(data, output, "max_steps=5", resume=True) == (0, "")  # the untouched checkpoint resumes
-    assert f"resumed from {output / 'checkpoint.pt'} at global step 4 " in (output / "training.log").read_text()
+    assert f"resumed from {output / 'checkpoint.json'} at global step 4 " in (output / "training.log").read_text()
     assert load_run(output)["progress"]["global_step"] == 5
 
 

@@ -13,7 +13,6 @@ import pytest
 import torch
 
 from tests.run_helpers import assert_same_run, load_run, run_here, scalars
-from utils.checkpoint import restore_training_state, save_checkpoint
 
 # 1 process, 40 records, batch 4: 10 steps per epoch (5 with gradient_acc=2).
 ONE_PROCESS = {
@@ -38,7 +37,7 @@ def test_one_process_resume_is_the_uninterrupted_run(data, tmp_path, case):
     if "fp16=True" in overrides:
         assert 1 < stopped["grad_scaler"]["scale"] < 2.0 ** 16  # the scaler state is not the default one
     assert run_here(data, split, *overrides, f"max_steps={2 * half}", resume=True) == (0, "")
-    assert f"resumed from {split / 'checkpoint.pt'} at global step {half}" in (split / "training.log").read_text()
+    assert f"resumed from {split / 'checkpoint.json'} at global step {half}" in (split / "training.log").read_text()
     logged = scalars(split, "loss")  # fp16 skips (and does not log) the steps its scaler backs off on
     assert max(logged) == 2 * half and len(logged) >= 4
     assert_same_run(split, whole)
@@ -48,38 +47,40 @@ def test_one_process_resume_is_the_uninterrupted_run(data, tmp_path, case):
 def test_grad_scaler_state_round_trips_through_a_checkpoint(tmp_path, device):
     """A scaler that grew twice and backed off once (growth tracker mid-interval) comes back from the
     checkpoint as it was, and then scales the next steps as the original does."""
+    from types import SimpleNamespace
+
     from losses import CombinedMarginLoss
     from partial_fc import PartialFC
     from utils.lr_scheduler import build_scheduler
+    from utils.training_state import POINTER_NAME, restore_state, save_state
 
     def make():
         torch.manual_seed(0)
         backbone, pfc = torch.nn.Linear(3, 4).to(device), PartialFC(CombinedMarginLoss(), 4, 5).to(device)
         optimizer = torch.optim.SGD([{"params": backbone.parameters()}, {"params": pfc.parameters()}], lr=0.1)
         scaler = torch.amp.GradScaler(device, init_scale=2.0 ** 8, growth_interval=2)
-        return backbone, pfc, optimizer, build_scheduler(optimizer, 0, 100), scaler
+        return SimpleNamespace(backbone=backbone, pfc=pfc, optimizer=optimizer,
+                               scheduler=build_scheduler(optimizer, 0, 100), scaler=scaler)
 
-    def step(backbone, pfc, optimizer, scaler, overflow: bool):
-        loss = backbone(torch.ones(2, 3, device=device)).square().sum() + pfc.weight.sum()
-        scaler.scale(loss).backward()
+    def step(model, overflow: bool):
+        loss = model.backbone(torch.ones(2, 3, device=device)).square().sum() + model.pfc.weight.sum()
+        model.scaler.scale(loss).backward()
         if overflow:
-            pfc.weight.grad[0, 0] = float("inf")
-        scaler.step(optimizer)
-        scaler.update()
-        optimizer.zero_grad()
+            model.pfc.weight.grad[0, 0] = float("inf")
+        model.scaler.step(model.optimizer)
+        model.scaler.update()
+        model.optimizer.zero_grad()
 
     original = make()
-    backbone, pfc, optimizer, scheduler, scaler = original
     for overflow in (False, False, False, False, True, False):  # grow, grow, back off, one good step
-        step(backbone, pfc, optimizer, scaler, overflow)
+        step(original, overflow)
+    scaler = original.scaler
     assert scaler.state_dict()["scale"] == 2.0 ** 9 and scaler.state_dict()["_growth_tracker"] == 1
-    save_checkpoint(tmp_path, backbone=backbone, pfc=pfc, optimizer=optimizer, scheduler=scheduler, grad_scaler=scaler,
-                    progress={}, loader_state={}, model_info={}, config={})
+    save_state(tmp_path, original, {"global_step": 6}, {}, {}, {})
 
     restored = make()
-    restore_training_state(torch.load(tmp_path / "checkpoint.pt", weights_only=True), backbone=restored[0],
-                           pfc=restored[1], optimizer=restored[2], scheduler=restored[3], grad_scaler=restored[4])
-    assert restored[4].state_dict() == scaler.state_dict()
+    restore_state(tmp_path / POINTER_NAME, {}, restored)
+    assert restored.scaler.state_dict() == scaler.state_dict()
     for run in (original, restored):
-        step(run[0], run[1], run[2], run[4], overflow=False)  # completes the growth interval: the scale doubles
-    assert restored[4].get_scale() == scaler.get_scale() == 2.0 ** 10
+        step(run, overflow=False)  # completes the growth interval: the scale doubles
+    assert restored.scaler.get_scale() == scaler.get_scale() == 2.0 ** 10

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from backbones import get_model
-from tests.run_helpers import digest, run_cli
+from tests.run_helpers import digest, load_run, run_cli
 
 NETWORK = ["network=r18", "network_kwargs={'width_mult': 0.125}", "embedding_size=32"]
 TINY = (*NETWORK, "batch_size=4", "num_workers=0", "frequent=2", "verbose=4", "num_epoch=2")
@@ -46,7 +46,7 @@ def test_two_process_run_logs_verifies_and_checkpoints(two_process_run, data):
     assert log.count("]Accuracy-Flip") == 1  # step 4 was verified; the end of training does not repeat it
     assert steps_logged(result.stdout) == [2, 4]  # rank 0 also prints to stdout; no rank prints twice
 
-    checkpoint = torch.load(output / "checkpoint.pt", weights_only=True)
+    checkpoint = load_run(output)
     assert checkpoint["world_size"] == 2 and checkpoint["progress"]["global_step"] == 4
     assert tuple(checkpoint["class_centres"].shape) == (20, 32)  # the whole matrix, both shards
     assert len(checkpoint["per_rank"]) == 2
@@ -73,15 +73,15 @@ def test_two_process_run_writes_tensorboard_scalars(two_process_run):
 
 def test_resume_on_one_process_continues_at_the_saved_step_with_the_saved_lr(two_process_run, data, tmp_path):
     output = Path(shutil.copytree(two_process_run[0], tmp_path / "run"))  # the shared run stays as it was
-    saved = torch.load(output / "checkpoint.pt", weights_only=True)
+    saved = load_run(output)
     saved_lr = saved["optimizer"]["param_groups"][0]["lr"]
     # 2 ranks x 5 batches of 4 per epoch became 1 rank x 10: step 4 of 10 is step 8 of 20
     result = train(data, output, "max_steps=10", resume=True)
     assert result.returncode == 0, result.stderr[-3000:]
     log = (output / "training.log").read_text()
-    assert f"resumed from {output / 'checkpoint.pt'} at global step 8 (epoch 0), lr {saved_lr:.6f}" in log
+    assert f"resumed from {output / 'checkpoint.json'} at global step 8 (epoch 0), lr {saved_lr:.6f}" in log
     assert steps_logged(log) == [2, 4, 10]
-    resumed = torch.load(output / "checkpoint.pt", weights_only=True)
+    resumed = load_run(output)
     assert resumed["world_size"] == 1 and resumed["progress"]["global_step"] == 10
     assert tuple(resumed["class_centres"].shape) == (20, 32)
 
@@ -90,7 +90,7 @@ def test_resume_in_the_same_world_continues_exactly_where_it_stopped(data, tmp_p
     output = tmp_path / "run"
     first = train(data, output, "max_steps=3", "frequent=1", "verbose=100")
     assert first.returncode == 0, first.stderr[-3000:]
-    saved = torch.load(output / "checkpoint.pt", weights_only=True)
+    saved = load_run(output)
     assert saved["progress"]["global_step"] == 3
     second = train(data, output, "max_steps=6", "frequent=1", "verbose=100", resume=True)
     assert second.returncode == 0, second.stderr[-3000:]
@@ -98,7 +98,7 @@ def test_resume_in_the_same_world_continues_exactly_where_it_stopped(data, tmp_p
     lr = saved["optimizer"]["param_groups"][0]["lr"]
     assert f"at global step 3 (epoch 0), lr {lr:.6f}" in log
     assert steps_logged(log) == [1, 2, 3, 4, 5, 6]
-    scheduler = torch.load(output / "checkpoint.pt", weights_only=True)["scheduler"]
+    scheduler = load_run(output)["scheduler"]
     assert scheduler["last_epoch"] == 6
 
 
@@ -109,8 +109,8 @@ def test_an_existing_run_is_never_overwritten_without_resume(data, tmp_path):
     again = train(data, output, "max_steps=1")
     assert again.returncode != 0
     assert again.stderr.strip().splitlines() == [
-        f"error: output folder {output} already holds a run (backbone.pth, checkpoint.pt, model.json); pass "
-        "--resume to continue it, or choose a new folder with --set output=<folder>"]
+        f"error: output folder {output} already holds a run (backbone.pth, checkpoint-000000001, checkpoint.json); "
+        "pass --resume to continue it, or choose a new folder with --set output=<folder>"]
     assert {p.name: digest(p) for p in output.iterdir() if p.is_file()} == before
 
 

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import train
+from tests.run_helpers import load_run
 from tests.test_train import train as run_train
 from train import DEBUG_NAN_STEPS_VARIABLE
 
@@ -54,7 +55,7 @@ def test_resume_without_a_run_says_there_is_nothing_to_resume(data, tmp_path):
     result = run_train(data, tmp_path / "never_ran", resume=True)
     assert result.returncode == 1
     assert re.fullmatch(r"error: resume source .*never_ran does not exist; point resume at a run folder, a "
-                        r"checkpoint.pt or a backbone .pth file", only_line(result.stderr))
+                        r"checkpoint.json or a backbone .pth file", only_line(result.stderr))
 
 
 def test_nonfinite_losses_skip_steps_and_too_many_in_a_row_stop_the_run(data, tmp_path):
@@ -65,12 +66,12 @@ def test_nonfinite_losses_skip_steps_and_too_many_in_a_row_stop_the_run(data, tm
     assert result.returncode == 1
     assert only_line(result.stderr) == (
         f"error: stopped at global step 13: 2 non-finite losses in a row (max_nonfinite_steps=2); the last good "
-        f"checkpoint.pt in {output} is untouched (continue with --resume); lower lr, try bf16 instead of fp16, "
+        f"checkpoint.json in {output} is untouched (continue with --resume); lower lr, try bf16 instead of fp16, "
         "or check the data")
     log = (output / "training.log").read_text()
     assert "Global Step 2: non-finite loss, step skipped (1 in a row, 1 in this run)" in log
     assert "Global Step 13: non-finite loss, step skipped (2 in a row, 3 in this run)" in log
-    checkpoint = torch.load(output / "checkpoint.pt", weights_only=True)
+    checkpoint = load_run(output)
     assert checkpoint["progress"]["global_step"] == 10
     assert checkpoint["progress"]["nonfinite_total"] == 1
     assert all(torch.isfinite(v).all() for v in checkpoint["backbone"].values() if v.is_floating_point())

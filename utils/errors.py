@@ -11,7 +11,7 @@ import contextlib
 import sys
 from collections.abc import Iterator
 
-from utils.distributed import launched_rank
+from utils.distributed import broadcast_object, is_main, launched_rank
 
 
 class UserError(Exception):
@@ -61,3 +61,19 @@ def exit_on_user_error() -> Iterator[None]:
     except UserError as error:
         report(error)
         raise SystemExit(1) from None
+
+
+def agreed(decide, share: bool = True):
+    """Run `decide()` on rank 0 and raise its user error on every rank, so that no process is left
+    waiting at a collective for one that stopped. Returns the result on every rank (`share`), or
+    on rank 0 only (None elsewhere) for results that cannot travel, such as an open file."""
+    outcome, error = None, None
+    if is_main():
+        try:
+            outcome = decide()
+        except UserError as raised:
+            error = raised
+    error = broadcast_object(error)
+    if error is not None:
+        raise error
+    return broadcast_object(outcome) if share else outcome

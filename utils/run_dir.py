@@ -7,7 +7,7 @@ import os
 from pathlib import Path
 from typing import IO
 
-from utils.checkpoint import BACKBONE_NAME, CHECKPOINT_NAME, find_resume_source
+from utils.checkpoint import WEIGHTS_NAMES, find_resume_source
 from utils.errors import RunDirError
 
 LOCK_NAME = ".lock"
@@ -37,7 +37,7 @@ def _run_files(folder: Path) -> list[str]:
     entries = sorted(entry.name for entry in folder.iterdir() if entry.name != LOCK_NAME)
     # Only saved weights make a run worth guarding: one that stopped before its first save (bad input,
     # a crash) left a log and TensorBoard files, which the next start appends to without loss.
-    return entries if CHECKPOINT_NAME in entries or BACKBONE_NAME in entries else []
+    return entries if any(name in entries for name in WEIGHTS_NAMES) else []
 
 
 def lock_run_dir(output: str) -> IO:

@@ -1,0 +1,118 @@
+"""Several nodes, simulated on one machine with two torchrun launchers on 127.0.0.1: a 2 nodes x 2
+processes run is SIGKILLed mid-run and resumed as 1 node x 3 processes; a checkpoint with a shard
+missing stops every rank at once with the same one-line error instead of hanging."""
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.run_helpers import INFO, ROOT, arguments, load_run, run_cli
+from utils.training_state import POINTER_NAME
+
+OVERRIDES = ("save_every_steps=1", "num_epoch=100")  # a save after every step; never ends on its own
+pytestmark = pytest.mark.slow  # six training processes on two cores
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def start_node(node_rank: int, port: int, data: Path, output: Path) -> subprocess.Popen:
+    command = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", f"--node_rank={node_rank}",
+               "--nproc_per_node=2", "--master_addr=127.0.0.1", f"--master_port={port}", "train.py",
+               *arguments(data, output, *OVERRIDES)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+
+
+def descendants(pid: int) -> list[int]:
+    """Every process below `pid` (torchrun starts its workers in sessions of their own, out of reach of a
+    process-group kill)."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:  # the process ended meanwhile
+            continue
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+def kill_node(node: subprocess.Popen) -> None:
+    """SIGKILL a launcher and all its workers at once, as a node that loses power."""
+    for pid in [node.pid, *descendants(node.pid)]:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def published_step(output: Path) -> int:
+    try:
+        return json.loads((output / POINTER_NAME).read_text())["global_step"]
+    except (OSError, ValueError):
+        return 0
+
+
+@pytest.fixture(scope="module")
+def killed_two_node_run(data, tmp_path_factory) -> Path:
+    output = tmp_path_factory.mktemp("nodes") / "run"
+    port = free_port()
+    nodes = [start_node(rank, port, data, output) for rank in (0, 1)]
+    deadline = time.monotonic() + 240
+    while published_step(output) < 3 and time.monotonic() < deadline and all(n.poll() is None for n in nodes):
+        time.sleep(0.1)
+    for node in nodes:
+        kill_node(node)
+    errors = [node.communicate()[1].decode()[-2000:] for node in nodes]
+    assert published_step(output) >= 3, errors
+    return output
+
+
+def test_a_killed_two_node_run_resumes_on_one_node_with_three_processes(data, killed_two_node_run, tmp_path):
+    output = Path(shutil.copytree(killed_two_node_run, tmp_path / "run"))
+    saved = load_run(output)
+    assert saved["world_size"] == 4
+    step = saved["progress"]["global_step"]
+    # 40 records: 4 processes x 2 batches of 4 per epoch -> 3 processes x 3 batches; step s of 2 becomes
+    # round(s * 3 / 2) of 3
+    renumbered = round(step * 3 / 2)
+    result = run_cli(data, output, *OVERRIDES, f"max_steps={renumbered + 2}", nproc=3, resume=True)
+    assert result.returncode == 0, result.stderr[-3000:]
+    log = (output / "training.log").read_text()
+    assert (f"resuming a run of 4 process(es) and 2 steps per epoch with 3 and 3: step {step} becomes step "
+            f"{renumbered}") in log
+    resumed = load_run(output)
+    assert resumed["world_size"] == 3 and resumed["progress"]["global_step"] == renumbered + 2
+    assert tuple(resumed["class_centres"].shape) == (INFO["num_classes"], INFO["embedding_size"])
+
+
+def test_a_missing_shard_stops_every_rank_with_the_same_line(data, killed_two_node_run, tmp_path):
+    output = Path(shutil.copytree(killed_two_node_run, tmp_path / "run"))
+    folder = output / json.loads((output / POINTER_NAME).read_text())["directory"]
+    (folder / "__1_0.distcp").unlink()
+    start = time.monotonic()
+    result = run_cli(data, output, *OVERRIDES, nproc=2, resume=True)
+    assert time.monotonic() - start < 100  # no wait for a collective timeout
+    assert result.returncode != 0
+    lines = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
+    messages = sorted(re.sub(r"^error: (\[rank 1\] )?", "", line) for line in lines)
+    assert len(messages) == 2 and messages[0] == messages[1], result.stderr[-3000:]
+    assert messages[0].startswith(f"cannot read checkpoint {folder} (rank ") and "__1_0.distcp" in messages[0]
