@@ -11,6 +11,7 @@ import torch
 from torch.utils.data import Dataset
 
 from facedata.augment import SampleRandom, assemble, coins, jitter
+from facedata.dali_aug import dali_augment, draw_augments
 from facedata.errors import DataError
 from facedata.images import BadImageError, split_views
 from facedata.sources import FolderSource, RecSource, Source, SyntheticSource
@@ -28,10 +29,10 @@ class FaceDataset(Dataset):
     """
 
     def __init__(self, source: Source, num_views: int, view_source: ViewSource, num_classes: int, flip: bool,
-                 skip_bad_records: bool, seed: int) -> None:
+                 skip_bad_records: bool, seed: int, dali_aug: bool = False) -> None:
         self.source = source
         self.num_views, self.view_source, self.num_classes = num_views, view_source, num_classes
-        self.flip, self.skip_bad_records, self.seed = flip, skip_bad_records, seed
+        self.flip, self.skip_bad_records, self.seed, self.dali_aug = flip, skip_bad_records, seed, dali_aug
         self.skipped = 0
 
     def __len__(self) -> int:
@@ -72,7 +73,10 @@ class FaceDataset(Dataset):
             view = self._single_view(image, index)
             views = [jitter(view, rng) for _ in range(self.num_views)]
         flips = coins(rng, self.num_views) if self.flip else [False] * self.num_views
-        return assemble(views, flips), label
+        images = assemble(views, flips)
+        if self.dali_aug:  # drawn after the flips, so that turning it on leaves the flips as they were
+            images = dali_augment(images, draw_augments(rng, self.num_views))
+        return images, label
 
     def _checked(self, index: int) -> tuple[torch.Tensor, int]:
         image, label = self.source.load(index)
@@ -121,10 +125,12 @@ def _source_for(path: str, num_views: int, view_source: ViewSource, num_classes:
 
 
 def build_dataset(path: str, num_views: int = 1, view_source: ViewSource = "record", num_classes: int | None = None,
-                  flip: bool = True, skip_bad_records: bool = False, seed: int = 0) -> FaceDataset:
+                  flip: bool = True, skip_bad_records: bool = False, seed: int = 0, dali_aug: bool = False
+                  ) -> FaceDataset:
     """A dataset of ``num_views`` views per sample from a ``.rec`` folder, an image folder or "synthetic".
 
-    ``num_classes``, when given, must cover every label of the data (DataError otherwise).
+    ``num_classes``, when given, must cover every label of the data (DataError otherwise). ``dali_aug``
+    adds arcface_torch's DALI augmentation to every view (facedata/dali_aug.py), after the flip.
     """
     if not isinstance(num_views, int) or num_views < 1:
         raise DataError(f"num_views must be a positive integer, got {num_views!r}; set it to 1 for plain datasets")
@@ -141,4 +147,4 @@ def build_dataset(path: str, num_views: int = 1, view_source: ViewSource = "reco
         log.info("%s holds %d classes; the classifier gets num_classes=%d as configured",
                  path, source.num_classes, num_classes)
     return FaceDataset(source, num_views, view_source, source.num_classes if num_classes is None else num_classes,
-                       flip, skip_bad_records, seed)
+                       flip, skip_bad_records, seed, dali_aug)
