@@ -108,9 +108,9 @@ def rate_decode_only(payloads: list[torch.Tensor]) -> float:
     return len(payloads) / (time.perf_counter() - start)
 
 
-def measure(folder: str, views: int, batch_size: int, rounds: int) -> dict[str, float]:
+def measure(folder: str, views: int, batch_size: int, rounds: int) -> tuple[dict[str, float], dict[str, float]]:
     """Best records/s of each path over ``rounds`` interleaved passes, so that every path meets
-    the same background load."""
+    the same background load; and the least CPU time per record of the loaders without workers."""
     reader = PlainPILReader(folder, views)
     payloads = [torch.frombuffer(bytearray(reader.raw(k)[8 + 24:]), dtype=torch.uint8) for k in reader.keys[:500]]
     loaders = {}
@@ -120,16 +120,22 @@ def measure(folder: str, views: int, batch_size: int, rounds: int) -> dict[str, 
     for loader in loaders.values():
         rate_loader(loader, 0, batch_size)  # starts the workers, warms the page cache
     best: dict[str, float] = {}
+    cpu: dict[str, float] = {}  # microseconds of this process's CPU time per record, loaders without workers
     for epoch in range(1, rounds + 1):
         results = {"pil": rate_pil(reader, reader.keys), "decode": rate_decode_only(payloads)}
-        results.update({name: rate_loader(loader, epoch, batch_size) for name, loader in loaders.items()})
+        for name, loader in loaders.items():
+            start = time.process_time()
+            results[name] = rate_loader(loader, epoch, batch_size)
+            if name.startswith("loader0"):
+                used = (time.process_time() - start) * 1e6 / (len(loader) * batch_size)
+                cpu[name] = min(used, cpu.get(name, float("inf")))
         best = {name: max(rate, best.get(name, 0.0)) for name, rate in results.items()}
-    return best
+    return best, cpu
 
 
 def augment_costs(rounds: int) -> list[tuple[str, float, float]]:
-    """(operation, microseconds per view on one thread, how often upstream applies it): the best of
-    ``rounds`` passes over 64 views one at a time, as the workers apply them."""
+    """(operation, microseconds of CPU time per view on one thread, how often upstream applies it): the
+    best of ``rounds`` passes over 64 views one at a time, as the workers apply them."""
     views = torch.from_numpy(render_faces(np.arange(64), 0, seed=1)).permute(0, 3, 1, 2).contiguous()
     operations = [("low resolution (72 px)", lambda v: low_resolution(v, 72), 0.1),
                   ("Gaussian blur, window 3", lambda v: gaussian_blur(v, 3), 0.1),
@@ -140,10 +146,10 @@ def augment_costs(rounds: int) -> list[tuple[str, float, float]]:
     for name, operation, rate in operations:
         best = float("inf")
         for _ in range(rounds + 1):
-            start = time.perf_counter()
+            start = time.process_time()
             for n in range(len(views)):
                 operation(views[n:n + 1].clone())
-            best = min(best, (time.perf_counter() - start) / len(views))
+            best = min(best, (time.process_time() - start) / len(views))
         costs.append((name, best * 1e6, rate))
     return costs
 
@@ -205,12 +211,12 @@ def main() -> None:
         return
     args.records, args.batch_size = args.records or 2000, args.batch_size or 64
     torch.set_num_threads(1)
-    rows = []
+    rows, cpu_rows = [], []
     with tempfile.TemporaryDirectory() as tmp:
         for views in (1, 2):
             folder = os.path.join(tmp, f"v{views}")
             pack_bench_rec(folder, args.records // views, views)
-            best = measure(folder, views, args.batch_size, args.rounds)
+            best, cpu = measure(folder, views, args.batch_size, args.rounds)
             rows.append(("plain PIL reader (1 process)", "-", views, best["pil"], 1.0, None))
             rows.append(("decode_jpeg alone (no read)", "-", views, best["decode"], best["decode"] / best["pil"], None))
             for workers in (0, 1, 2):
@@ -220,6 +226,7 @@ def main() -> None:
                 rate = best[f"loader{workers}aug"]
                 rows.append(("pairface loader, dali_aug", str(workers), views, rate, rate / best["pil"],
                              rate / best[f"loader{workers}"]))
+            cpu_rows.append((views, cpu["loader0"], cpu["loader0aug"]))
         costs = augment_costs(args.rounds)
     print(f"data path: read + decode + slice + flip + batch, {args.records} 112x112 JPEG (q95) views per V, "
           f"batch {args.batch_size}, best of {args.rounds} interleaved rounds")
@@ -229,7 +236,11 @@ def main() -> None:
     for path, workers, views, rate, ratio, aug_ratio in rows:
         aug_column = "-" if aug_ratio is None else f"{aug_ratio:.2f}"
         print(f"{path:<30} {workers:>7} {views:>2} {rate:>10.0f} {rate * views:>9.0f} {ratio:6.2f} {aug_column:>8}")
-    print("dali_aug per view, one thread (the workers' setting):")
+    print("CPU time per record with 0 workers (everything in one process; steadier than rates on a busy machine):")
+    print(f"{'V':>2} {'no aug us':>10} {'dali_aug us':>12} {'x no aug':>8}")
+    for views, plain, augmented in cpu_rows:
+        print(f"{views:>2} {plain:>10.0f} {augmented:>12.0f} {plain / augmented:8.2f}")
+    print("dali_aug per view, CPU time on one thread (the workers' setting):")
     print(f"{'operation':<26} {'us/view':>8} {'applied':>8} {'us/view on average':>19}")
     for name, micros, rate in costs:
         print(f"{name:<26} {micros:8.0f} {rate:8.0%} {micros * rate:19.0f}")

@@ -98,6 +98,8 @@ class FaceLoader:
 
     def __init__(self, dataset: FaceDataset, batch_size: int, rank: int, world_size: int, seed: int, num_workers: int,
                  device: torch.device, drop_last: bool, decode_on_device: bool = False) -> None:
+        if decode_on_device and dataset.encoded_refusal() is not None:
+            raise ValueError(f"decode_on_device cannot be used here: {dataset.encoded_refusal()}")
         self.dataset, self.device, self.decode_on_device = dataset, device, decode_on_device
         self.order = EpochOrder(len(dataset), batch_size, rank, world_size, seed, drop_last)
         if len(self.order) == 0:
