@@ -72,8 +72,8 @@ def coins(rng: SampleRandom, count: int) -> list[bool]:
     return flips
 
 
-def assemble(views: Sequence[np.ndarray], flips: Sequence[bool]) -> torch.Tensor:
-    """(3, H, W) uint8 views of any memory layout -> one new contiguous (V, 3, H, W) tensor, view v
+def assemble(views: Sequence[np.ndarray | torch.Tensor], flips: Sequence[bool]) -> torch.Tensor:
+    """(3, H, W) uint8 CPU views of any memory layout -> one new contiguous (V, 3, H, W) tensor, view v
     mirrored horizontally where ``flips[v]``.
 
     One numpy copy does layout, flip and stacking together: decoders hand back (H, W, 3) memory,
@@ -82,12 +82,14 @@ def assemble(views: Sequence[np.ndarray], flips: Sequence[bool]) -> torch.Tensor
     """
     out = np.empty((len(views), *views[0].shape), dtype=np.uint8)
     for v, (view, flip) in enumerate(zip(views, flips)):
-        out[v] = view[:, :, ::-1] if flip else view
+        pixels = np.asarray(view)
+        out[v] = pixels[:, :, ::-1] if flip else pixels
     return torch.from_numpy(out)
 
 
-def jitter(pixels: np.ndarray, rng: SampleRandom) -> np.ndarray:
+def jitter(pixels: np.ndarray | torch.Tensor, rng: SampleRandom) -> np.ndarray:
     """One "augment" view: a random shift (edges repeated), brightness and contrast of (3, H, W) uint8."""
+    pixels = np.asarray(pixels)
     _, height, width = pixels.shape
     dy, dx = rng.below(2 * MAX_SHIFT + 1) - MAX_SHIFT, rng.below(2 * MAX_SHIFT + 1) - MAX_SHIFT
     rows = np.clip(np.arange(height) - dy, 0, height - 1)

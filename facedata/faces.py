@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import logging
 import os
+from dataclasses import replace
 from functools import partial
 from typing import Literal
 
@@ -11,8 +12,10 @@ import torch
 from torch.utils.data import Dataset
 
 from facedata.augment import SampleRandom, assemble, coins, jitter
+from facedata.dali_aug import ViewAugment, dali_augment, draw_augments
+from facedata.device_decode import Encoded
 from facedata.errors import DataError
-from facedata.images import BadImageError, split_views
+from facedata.images import BadImageError, decode, is_jpeg, split_views
 from facedata.sources import FolderSource, RecSource, Source, SyntheticSource
 
 log = logging.getLogger(__name__)
@@ -24,14 +27,15 @@ class FaceDataset(Dataset):
     """``ds[i] -> (images uint8 (V, 3, 112, 112), label int64 scalar)``.
 
     ``load(index, epoch)`` is the same with the epoch's randomness; the loader calls it so that a
-    sample's flips and view draws depend only on (seed, epoch, index).
+    sample's flips and view draws depend only on (seed, epoch, index). ``encoded(index, epoch)`` is
+    the same sample with its images left encoded, for decoding in the training process.
     """
 
     def __init__(self, source: Source, num_views: int, view_source: ViewSource, num_classes: int, flip: bool,
-                 skip_bad_records: bool, seed: int) -> None:
+                 skip_bad_records: bool, seed: int, dali_aug: bool = False) -> None:
         self.source = source
         self.num_views, self.view_source, self.num_classes = num_views, view_source, num_classes
-        self.flip, self.skip_bad_records, self.seed = flip, skip_bad_records, seed
+        self.flip, self.skip_bad_records, self.seed, self.dali_aug = flip, skip_bad_records, seed, dali_aug
         self.skipped = 0
 
     def __len__(self) -> int:
@@ -44,12 +48,41 @@ class FaceDataset(Dataset):
     def load(self, index: int, epoch: int) -> tuple[torch.Tensor, int, int]:
         """(images, label, records skipped to produce them); a bad record is replaced by the next
         sample (deterministically) when ``skip_bad_records`` is set."""
+        (images, label), skipped = self._first_good(index, epoch, self._views)
+        return images, label, skipped
+
+    def encoded(self, index: int, epoch: int) -> Encoded:
+        """``load(index, epoch)`` before decoding: the JPEG bytes and the sample's draws (see
+        facedata/device_decode.py). Other image formats are decoded here, so that a bad one is
+        skipped as ``load`` skips it; a bad JPEG is found by the decoder, which falls back to ``load``."""
+        sample, skipped = self._first_good(index, epoch, self._encoded)
+        return replace(sample, index=index, skipped=skipped)
+
+    def encoded_refusal(self) -> str | None:
+        """Why this dataset's samples cannot be handed over encoded, or None when they can."""
+        if not isinstance(self.source, (RecSource, FolderSource)):
+            return "the synthetic speed mode decodes nothing"
+        if self.view_source == "augment":
+            return "view_source='augment' jitters decoded pixels in the data workers"
+        return None
+
+    def cut(self, image: torch.Tensor, index: int) -> list[torch.Tensor]:
+        """The views sample ``index``'s decoded image holds (all V for view_source 'record', else one),
+        on the image's device; DataError naming the record when its shape does not fit."""
+        if self.view_source == "record":
+            return split_views(image, self.num_views, partial(self.source.describe, index))
+        fix = (f"view_source={self.view_source!r} takes one view per record; use view_source='record' "
+               "for records that hold several views side by side")
+        return split_views(image, 1, partial(self.source.describe, index), fix)
+
+    def _first_good(self, index: int, epoch: int, make):
+        """(``make(candidate, epoch)``, records skipped) for the first candidate from ``index`` on whose
+        image decodes; only ``index`` itself unless ``skip_bad_records``."""
         skipped = 0
         for attempt in range(len(self)):
             candidate = (index + attempt) % len(self)
             try:
-                images, label = self._views(candidate, epoch)
-                return images, label, skipped
+                return make(candidate, epoch), skipped
             except BadImageError as err:
                 if not self.skip_bad_records:
                     raise
@@ -62,25 +95,58 @@ class FaceDataset(Dataset):
 
     def _views(self, index: int, epoch: int) -> tuple[torch.Tensor, int]:
         rng = SampleRandom(self.seed, epoch, index)
-        image, label = self._checked(index)
-        if self.view_source == "record":
-            views = split_views(image, self.num_views, partial(self.source.describe, index))
-        elif self.view_source == "identity":
-            views = [self._single_view(image, index)] + [self._same_identity_view(index, label, other)
-                                                         for other in self._draw_others(index, rng)]
-        else:  # "augment"
-            view = self._single_view(image, index)
-            views = [jitter(view, rng) for _ in range(self.num_views)]
-        flips = coins(rng, self.num_views) if self.flip else [False] * self.num_views
-        return assemble(views, flips), label
-
-    def _checked(self, index: int) -> tuple[torch.Tensor, int]:
         image, label = self.source.load(index)
+        self._check_label(index, label)
+        if self.view_source == "augment":
+            view = self.cut(image, index)[0]
+            views = [jitter(view, rng) for _ in range(self.num_views)]
+        else:
+            views = self.cut(image, index)
+            for other in self._others(index, rng):
+                other_image, other_label = self.source.load(other)
+                self._check_same_identity(index, label, other, other_label)
+                views += self.cut(other_image, other)
+        flips, augments = self._finishing_draws(rng)
+        images = assemble(views, flips)
+        return (images if augments is None else dali_augment(images, augments)), label
+
+    def _encoded(self, index: int, epoch: int) -> Encoded:
+        rng = SampleRandom(self.seed, epoch, index)
+        payload, label = self.source.read(index)
+        self._check_label(index, label)
+        pieces, piece_indices = [self._piece(payload, index)], [index]
+        for other in self._others(index, rng):
+            other_payload, other_label = self.source.read(other)
+            self._check_same_identity(index, label, other, other_label)
+            pieces.append(self._piece(other_payload, other))
+            piece_indices.append(other)
+        flips, augments = self._finishing_draws(rng)
+        return Encoded(index, epoch, label, pieces, piece_indices, flips, augments)
+
+    def _piece(self, payload: bytes, index: int) -> bytes | torch.Tensor:
+        return payload if is_jpeg(payload) else decode(payload, partial(self.source.describe, index))
+
+    def _finishing_draws(self, rng: SampleRandom) -> tuple[list[bool], list[ViewAugment] | None]:
+        """The flips, then (dali_aug) the augmentations: drawn after the flips, so that turning
+        dali_aug on leaves the flips as they were."""
+        flips = coins(rng, self.num_views) if self.flip else [False] * self.num_views
+        return flips, draw_augments(rng, self.num_views) if self.dali_aug else None
+
+    def _check_label(self, index: int, label: int) -> None:
         if not 0 <= label < self.num_classes:
             raise DataError(f"{self.source.describe(index)} has label {label}, outside 0..{self.num_classes - 1} "
                             f"(num_classes={self.num_classes}); set num_classes to at least {label + 1} "
                             "or re-pack the dataset with labels 0..C-1")
-        return image, label
+
+    def _check_same_identity(self, anchor: int, anchor_label: int, index: int, label: int) -> None:
+        if label != anchor_label:
+            raise DataError(f"{self.source.describe(index)} has label {label} but sits in the identity of "
+                            f"{self.source.describe(anchor)} (label {anchor_label}); the identity table disagrees "
+                            "with the labels, re-pack the dataset with tools/pack_rec.py")
+
+    def _others(self, index: int, rng: SampleRandom) -> list[int]:
+        """The samples of the other views (view_source 'identity'), none otherwise."""
+        return self._draw_others(index, rng) if self.view_source == "identity" else []
 
     def _draw_others(self, index: int, rng: SampleRandom) -> list[int]:
         """The other views' samples: other images of the identity (the anchor itself when alone)."""
@@ -89,19 +155,6 @@ class FaceDataset(Dataset):
         if len(others) == 0:
             return [index] * (self.num_views - 1)
         return [int(others[i]) for i in rng.picks(len(others), self.num_views - 1)]
-
-    def _same_identity_view(self, anchor: int, anchor_label: int, index: int) -> np.ndarray:
-        image, label = self._checked(index)
-        if label != anchor_label:
-            raise DataError(f"{self.source.describe(index)} has label {label} but sits in the identity of "
-                            f"{self.source.describe(anchor)} (label {anchor_label}); the identity table disagrees "
-                            "with the labels, re-pack the dataset with tools/pack_rec.py")
-        return self._single_view(image, index)
-
-    def _single_view(self, image: torch.Tensor, index: int) -> np.ndarray:
-        fix = (f"view_source={self.view_source!r} takes one view per record; use view_source='record' "
-               "for records that hold several views side by side")
-        return split_views(image, 1, partial(self.source.describe, index), fix)[0]
 
 
 def _source_for(path: str, num_views: int, view_source: ViewSource, num_classes: int | None, seed: int) -> Source:
@@ -121,10 +174,12 @@ def _source_for(path: str, num_views: int, view_source: ViewSource, num_classes:
 
 
 def build_dataset(path: str, num_views: int = 1, view_source: ViewSource = "record", num_classes: int | None = None,
-                  flip: bool = True, skip_bad_records: bool = False, seed: int = 0) -> FaceDataset:
+                  flip: bool = True, skip_bad_records: bool = False, seed: int = 0, dali_aug: bool = False
+                  ) -> FaceDataset:
     """A dataset of ``num_views`` views per sample from a ``.rec`` folder, an image folder or "synthetic".
 
-    ``num_classes``, when given, must cover every label of the data (DataError otherwise).
+    ``num_classes``, when given, must cover every label of the data (DataError otherwise). ``dali_aug``
+    adds arcface_torch's DALI augmentation to every view (facedata/dali_aug.py), after the flip.
     """
     if not isinstance(num_views, int) or num_views < 1:
         raise DataError(f"num_views must be a positive integer, got {num_views!r}; set it to 1 for plain datasets")
@@ -141,4 +196,4 @@ def build_dataset(path: str, num_views: int = 1, view_source: ViewSource = "reco
         log.info("%s holds %d classes; the classifier gets num_classes=%d as configured",
                  path, source.num_classes, num_classes)
     return FaceDataset(source, num_views, view_source, source.num_classes if num_classes is None else num_classes,
-                       flip, skip_bad_records, seed)
+                       flip, skip_bad_records, seed, dali_aug)

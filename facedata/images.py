@@ -3,7 +3,6 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-import numpy as np
 import torch
 from torchvision.io import ImageReadMode, decode_image
 
@@ -28,7 +27,7 @@ def decode(payload: bytes, where: Callable[[], str]) -> torch.Tensor:
         # JPEG goes straight to the op behind torchvision's decode_jpeg (libjpeg-turbo, the decoder
         # cv2 uses too): the public wrapper adds a deprecation warning and usage logging per call,
         # a sizeable share of a 112x112 decode. decode_image sniffs everything else (PNG, WebP, GIF).
-        if payload[:2] == b"\xff\xd8":
+        if is_jpeg(payload):
             return torch.ops.image.decode_jpeg(data, ImageReadMode.RGB.value, False)
         return decode_image(data, mode=ImageReadMode.RGB)
     except RuntimeError as err:
@@ -36,9 +35,24 @@ def decode(payload: bytes, where: Callable[[], str]) -> torch.Tensor:
                             "or pass skip_bad_records=True to skip such records") from None
 
 
+def is_jpeg(payload: bytes) -> bool:
+    return payload[:2] == b"\xff\xd8"
+
+
+def decode_jpegs(payloads: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
+    """JPEG bytes (1-D uint8 CPU tensors) -> uint8 (3, H, W) RGB images on ``device``: one batched
+    nvJPEG call on a GPU, libjpeg-turbo one by one on the CPU (RuntimeError for a bad one).
+
+    What torchvision.io.decode_jpeg(payloads, device=...) does, minus its per-call deprecation warning.
+    """
+    if device.type == "cuda":
+        return torch.ops.image.decode_jpegs_cuda(payloads, ImageReadMode.RGB.value, device)
+    return [torch.ops.image.decode_jpeg(payload, ImageReadMode.RGB.value, False) for payload in payloads]
+
+
 def split_views(image: torch.Tensor, num_views: int, where: Callable[[], str], fix: str | None = None
-                ) -> list[np.ndarray]:
-    """(3, H, V*H) -> V numpy views (3, H, H), no copy: the square views a record holds side by side.
+                ) -> list[torch.Tensor]:
+    """(3, H, V*H) on any device -> V views (3, H, H), no copy: the square views a record holds side by side.
 
     ``where()`` describes the record and ``fix`` what to change when it does not hold V views.
     """
@@ -51,5 +65,4 @@ def split_views(image: torch.Tensor, num_views: int, where: Callable[[], str], f
     if height != IMAGE_SIZE:
         raise DataError(f"{where()} holds {height}x{height} views but training needs {IMAGE_SIZE}x{IMAGE_SIZE}; "
                         "re-pack with tools/pack_rec.py, which resizes or pads to 112x112")
-    pixels = image.numpy()
-    return [pixels[:, :, v * height:(v + 1) * height] for v in range(num_views)]
+    return [image[:, :, v * height:(v + 1) * height] for v in range(num_views)]

@@ -4,6 +4,9 @@ The order of an epoch is exactly ``DistributedSampler(shuffle=True, drop_last=Tr
 Each index travels to the workers together with its epoch, so a sample's randomness never depends
 on worker state. Where a run stands in the data is a function of its optimizer step alone
 (``steps(start, ...)``), so a resumed run gets the very batches the uninterrupted run got next.
+The workers decode, or (``gpu_decode``) hand over JPEG bytes that the training process decodes a
+batch at a time on the GPU (facedata/device_decode.py); either way the next batch is staged while
+the current one is in use (facedata/staging.py).
 """
 from __future__ import annotations
 
@@ -13,8 +16,10 @@ from collections.abc import Iterator
 import torch
 from torch.utils.data import DataLoader, Dataset, default_collate
 
+from facedata.device_decode import decode_batch
 from facedata.errors import DataError
 from facedata.faces import FaceDataset
+from facedata.staging import SideStream, one_ahead
 
 log = logging.getLogger(__name__)
 
@@ -47,10 +52,10 @@ class EpochOrder:
 
 
 class _EpochIndexed(Dataset):
-    """Maps ``(epoch, index)`` to ``dataset.load(index, epoch)`` inside the workers."""
+    """Maps ``(epoch, index)`` to ``dataset.load(index, epoch)`` (or ``.encoded``) inside the workers."""
 
-    def __init__(self, dataset: FaceDataset) -> None:
-        self.dataset = dataset
+    def __init__(self, dataset: FaceDataset, encoded: bool) -> None:
+        self.dataset, self.encoded = dataset, encoded
 
     def __len__(self) -> int:
         return len(self.dataset)
@@ -58,7 +63,7 @@ class _EpochIndexed(Dataset):
     def __getitem__(self, epoch_index: tuple[int, int]):
         epoch, index = epoch_index
         try:
-            return self.dataset.load(index, epoch)
+            return self.dataset.encoded(index, epoch) if self.encoded else self.dataset.load(index, epoch)
         except DataError as error:
             # Returned, not raised: a DataLoader worker re-raises its exceptions with the worker's
             # whole traceback pasted into the message, and the user is owed the one sentence.
@@ -71,6 +76,12 @@ def _collate(samples: list):
     return failed if failed is not None else default_collate(samples)
 
 
+def _collate_encoded(samples: list):
+    """The list of encoded samples, or the first DataError among them."""
+    failed = next((sample for sample in samples if isinstance(sample, DataError)), None)
+    return failed if failed is not None else samples
+
+
 def _raise_errors(batches):
     for batch in batches:
         if isinstance(batch, DataError):
@@ -79,22 +90,29 @@ def _raise_errors(batches):
 
 
 class FaceLoader:
-    """Iterates ``(images uint8 (B, V, 3, 112, 112), labels int64 (B,))`` already on ``device``."""
+    """Iterates ``(images uint8 (B, V, 3, 112, 112), labels int64 (B,))`` already on ``device``.
+
+    ``decode_on_device``: the workers hand over JPEG bytes and this process decodes each batch on
+    ``device`` (nvJPEG on a GPU); the batches are the same as with decoding in the workers.
+    """
 
     def __init__(self, dataset: FaceDataset, batch_size: int, rank: int, world_size: int, seed: int, num_workers: int,
-                 device: torch.device, drop_last: bool) -> None:
-        self.dataset, self.device = dataset, device
+                 device: torch.device, drop_last: bool, decode_on_device: bool = False) -> None:
+        if decode_on_device and dataset.encoded_refusal() is not None:
+            raise ValueError(f"decode_on_device cannot be used here: {dataset.encoded_refusal()}")
+        self.dataset, self.device, self.decode_on_device = dataset, device, decode_on_device
         self.order = EpochOrder(len(dataset), batch_size, rank, world_size, seed, drop_last)
         if len(self.order) == 0:
             raise DataError(f"the dataset's {len(dataset)} samples give rank {rank} of {world_size} no batch of "
                              f"{batch_size}; lower batch_size or use more data")
-        on_gpu = device.type == "cuda"
+        pin = device.type == "cuda" and not decode_on_device  # encoded samples go to nvJPEG from pageable memory
         # Its own generator: a DataLoader draws a worker seed each time it starts iterating, and from
         # torch's global generator that draw would shift the centre sampling and dropout of the steps
         # after every epoch start, which a run resumed at an epoch end does not replay.
-        self._loader = DataLoader(_EpochIndexed(dataset), batch_sampler=self.order, num_workers=num_workers,
-                                  collate_fn=_collate, pin_memory=on_gpu, persistent_workers=num_workers > 0,
-                                  generator=torch.Generator().manual_seed(seed))
+        collate = _collate_encoded if decode_on_device else _collate
+        self._loader = DataLoader(_EpochIndexed(dataset, encoded=decode_on_device), batch_sampler=self.order,
+                                  num_workers=num_workers, collate_fn=collate, pin_memory=pin,
+                                  persistent_workers=num_workers > 0, generator=torch.Generator().manual_seed(seed))
         self.skipped = 0
 
     def __len__(self) -> int:
@@ -110,12 +128,24 @@ class FaceLoader:
     def batches(self, epoch: int, start: int = 0) -> Iterator[Batch]:
         """The batches of ``epoch`` from batch number ``start`` on."""
         self.order.epoch, self.order.start_batch = epoch, start
-        batches = _raise_errors(self._loader)
-        if self.device.type == "cuda":
-            batches = _prefetch_to_gpu(batches, self.device)
-        for images, labels, skipped in batches:
+        for images, labels, skipped in self._staged(_raise_errors(self._loader)):
             self._note_skipped(int(skipped.sum()))
-            yield images.to(self.device), labels.to(self.device)
+            yield images, labels
+
+    def _staged(self, batches):
+        """(images, labels, skipped) on the device, each batch staged while the one before is in use."""
+        work = self._decode if self.decode_on_device else self._to_device
+        if self.device.type != "cuda":
+            return one_ahead(batches, work)
+        side = SideStream(self.device, work)
+        return map(side.hand_over, one_ahead(batches, side.stage))
+
+    def _decode(self, samples):
+        return decode_batch(samples, self.dataset, self.device)
+
+    def _to_device(self, batch):
+        images, labels, skipped = batch
+        return images.to(self.device, non_blocking=True), labels.to(self.device, non_blocking=True), skipped
 
     def steps(self, start: int, stop: int, batches_per_step: int = 1) -> Iterator[list[Batch]]:
         """The micro-batches of optimizer steps ``start`` .. ``stop - 1``, one list per step.
@@ -147,39 +177,27 @@ class FaceLoader:
         self.skipped = state["skipped"]
 
 
-def _prefetch_to_gpu(batches, device: torch.device):
-    """Copies the next batch host->device on a side stream while the current one is being used."""
-    stream = torch.cuda.Stream(device)
-
-    def stage(batch):
-        images, labels, skipped = batch
-        with torch.cuda.stream(stream):
-            moved = (images.to(device, non_blocking=True), labels.to(device, non_blocking=True))
-            ready = torch.cuda.Event()
-            ready.record(stream)
-        return moved, skipped, ready
-
-    staged = None
-    for batch in batches:
-        upcoming = stage(batch)
-        if staged is not None:
-            yield _hand_over(*staged, device)
-        staged = upcoming
-    if staged is not None:
-        yield _hand_over(*staged, device)
-
-
-def _hand_over(tensors, skipped: torch.Tensor, ready: torch.cuda.Event, device: torch.device):
-    current = torch.cuda.current_stream(device)
-    current.wait_event(ready)
-    for tensor in tensors:
-        tensor.record_stream(current)  # the allocator must not reuse this memory before compute ends
-    return (*tensors, skipped)
-
-
 def build_loader(dataset: FaceDataset, batch_size: int, *, rank: int = 0, world_size: int = 1, seed: int = 0,
-                 num_workers: int = 2, device: torch.device | str = "cpu", drop_last: bool = True) -> FaceLoader:
-    """The loader over ``dataset`` (a :class:`FaceDataset`) for this rank: ``len()`` batches per epoch."""
+                 num_workers: int = 2, device: torch.device | str = "cpu", drop_last: bool = True,
+                 gpu_decode: bool = False) -> FaceLoader:
+    """The loader over ``dataset`` (a :class:`FaceDataset`) for this rank: ``len()`` batches per epoch.
+
+    ``gpu_decode`` (arcface_torch's ``dali``): JPEG decoded on the GPU by this process, where there is a
+    GPU and the dataset's images are JPEG files; otherwise it says why once and decodes in the workers.
+    """
     if not 0 <= rank < world_size or batch_size < 1:
         raise ValueError(f"rank {rank} of world_size {world_size} with batch_size {batch_size} is not a valid setup")
-    return FaceLoader(dataset, batch_size, rank, world_size, seed, num_workers, torch.device(device), drop_last)
+    device = torch.device(device)
+    return FaceLoader(dataset, batch_size, rank, world_size, seed, num_workers, device, drop_last,
+                      decode_on_device=gpu_decode and _can_decode_on(dataset, device))
+
+
+def _can_decode_on(dataset: FaceDataset, device: torch.device) -> bool:
+    if device.type != "cuda":
+        log.warning("dali=True but no GPU: decoding JPEG on the CPU, in the data workers")
+        return False
+    refusal = dataset.encoded_refusal()
+    if refusal is not None:
+        log.warning("dali=True but %s: decoding on the CPU, in the data workers", refusal)
+        return False
+    return True

@@ -1,7 +1,7 @@
 """Where samples come from: an insightface ``.rec/.idx`` pair, an image folder, or speed-mode noise.
 
-A source numbers its samples 0..N-1 and, for each, gives the decoded image, the label, the
-samples of the same identity and a description for error messages. Identities are kept as
+A source numbers its samples 0..N-1 and, for each, gives the decoded image (or, from files, its
+encoded bytes), the label, the samples of the same identity and a description for error messages. Identities are kept as
 contiguous groups in an ordering of the samples, so "the other images of this identity" is one
 slice, without a per-sample Python list even for millions of images.
 """
@@ -109,9 +109,13 @@ class RecSource:
     def describe(self, index: int) -> str:
         return f"{self.reader.rec_path} record key {int(self.keys[index])}"
 
-    def load(self, index: int) -> tuple[torch.Tensor, int]:
+    def read(self, index: int) -> tuple[bytes, int]:
         header, payload = unpack(self.reader.read(int(self.keys[index])))
-        return decode(payload, partial(self.describe, index)), int(header_label(header))
+        return payload, int(header_label(header))
+
+    def load(self, index: int) -> tuple[torch.Tensor, int]:
+        payload, label = self.read(index)
+        return decode(payload, partial(self.describe, index)), label
 
 
 class FolderSource:
@@ -143,10 +147,13 @@ class FolderSource:
     def describe(self, index: int) -> str:
         return f"image {self.paths[index]}"
 
-    def load(self, index: int) -> tuple[torch.Tensor, int]:
+    def read(self, index: int) -> tuple[bytes, int]:
         with open(self.paths[index], "rb") as f:
-            payload = f.read()
-        return decode(payload, partial(self.describe, index)), int(self.labels[index])
+            return f.read(), int(self.labels[index])
+
+    def load(self, index: int) -> tuple[torch.Tensor, int]:
+        payload, label = self.read(index)
+        return decode(payload, partial(self.describe, index)), label
 
 
 class SyntheticSource:

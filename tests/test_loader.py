@@ -1,17 +1,22 @@
 """The loader: DistributedSampler's order, worker-independent batches, exact mid-epoch resume."""
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 from torch.utils.data import DistributedSampler
 
 from dataset import (
+    DataError,
+    FaceLoader,
     InsightfaceWriter,
     RecordReader,
     RecordWriter,
     build_dataset,
     build_loader,
     encode,
+    one_ahead,
     pack,
     render_faces,
     side_by_side,
@@ -121,6 +126,145 @@ def test_skipped_records_are_summed_over_workers(tmp_path, pair_rec):
     labels = torch.cat([labels for _, labels in loader])
     assert loader.skipped == expected > 0
     assert set(labels.tolist()).isdisjoint({k - 1 for k in bad_keys})
+
+
+def damaged_copy(pair_rec: str, folder, bad_keys: dict[int, bytes]) -> str:
+    """``pair_rec`` with the payloads of ``bad_keys`` replaced; sample i is key i + 1."""
+    reader = RecordReader(f"{pair_rec}/train.idx", f"{pair_rec}/train.rec")
+    with RecordWriter(str(folder / "train.idx"), str(folder / "train.rec")) as writer:
+        for key in reader.keys:
+            header, payload = unpack(reader.read(key))
+            writer.write(key, pack(header, bad_keys.get(key, payload)))
+    return str(folder)
+
+
+# --- handing batches over one ahead ---------------------------------------------------------------
+
+def test_one_ahead_stages_the_next_item_before_handing_over_and_raises_errors_in_place():
+    events = []
+
+    def items():
+        for i in range(4):
+            events.append(f"fetch {i}")
+            if i == 3:
+                raise DataError("record 3 is bad; fix it")
+            yield i
+
+    def stage(i):
+        events.append(f"stage {i}")
+        return i * 10
+
+    got = []
+    with pytest.raises(DataError, match="record 3"):
+        for staged in one_ahead(items(), stage):
+            events.append(f"use {staged}")
+            got.append(staged)
+    assert got == [0, 10, 20]  # every good item reaches the consumer before the error
+    assert events == ["fetch 0", "stage 0", "fetch 1", "stage 1", "use 0", "fetch 2", "stage 2", "use 10",
+                      "fetch 3", "use 20"]
+
+
+@pytest.mark.parametrize("count", [0, 1, 3])
+def test_one_ahead_hands_over_everything_in_order(count):
+    assert list(one_ahead(range(count), lambda i: -i)) == [-i for i in range(count)]
+
+
+@pytest.mark.parametrize("decode_on_device", [False, True])
+def test_a_bad_record_fails_after_the_batches_before_it(tmp_path, pair_rec, decode_on_device):
+    ds = build_dataset(pair_rec, num_views=2)
+    order = list(DistributedSampler(ds, num_replicas=1, rank=0, shuffle=True, seed=3, drop_last=True))
+    bad_batch = 4
+    bad = build_dataset(damaged_copy(pair_rec, tmp_path, {order[bad_batch * 4 + 2] + 1: b"\xff\xd8garbage"}),
+                        num_views=2)
+    loader = FaceLoader(bad, 4, 0, 1, 3, 0, torch.device("cpu"), True, decode_on_device=decode_on_device)
+    got = []
+    with pytest.raises(DataError, match=f"record key {order[bad_batch * 4 + 2] + 1} is not a decodable image"):
+        for _, labels in loader:
+            got.append(labels.tolist())
+    assert got == [order[b * 4:(b + 1) * 4] for b in range(bad_batch)]
+
+
+# --- decoding in the training process (dali=True) ---------------------------------------------------
+
+def image_folder(root, identities: int, per_identity: int) -> str:
+    """Single 112x112 faces, one sub-folder per identity, JPEG and PNG mixed."""
+    for identity in range(identities):
+        folder = root / f"id{identity}"
+        folder.mkdir(parents=True)
+        for i, face in enumerate(render_faces(identity, range(per_identity), seed=4)):
+            kind = "png" if (identity + i) % 3 == 0 else "jpeg"
+            (folder / f"{i}.{kind[:3]}").write_bytes(encode(face, kind))
+    return str(root)
+
+
+def decoded_here(ds, batch_size, seed, num_workers, steps=(0, 14)):
+    loader = FaceLoader(ds, batch_size, 0, 1, seed, num_workers, torch.device("cpu"), True, decode_on_device=True)
+    return [batch for step in loader.steps(*steps) for batch in step]
+
+
+def decoded_in_workers(ds, batch_size, seed, steps=(0, 14)):
+    return [batch for step in build_loader(ds, batch_size, seed=seed, num_workers=0).steps(*steps) for batch in step]
+
+
+@pytest.mark.parametrize("dali_aug", [False, True])
+def test_decoding_in_the_training_process_gives_the_workers_batches(pair_rec, dali_aug):
+    """The split the GPU path makes (bytes and draws in the workers, decode + views + flips + dali_aug
+    in the training process), run with the CPU decoder: the same batches, from any start."""
+    ds = build_dataset(pair_rec, num_views=2, seed=6, dali_aug=dali_aug)
+    expected = decoded_in_workers(ds, 4, seed=2)
+    assert_same_batches(decoded_here(ds, 4, seed=2, num_workers=2), expected)
+    assert_same_batches(decoded_here(ds, 4, seed=2, num_workers=0, steps=(9, 14)), expected[9:])
+
+
+def test_decoding_in_the_training_process_with_identity_views_and_png(tmp_path):
+    ds = build_dataset(image_folder(tmp_path / "faces", 6, 4), num_views=3, view_source="identity", seed=1,
+                       dali_aug=True)
+    assert_same_batches(decoded_here(ds, 4, seed=5, num_workers=1, steps=(0, 12)),
+                        decoded_in_workers(ds, 4, seed=5, steps=(0, 12)))
+
+
+def test_decoding_in_the_training_process_skips_bad_records_as_the_workers_do(tmp_path, pair_rec):
+    # Key 4: JPEG-looking garbage, found by the decoder in the training process; key 9: found in the worker.
+    ds = build_dataset(damaged_copy(pair_rec, tmp_path, {4: b"\xff\xd8garbage", 9: b""}), num_views=2,
+                       skip_bad_records=True, dali_aug=True)
+    in_workers = build_loader(ds, 4, seed=3, num_workers=0)
+    here = FaceLoader(ds, 4, 0, 1, 3, 2, torch.device("cpu"), True, decode_on_device=True)
+    assert_same_batches(collect(here, range(2)), collect(in_workers, range(2)))
+    assert here.skipped == in_workers.skipped > 0
+
+
+def test_gpu_decode_without_a_gpu_says_so_once_and_decodes_in_the_workers(pair_rec, caplog):
+    ds = build_dataset(pair_rec, num_views=2, dali_aug=True)
+    with caplog.at_level(logging.WARNING, logger="facedata.loader"):
+        loader = build_loader(ds, 4, num_workers=0, gpu_decode=True)
+        batches = collect(loader, range(1))
+    assert [r.getMessage() for r in caplog.records] == [
+        "dali=True but no GPU: decoding JPEG on the CPU, in the data workers"]
+    assert not loader.decode_on_device
+    assert_same_batches(batches, collect(build_loader(ds, 4, num_workers=0), range(1)))
+
+
+def test_datasets_that_cannot_hand_over_bytes_say_why(pair_rec):
+    assert build_dataset(pair_rec, num_views=2).encoded_refusal() is None
+    assert "synthetic" in build_dataset("synthetic", num_views=2, num_classes=10).encoded_refusal()
+    assert "augment" in build_dataset(pair_rec, num_views=1, view_source="augment").encoded_refusal()
+
+
+# --- on a GPU ---------------------------------------------------------------------------------------
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_gpu_decoded_batches_match_cpu_decoded_ones(pair_rec):
+    """nvJPEG and libjpeg-turbo round differently: the same batches within the decoders' difference."""
+    ds = build_dataset(pair_rec, num_views=2, seed=4, dali_aug=True)
+    on_cpu = collect(build_loader(ds, 4, num_workers=0), range(2))
+    loader = build_loader(ds, 4, num_workers=2, device="cuda", gpu_decode=True)
+    assert loader.decode_on_device
+    on_gpu = collect(loader, range(2))
+    for (images, labels), (want_images, want_labels) in zip(on_gpu, on_cpu):
+        assert images.is_cuda and torch.equal(labels.cpu(), want_labels)
+        difference = (images.cpu().float() - want_images.float()).abs()
+        # a wrong view, flip or augmentation would be tens of levels off on average
+        assert difference.mean() < 2.0 and (difference <= 8).float().mean() > 0.99
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
