@@ -25,7 +25,7 @@ from eval.roc import roc_points, tar_at_far
 from eval.verification import evaluate, load_bin
 from eval.verification import test as verification_test
 from tests.distributed_helpers import run_world
-from utils.errors import ConfigError
+from utils.errors import ConfigError, DataError
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures", "recordio")
 VERIFY_BIN = os.path.join(FIXTURES, "verify.bin")
@@ -181,7 +181,7 @@ class _Exploit:
 ])
 def test_load_bin_errors_name_the_file(tmp_path, make, message):
     path = make(tmp_path)
-    with pytest.raises(ValueError, match=message) as error:
+    with pytest.raises(DataError, match=message) as error:
         load_bin(path)
     assert path in str(error.value)
 
