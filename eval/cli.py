@@ -12,7 +12,6 @@ from torch import nn
 
 from backbones.trained import add_model_arguments as add_trained_model_arguments
 from backbones.trained import load_from_args
-from eval.onnx_model import OnnxBackbone
 from utils.errors import ConfigError
 
 
@@ -39,6 +38,8 @@ def build_model(args: argparse.Namespace) -> EvalModel:
     if args.onnx is not None:
         if args.network is not None or args.network_kw:
             raise ConfigError("--network and --network-kw describe PyTorch weights, not an --onnx model; drop them")
+        from eval.onnx_model import OnnxBackbone  # here: onnx and onnxruntime take a second to import
+
         return EvalModel(OnnxBackbone(args.onnx), args.onnx, args.onnx.stem)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     module, trained = load_from_args(args, device)

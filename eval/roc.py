@@ -8,7 +8,6 @@ import math
 from collections.abc import Mapping, Sequence
 
 import numpy as np
-from sklearn.metrics import auc, roc_curve
 
 
 def roc_points(scores: np.ndarray, labels: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -26,6 +25,8 @@ def roc_points(scores: np.ndarray, labels: np.ndarray) -> tuple[np.ndarray, np.n
         # sklearn would only warn and return NaN rates, which every TAR would then silently inherit.
         raise ValueError(f"an ROC needs both genuine and impostor pairs; got {num_genuine} genuine and "
                          f"{num_impostor} impostor pairs")
+    from sklearn.metrics import roc_curve  # imported here: see eval.verification._fold_splits
+
     # Every point, not sklearn's default thinning: the plot and tests see each threshold.
     return roc_curve(labels, scores, drop_intermediate=False)
 
@@ -51,6 +52,7 @@ def save_roc_plot(curves: Mapping[str, tuple[np.ndarray, np.ndarray]], path: str
     reaches, rounded down to a power of ten.
     """
     import matplotlib
+    from sklearn.metrics import auc
 
     matplotlib.use("Agg")  # files only: works without a display
     import matplotlib.pyplot as plt

@@ -25,7 +25,6 @@ from typing import TextIO
 import numpy as np
 import torch
 from PIL import Image
-from sklearn.model_selection import KFold
 from torch import nn
 
 from eval.cli import add_model_arguments, build_model, check_positive, output_prefix
@@ -120,6 +119,10 @@ def _fold_splits(num_pairs: int, nrof_folds: int) -> list[tuple[np.ndarray, np.n
     Fewer pairs than folds: one fold per pair; a single pair is its own train and test set (upstream's
     LFold for one split).
     """
+    # Imported here: scikit-learn takes a second or two to import, and every training process imports
+    # this module (through eval.callback) whether it verifies or not.
+    from sklearn.model_selection import KFold
+
     indices = np.arange(num_pairs)
     folds = min(nrof_folds, num_pairs)
     if folds < 2:

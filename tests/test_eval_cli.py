@@ -138,12 +138,12 @@ def test_verification_cli_prints_upstream_values_and_writes_scores_and_roc(run, 
                               "--batch-size", "8"]) == 0
     captured = capsys.readouterr()
     out = captured.out
-    for name, path in (("noise", noise_bin), ("verify", VERIFY_BIN), ("verify_np", VERIFY_NP_BIN)):
+    for name, path in (("noise", noise_bin), ("verify", VERIFY_BIN)):
         (original, flipped), issame = verification.load_bin(path)
         raw = [reference_embeddings(run / "backbone.pth", view) for view in (original, flipped)]
         fused = unit(raw[0] + raw[1])
         want_scores = np.sum(fused[0::2] * fused[1::2], axis=1)
-        accuracy = reference_evaluate(fused, issame)[2]
+        _, _, accuracy, val, val_std, far = reference_evaluate(fused, issame)
         xnorm = np.linalg.norm(np.concatenate(raw), axis=1).mean()
         labels = np.asarray(issame, dtype=int)
         assert printed(rf"^\[{name}\]XNorm: (\S+)$", out)[0] == pytest.approx(xnorm, rel=1e-5)
@@ -153,11 +153,15 @@ def test_verification_cli_prints_upstream_values_and_writes_scores_and_roc(run, 
             assert printed(rf"^\[{name}\]TAR@FAR={target:g}: (\S+)$", out)[0] == pytest.approx(
                 brute_force_tar(want_scores, labels, target), abs=6e-6)
         np.testing.assert_allclose(np.load(run / f"backbone_{name}_scores.npy"), want_scores, rtol=1e-4, atol=1e-5)
+        if name == "verify":  # verify_np.bin holds the same images as numpy arrays: the same lines
+            verify_lines = [line for line in out.splitlines() if line.startswith(("[verify]", "[verify_np]"))]
+            assert [line.replace("[verify_np]", "[verify]").replace("verify_np_", "verify_")
+                    for line in verify_lines if line.startswith("[verify_np]")] == [
+                line for line in verify_lines if line.startswith("[verify]")]
         if name == "noise":  # one pair per fold in the others: upstream's VAL divides by zero there
             accuracy_original = reference_evaluate(unit(raw[0]), issame)[2]
             assert printed(r"^\[noise\]Accuracy: (\S+)\+-(\S+)$", out) == pytest.approx(
                 [accuracy_original.mean(), accuracy_original.std()], abs=6e-6)
-            val, val_std, far = reference_evaluate(fused, issame)[3:]
             assert 0 < val < 1 and 0 < far < 1  # a VAL that tells a threshold walk from a wrong one
             assert printed(r"^\[noise\]Validation rate: (\S+)\+-(\S+) @ FAR=(\S+)$", out) == pytest.approx(
                 [val, val_std, far], abs=6e-6)
