@@ -52,5 +52,12 @@ def check_positive(value: int, option: str) -> None:
 
 
 def output_prefix(path: Path) -> str:
-    """Results of ``output/backbone.pth`` are written as ``output/backbone_<what>``."""
+    """Results of ``output/backbone.pth`` are written as ``output/backbone_<what>``.
+
+    Checked before any work: a released model often sits in a folder the user cannot write to.
+    """
+    folder = path.parent
+    if not os.access(folder, os.W_OK):
+        raise ConfigError(f"results go next to {path}, but folder {folder} is not writable; copy the model "
+                          "to a folder you can write to")
     return os.path.splitext(path)[0]

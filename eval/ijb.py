@@ -280,6 +280,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise ConfigError(f"--workers {args.workers} is negative; pass 0 (decode in this process) or more")
         meta = read_meta(args.root, args.target)
         model = build_model(args)
+        prefix = output_prefix(model.path)
         print(f"{args.target}: {len(meta.image_paths)} faces, {np.unique(meta.templates).size} templates, "
               f"{len(meta.labels)} pairs")
         embeddings = embed_faces(model.module, AlignedFaces(meta.image_paths, meta.landmarks), args.batch_size,
@@ -291,7 +292,6 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         method = f"{model.name}-{args.target}"
         print(format_tar_table({method: tar_table(scores, meta.labels)}))
-        prefix = output_prefix(model.path)
         scores_path = f"{prefix}_{args.target.lower()}_scores.npy"
         np.save(scores_path, scores)
         print(f"scores (cosine, one per line of {meta_path(args.root, args.target, 'template_pair_label')}): "

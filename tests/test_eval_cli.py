@@ -373,6 +373,17 @@ def test_bad_data_exits_with_one_sentence(run, tmp_path, capsys):
     assert "--workers -1 is negative" in assert_one_sentence(capsys.readouterr().err)
 
 
+def test_an_unwritable_model_folder_is_refused_before_any_work(onnx_model, monkeypatch, capsys):
+    # Tests may run as root, who can write anywhere: the folder is made read-only in os.access's eyes.
+    real_access = os.access
+    monkeypatch.setattr(os, "access", lambda path, mode: mode != os.W_OK and real_access(path, mode))
+    with pytest.raises(SystemExit):
+        verification.main(["--onnx", str(onnx_model), "--bins", VERIFY_BIN])
+    captured = capsys.readouterr()
+    assert "is not writable; copy the model" in assert_one_sentence(captured.err)
+    assert "embedding" not in captured.err  # refused before the work, not after
+
+
 def test_an_undecodable_ijb_image_is_one_sentence_even_from_a_worker(run, tmp_path, capsys):
     write_ijb(str(tmp_path / "IJBC"))
     (tmp_path / "IJBC" / "loose_crop" / "5.jpg").write_bytes(b"\xff\xd8 truncated")
