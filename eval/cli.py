@@ -27,10 +27,11 @@ class EvalModel:
 def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     """``--model PATH`` (``--weights``) with ``--network``/``--network-kw``, or ``--onnx FILE``."""
     source = parser.add_mutually_exclusive_group(required=True)
-    add_trained_model_arguments(parser, source)
+    # --onnx first: argparse shows a group as (--onnx | --model) only when its options are adjacent.
     source.add_argument("--onnx", type=Path, metavar="FILE",
-                        help="an ONNX face model instead, e.g. insightface's released ones (input: batch x 3 x 112 "
-                             "x 112 RGB in [-1, 1]); run by onnxruntime on the CPU")
+                        help="an ONNX face model instead of --model, e.g. insightface's released ones (input: "
+                             "batch x 3 x 112 x 112 RGB in [-1, 1]); run by onnxruntime on the CPU")
+    add_trained_model_arguments(parser, source)
 
 
 def build_model(args: argparse.Namespace) -> EvalModel:
