@@ -80,7 +80,7 @@ def _decode(entry, image_size: tuple[int, int]) -> np.ndarray:
     return np.array(rgb)  # a writable copy: torch refuses to wrap read-only buffers
 
 
-def load_bin(path: str, image_size: tuple[int, int] = (112, 112)) -> VerificationSet:
+def load_bin(path: str | os.PathLike, image_size: tuple[int, int] = (112, 112)) -> VerificationSet:
     """``([original, h-flipped], issame)``: uint8 tensors ``(2N, 3, H, W)`` and N booleans.
 
     Images of another size are resized to ``image_size``. Stays uint8 to keep memory at a quarter
