@@ -20,11 +20,6 @@ NETWORKS: tuple[str, ...] = (
 _VIT_OPTIONS = ("mask_ratio", "drop_path_rate", "using_checkpoint")
 
 
-class NetworkOptionError(ConfigError, TypeError):
-    """An option get_model does not know; also a TypeError, like Python's own for an unexpected
-    keyword argument, which is what callers passing user options through (eval/cli.py) catch."""
-
-
 def _check_name(name: str) -> None:
     if name not in NETWORKS:
         close = difflib.get_close_matches(name, NETWORKS, n=1)
@@ -37,7 +32,7 @@ def _check_options(name: str, options: dict, allowed: tuple[str, ...]) -> None:
     unknown = sorted(set(options) - set(allowed))
     if unknown:
         valid = ", ".join(("num_features", "dropout", "fp16", "width_mult") + allowed)
-        raise NetworkOptionError(f"get_model('{name}') got unknown option(s) {', '.join(unknown)}; "
+        raise ConfigError(f"get_model('{name}') got unknown option(s) {', '.join(unknown)}; "
                                  f"use only {valid}")
 
 

@@ -42,7 +42,8 @@ class VerificationCallback:
     def __init__(self, frequent: int, val_targets: Sequence[str], rec_prefix: str,
                  image_size: tuple[int, int] = (112, 112), batch_size: int = 64, summary_writer=None) -> None:
         if frequent < 1:
-            raise ValueError(f"the verification interval (verbose) must be at least 1 step, got {frequent}")
+            raise ConfigError(f"verbose {frequent} is not a positive number of steps; set verbose (the verification "
+                              "interval) to 1 or more")
         self.frequent = frequent
         self.batch_size = batch_size
         self.summary_writer = summary_writer

@@ -1,61 +1,64 @@
-"""What the evaluation command lines share: the model arguments, loading, output paths, error exits."""
+"""What the evaluation command lines share: which model to run (trained weights or an ONNX file),
+the option checks, and where results go."""
 from __future__ import annotations
 
 import argparse
-import ast
-import contextlib
 import os
-import sys
-from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from torch import nn
 
+from backbones.trained import add_model_arguments as add_trained_model_arguments
+from backbones.trained import load_from_args
+from utils.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class EvalModel:
+    """The network to run, the file its results are written next to, and its name in tables and plots."""
+
+    module: nn.Module
+    path: Path
+    name: str
+
 
 def add_model_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--network", required=True, help="backbone name, e.g. r50 (as in the training config)")
-    parser.add_argument("--weights", required=True, help="backbone.pth written by training; results go next to it")
-    parser.add_argument("--network-kw", nargs="*", default=[], metavar="KEY=VALUE",
-                        help="extra get_model options the weights were trained with, e.g. width_mult=0.25 "
-                             "num_features=256")
+    """``--model PATH`` (``--weights``) with ``--network``/``--network-kw``, or ``--onnx FILE``."""
+    source = parser.add_mutually_exclusive_group(required=True)
+    # --onnx first: argparse shows a group as (--onnx | --model) only when its options are adjacent.
+    source.add_argument("--onnx", type=Path, metavar="FILE",
+                        help="an ONNX face model instead of --model, e.g. insightface's released ones (input: "
+                             "batch x 3 x 112 x 112 RGB in [-1, 1]); run by onnxruntime on the CPU")
+    add_trained_model_arguments(parser, source)
 
 
-def parse_network_kw(items: Sequence[str]) -> dict[str, object]:
-    """``["width_mult=0.25", "fp16=False"]`` -> ``{"width_mult": 0.25, "fp16": False}``."""
-    options: dict[str, object] = {}
-    for item in items:
-        key, sep, text = item.partition("=")
-        if not sep or not key:
-            raise ValueError(f"--network-kw {item!r} is not KEY=VALUE; write e.g. --network-kw width_mult=0.25")
-        try:
-            options[key] = ast.literal_eval(text)
-        except (ValueError, SyntaxError):
-            options[key] = text  # a bare word such as a name
-    return options
+def build_model(args: argparse.Namespace) -> EvalModel:
+    """The model the arguments name; PyTorch weights go to the GPU when there is one."""
+    if args.onnx is not None:
+        if args.network is not None or args.network_kw:
+            raise ConfigError("--network and --network-kw describe PyTorch weights, not an --onnx model; drop them")
+        from eval.onnx_model import OnnxBackbone  # here: onnx and onnxruntime take a second to import
 
-
-def build_backbone(args: argparse.Namespace) -> nn.Module:
-    """The backbone named by ``--network`` with ``--weights`` loaded, on the GPU when there is one."""
-    from backbones import load_backbone
-
+        return EvalModel(OnnxBackbone(args.onnx), args.onnx, args.onnx.stem)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    options = parse_network_kw(args.network_kw)
-    try:
-        return load_backbone(args.network, args.weights, device, **options)
-    except TypeError as error:  # get_model's unknown-option error: the user's --network-kw
-        raise ValueError(f"--network-kw: {error}") from None
+    module, trained = load_from_args(args, device)
+    return EvalModel(module, trained.weights, trained.network)
 
 
-def output_prefix(weights: str) -> str:
-    """Results of ``output/backbone.pth`` are written as ``output/backbone_<what>``."""
-    return os.path.splitext(weights)[0]
+def check_positive(value: int, option: str) -> None:
+    if value < 1:
+        raise ConfigError(f"{option} {value} is not a positive number; pass {option} 1 or more")
 
 
-@contextlib.contextmanager
-def exit_on_user_error() -> Iterator[None]:
-    """A bad path, file or option ends the command with its one-sentence message and exit status 1."""
-    try:
-        yield
-    except (ValueError, OSError) as error:
-        print(f"error: {error}", file=sys.stderr)
-        raise SystemExit(1) from None
+def output_prefix(path: Path) -> str:
+    """Results of ``output/backbone.pth`` are written as ``output/backbone_<what>``.
+
+    Checked before any work: a released model often sits in a folder the user cannot write to.
+    """
+    folder = path.parent
+    if not os.access(folder, os.W_OK):
+        raise ConfigError(f"results go next to {path}, but folder {folder} is not writable; copy the model "
+                          "to a folder you can write to")
+    return os.path.splitext(path)[0]

@@ -3,12 +3,15 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterable, Iterator
+from typing import TextIO
 
 import numpy as np
 import torch
 from torch import nn
 
+from utils.errors import ConfigError
 from utils.image import normalize
+from utils.progress import progress
 
 
 def unwrap(backbone: nn.Module) -> nn.Module:
@@ -51,13 +54,15 @@ def embed_batches(backbone: nn.Module, batches: Iterable[torch.Tensor]) -> np.nd
     return np.concatenate(outputs).astype(np.float64)
 
 
-def embed(backbone: nn.Module, images: torch.Tensor, batch_size: int) -> np.ndarray:
+def embed(backbone: nn.Module, images: torch.Tensor, batch_size: int, stream: TextIO | None = None,
+          description: str = "embedding") -> np.ndarray:
     """Embeddings ``(N, D)`` of uint8 images ``(N, 3, H, W)``, ``batch_size`` at a time.
 
     Runs in eval mode and restores the backbone's modes. The last batch is simply shorter, so a
-    set smaller than one batch works.
+    set smaller than one batch works. ``stream``: where a command line shows the progress.
     """
     if batch_size < 1:
-        raise ValueError(f"batch_size must be at least 1, got {batch_size}")
+        raise ConfigError(f"batch size {batch_size} is not a positive number; pass a batch size of 1 or more")
+    batches = images.split(batch_size)
     with eval_mode(unwrap(backbone)) as model:
-        return embed_batches(model, images.split(batch_size))
+        return embed_batches(model, progress(batches, len(batches), description, stream))

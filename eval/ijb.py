@@ -11,9 +11,10 @@ Each face is aligned to the ArcFace template by its 5 landmarks and embedded wit
 (embeddings summed); face features are averaged within a media (a video's frames count once),
 media features summed into a template feature, and template pairs scored by cosine similarity.
 
-Command line (prints the TAR table, writes the ROC plot and the raw scores next to the weights):
+Command line (prints the TAR table, writes the ROC plot and the raw scores next to the model):
 
-    python -m eval.ijb --network r50 --weights output/backbone.pth --root IJB_release/IJBC --target IJBC
+    python -m eval.ijb --model output/run --root IJB_release/IJBC --target IJBC
+    python -m eval.ijb --onnx w600k_r50.onnx --root IJB_release/IJBB --target IJBB
 """
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ import sys
 import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import TextIO
 
 import numpy as np
 import torch
@@ -32,9 +34,11 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 from eval.alignment import align_face
-from eval.cli import add_model_arguments, build_backbone, exit_on_user_error, output_prefix
+from eval.cli import add_model_arguments, build_model, check_positive, output_prefix
 from eval.embedding import embed_batches, eval_mode, unwrap
 from eval.roc import roc_points, save_roc_plot, tar_at_far
+from utils.errors import ConfigError, DataError, exit_on_user_error
+from utils.progress import progress
 
 IJB_FARS = (1e-6, 1e-5, 1e-4, 1e-3, 1e-2, 1e-1)
 
@@ -58,8 +62,8 @@ def meta_path(root: str, target: str, kind: str) -> str:
 
 def _require_file(path: str) -> None:
     if not os.path.isfile(path):
-        raise ValueError(f"IJB meta file {path} does not exist; --root must hold meta/ and loose_crop/ and "
-                         f"--target name the protocol (IJBB or IJBC)")
+        raise DataError(f"meta file {path} does not exist; --root must hold meta/ and loose_crop/ and "
+                        f"--target name the protocol (IJBB or IJBC)")
 
 
 def _split_lines(path: str, columns: int) -> list[list[str]]:
@@ -67,10 +71,11 @@ def _split_lines(path: str, columns: int) -> list[list[str]]:
     with open(path) as f:
         rows = [line.split() for line in f if line.strip()]
     if not rows:
-        raise ValueError(f"IJB meta file {path} is empty")
+        raise DataError(f"meta file {path} is empty; restore it from the IJB release")
     for number, row in enumerate(rows, start=1):
         if len(row) != columns:
-            raise ValueError(f"{path} line {number} has {len(row)} fields, expected {columns}")
+            raise DataError(f"{path} line {number} has {len(row)} fields, expected {columns}; restore the file "
+                            "from the IJB release")
     return rows
 
 
@@ -78,7 +83,8 @@ def _numbers(path: str, rows: list[list[str]], dtype) -> np.ndarray:
     try:
         return np.asarray(rows, dtype=dtype)
     except ValueError as error:
-        raise ValueError(f"{path} holds a field that is not a number ({error})") from None
+        raise DataError(f"{path} holds a field that is not a number ({error}); restore the file from the IJB "
+                        "release") from None
 
 
 def _read_pairs(path: str) -> np.ndarray:
@@ -89,11 +95,13 @@ def _read_pairs(path: str) -> np.ndarray:
             warnings.simplefilter("ignore", UserWarning)  # numpy's "no data" warning: reported below
             rows = np.loadtxt(path, dtype=np.int64, ndmin=2)
     except ValueError as error:
-        raise ValueError(f"{path} is not lines of 'template_id template_id 1|0' ({error})") from None
+        raise DataError(f"{path} is not lines of 'template_id template_id 1|0' ({error}); restore the file from "
+                        "the IJB release") from None
     if rows.size == 0:
-        raise ValueError(f"IJB meta file {path} is empty")
+        raise DataError(f"meta file {path} is empty; restore it from the IJB release")
     if rows.shape[1] != 3:
-        raise ValueError(f"{path} has {rows.shape[1]} fields a line, expected 3 (template_id template_id 1|0)")
+        raise DataError(f"{path} has {rows.shape[1]} fields a line, expected 3 (template_id template_id 1|0); "
+                        "restore the file from the IJB release")
     return rows
 
 
@@ -105,34 +113,44 @@ def read_meta(root: str, target: str) -> IJBMeta:
     faces = _split_lines(faces_path, 12)
     ids = _split_lines(ids_path, 3)
     if len(faces) != len(ids):
-        raise ValueError(f"{faces_path} lists {len(faces)} faces but {ids_path} lists {len(ids)}; they must "
-                         f"describe the same faces line by line")
+        raise DataError(f"{faces_path} lists {len(faces)} faces but {ids_path} lists {len(ids)}; they must "
+                        f"describe the same faces line by line")
     for number, (face, face_ids) in enumerate(zip(faces, ids), start=1):
         if face[0] != face_ids[0]:
-            raise ValueError(f"line {number}: {faces_path} names {face[0]} but {ids_path} names "
-                             f"{face_ids[0]}; the files must list the faces in the same order")
+            raise DataError(f"line {number}: {faces_path} names {face[0]} but {ids_path} names "
+                            f"{face_ids[0]}; the files must list the faces in the same order")
     points = _numbers(faces_path, [row[1:] for row in faces], np.float64)
     template_media = _numbers(ids_path, [row[1:] for row in ids], np.int64)
     pair_rows = _read_pairs(pairs_path)
 
     unknown = np.setdiff1d(pair_rows[:, :2], template_media[:, 0])
     if unknown.size:
-        raise ValueError(f"{pairs_path} pairs template {unknown[0]}, which no face in {ids_path} belongs to")
-    if not np.isin(pair_rows[:, 2], (0, 1)).all():
-        raise ValueError(f"{pairs_path}: the third column must be 1 (same person) or 0 (different)")
+        raise DataError(f"{pairs_path} pairs template {unknown[0]}, which no face in {ids_path} belongs to; "
+                        "the meta files must come from one release")
+    labels = pair_rows[:, 2]
+    if not np.isin(labels, (0, 1)).all():
+        raise DataError(f"{pairs_path} has a third column other than 1 (same person) or 0 (different); "
+                        "restore the file from the IJB release")
+    if labels.all() or not labels.any():
+        raise DataError(f"{pairs_path} lists only {'genuine' if labels.all() else 'impostor'} pairs; TAR@FAR "
+                        "needs both: use the protocol's full pair list")
     crops = os.path.join(root, "loose_crop")
     image_paths = [os.path.join(crops, row[0]) for row in faces]
     missing = next((path for path in image_paths if not os.path.isfile(path)), None)
     if missing is not None:
-        raise ValueError(f"face image {missing} (listed in {faces_path}) does not exist; is --root the "
-                         f"folder holding loose_crop/?")
+        raise DataError(f"face image {missing} (listed in {faces_path}) does not exist; is --root the "
+                        f"folder holding loose_crop/?")
     return IJBMeta(image_paths=image_paths, landmarks=points[:, :10].reshape(-1, 5, 2),
                    detector_scores=points[:, 10], templates=template_media[:, 0], medias=template_media[:, 1],
                    pairs=pair_rows[:, :2], labels=pair_rows[:, 2])
 
 
 class AlignedFaces(Dataset):
-    """uint8 ``(3, 112, 112)`` aligned crops, decoded in DataLoader workers."""
+    """``(uint8 (3, 112, 112) aligned crop, problem)``, decoded in DataLoader workers.
+
+    ``problem`` is "" or the one sentence saying why the face is unusable (its crop is then black):
+    an exception raised in a worker reaches the main process wrapped in the worker's traceback text.
+    """
 
     def __init__(self, image_paths: Sequence[str], landmarks: np.ndarray) -> None:
         self.image_paths = list(image_paths)
@@ -141,23 +159,34 @@ class AlignedFaces(Dataset):
     def __len__(self) -> int:
         return len(self.image_paths)
 
-    def __getitem__(self, index: int) -> torch.Tensor:
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, str]:
         path = self.image_paths[index]
         try:
             with Image.open(path) as image:
                 rgb = np.array(image.convert("RGB"))
-        except OSError as error:
-            raise ValueError(f"face image {path} cannot be decoded ({error})") from None
-        return align_face(torch.from_numpy(rgb).permute(2, 0, 1), self.landmarks[index])
+        except (OSError, ValueError, Image.DecompressionBombError) as error:
+            return torch.zeros(3, 112, 112, dtype=torch.uint8), (
+                f"face image {path} cannot be decoded ({error}); replace it with the file from the IJB release")
+        try:
+            return align_face(torch.from_numpy(rgb).permute(2, 0, 1), self.landmarks[index]), ""
+        except ValueError as error:
+            return torch.zeros(3, 112, 112, dtype=torch.uint8), (
+                f"face image {path} cannot be aligned ({error}); fix its landmarks in the meta file")
 
 
 def embed_faces(backbone: nn.Module, faces: Dataset, batch_size: int = 128, workers: int = 0,
-                flip: bool = True) -> np.ndarray:
-    """``(faces, D)`` embeddings, each summed with its mirror image's when ``flip``."""
+                flip: bool = True, stream: TextIO | None = None) -> np.ndarray:
+    """``(faces, D)`` embeddings, each summed with its mirror image's when ``flip``.
+
+    ``stream``: where a command line shows the progress. The first unusable face raises its DataError.
+    """
     loader = DataLoader(faces, batch_size=batch_size, num_workers=workers)
     chunks = []
     with eval_mode(unwrap(backbone)) as model:
-        for batch in loader:
+        for batch, problems in progress(loader, len(loader), "embedding faces", stream):
+            problem = next((problem for problem in problems if problem), None)
+            if problem is not None:
+                raise DataError(problem)
             if flip:
                 both = embed_batches(model, [torch.cat([batch, batch.flip(3)])])
                 chunks.append(both[:len(batch)] + both[len(batch):])
@@ -246,20 +275,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     with exit_on_user_error():
+        check_positive(args.batch_size, "--batch-size")
+        if args.workers < 0:
+            raise ConfigError(f"--workers {args.workers} is negative; pass 0 (decode in this process) or more")
         meta = read_meta(args.root, args.target)
-        backbone = build_backbone(args)
+        model = build_model(args)
+        prefix = output_prefix(model.path)
         print(f"{args.target}: {len(meta.image_paths)} faces, {np.unique(meta.templates).size} templates, "
               f"{len(meta.labels)} pairs")
-        embeddings = embed_faces(backbone, AlignedFaces(meta.image_paths, meta.landmarks), args.batch_size,
-                                 args.workers, flip=not args.no_flip)
+        embeddings = embed_faces(model.module, AlignedFaces(meta.image_paths, meta.landmarks), args.batch_size,
+                                 args.workers, flip=not args.no_flip, stream=sys.stderr)
         features = face_features(embeddings, meta.detector_scores, args.normalize_faces,
                                  use_detector_score=not args.no_detector_score)
         template_ids, templates = template_features(features, meta.templates, meta.medias)
         scores = pair_scores(template_ids, templates, meta.pairs)
 
-        method = f"{args.network}-{args.target}"
+        method = f"{model.name}-{args.target}"
         print(format_tar_table({method: tar_table(scores, meta.labels)}))
-        prefix = output_prefix(args.weights)
         scores_path = f"{prefix}_{args.target.lower()}_scores.npy"
         np.save(scores_path, scores)
         print(f"scores (cosine, one per line of {meta_path(args.root, args.target, 'template_pair_label')}): "

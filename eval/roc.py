@@ -22,18 +22,13 @@ def roc_points(scores: np.ndarray, labels: np.ndarray) -> tuple[np.ndarray, np.n
     num_genuine = int(labels.sum())
     num_impostor = labels.size - num_genuine
     if num_genuine == 0 or num_impostor == 0:
+        # sklearn would only warn and return NaN rates, which every TAR would then silently inherit.
         raise ValueError(f"an ROC needs both genuine and impostor pairs; got {num_genuine} genuine and "
                          f"{num_impostor} impostor pairs")
-    order = np.argsort(-scores, kind="stable")
-    sorted_scores = scores[order]
-    genuine_accepted = np.cumsum(labels[order])
-    impostor_accepted = np.arange(1, scores.size + 1) - genuine_accepted
-    # The last pair of each run of equal scores closes one operating point.
-    last_of_run = np.r_[sorted_scores[1:] != sorted_scores[:-1], True]
-    tpr = np.r_[0.0, genuine_accepted[last_of_run] / num_genuine]
-    fpr = np.r_[0.0, impostor_accepted[last_of_run] / num_impostor]
-    thresholds = np.r_[np.inf, sorted_scores[last_of_run]]
-    return fpr, tpr, thresholds
+    from sklearn.metrics import roc_curve  # imported here: see eval.verification._fold_splits
+
+    # Every point, not sklearn's default thinning: the plot and tests see each threshold.
+    return roc_curve(labels, scores, drop_intermediate=False)
 
 
 def tar_at_far(scores: np.ndarray, labels: np.ndarray,
@@ -49,11 +44,6 @@ def tar_at_far(scores: np.ndarray, labels: np.ndarray,
     return {far: float(tpr[np.searchsorted(fpr, far, side="right") - 1]) for far in fars}
 
 
-def auc(fpr: np.ndarray, tpr: np.ndarray) -> float:
-    """Area under the ROC (trapezoids between operating points)."""
-    return float(np.sum(np.diff(fpr) * (tpr[1:] + tpr[:-1]) / 2.0))
-
-
 def save_roc_plot(curves: Mapping[str, tuple[np.ndarray, np.ndarray]], path: str, title: str,
                   min_far: float | None = None) -> None:
     """Write a PNG with one TPR-vs-FPR curve (log FPR axis) per name in ``curves``.
@@ -62,6 +52,7 @@ def save_roc_plot(curves: Mapping[str, tuple[np.ndarray, np.ndarray]], path: str
     reaches, rounded down to a power of ten.
     """
     import matplotlib
+    from sklearn.metrics import auc
 
     matplotlib.use("Agg")  # files only: works without a display
     import matplotlib.pyplot as plt
@@ -74,7 +65,7 @@ def save_roc_plot(curves: Mapping[str, tuple[np.ndarray, np.ndarray]], path: str
         # A step curve: TPR holds until the next impostor is accepted. FPR 0 has no place on a
         # log axis, so that segment starts at the axis' left end.
         ax.step(np.maximum(fpr, min_far), tpr, where="post", lw=1.5,
-                label=f"{name} (AUC = {auc(fpr, tpr) * 100:.2f}%)")
+                label=f"{name} (AUC = {float(auc(fpr, tpr)) * 100:.2f}%)")
     ax.set_xscale("log")
     ax.set_xlim(min_far, 1.0)
     ax.set_ylim(0.0, 1.05)  # headroom: a perfect curve must not hide in the frame's top edge

@@ -4,9 +4,11 @@ A ``.bin`` file is a pickle of ``(bins, issame)``: 2N encoded images (``bytes`` 
 arrays of the encoded bytes) and N booleans; pair i is images (2i, 2i+1). Accuracy is 10-fold:
 the squared-L2 threshold (0..4 step 0.01) that is best on nine folds is scored on the tenth.
 
-Command line (prints the familiar lines, writes a ROC plot and the raw scores next to the weights):
+Command line (prints the familiar lines, writes a ROC plot and the raw scores next to the model):
 
-    python -m eval.verification --network r50 --weights output/backbone.pth --bins lfw.bin cfp_fp.bin
+    python -m eval.verification --model output/run --bins lfw.bin cfp_fp.bin
+    python -m eval.verification --model backbone.pth --network r50 --bins lfw.bin
+    python -m eval.verification --onnx w600k_r50.onnx --bins lfw.bin
 """
 from __future__ import annotations
 
@@ -17,15 +19,18 @@ import os
 import pickle
 import sys
 from collections.abc import Sequence
+from pathlib import Path
+from typing import TextIO
 
 import numpy as np
 import torch
 from PIL import Image
 from torch import nn
 
-from eval.cli import add_model_arguments, build_backbone, exit_on_user_error, output_prefix
+from eval.cli import add_model_arguments, build_model, check_positive, output_prefix
 from eval.embedding import embed
 from eval.roc import roc_points, save_roc_plot, tar_at_far
+from utils.errors import ConfigError, DataError, exit_on_user_error
 
 logger = logging.getLogger(__name__)
 
@@ -75,47 +80,54 @@ def _decode(entry, image_size: tuple[int, int]) -> np.ndarray:
     return np.array(rgb)  # a writable copy: torch refuses to wrap read-only buffers
 
 
-def load_bin(path: str, image_size: tuple[int, int] = (112, 112)) -> VerificationSet:
+def load_bin(path: str | os.PathLike, image_size: tuple[int, int] = (112, 112)) -> VerificationSet:
     """``([original, h-flipped], issame)``: uint8 tensors ``(2N, 3, H, W)`` and N booleans.
 
     Images of another size are resized to ``image_size``. Stays uint8 to keep memory at a quarter
     of float32; ``test`` normalises batch by batch.
     """
+    path = os.fspath(path)
     if not os.path.isfile(path):
-        raise ValueError(f"verification set {path} does not exist; check the path (or val_targets / rec)")
+        raise DataError(f"verification set {path} does not exist; check the path (or val_targets / rec)")
+    fix = "pass a .bin as insightface ships them or tools.make_bin writes them"
     try:
         bins, issame = _read_pickle(path)
+        issame = [bool(flag) for flag in issame]
+        num_images = len(bins)
     except (pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError, ImportError) as error:
-        raise ValueError(f"{path} is not a verification .bin (a pickle of (images, issame)): {error}") from None
-    issame = [bool(flag) for flag in issame]
-    if len(bins) != 2 * len(issame):
-        raise ValueError(f"{path} holds {len(bins)} images for {len(issame)} pairs; a .bin needs exactly "
-                         f"two images per pair")
+        raise DataError(f"{path} is not a verification .bin, a pickle of (images, issame) ({error}); {fix}") from None
+    if num_images != 2 * len(issame):
+        raise DataError(f"{path} holds {num_images} images for {len(issame)} pairs; a .bin needs exactly "
+                        f"two images per pair: {fix}")
     if not issame:
-        raise ValueError(f"{path} holds no pairs")
+        raise DataError(f"{path} holds no pairs; {fix}")
     height, width = image_size
     original = torch.empty((len(bins), 3, height, width), dtype=torch.uint8)
     for index, entry in enumerate(bins):
         try:
             original[index] = torch.from_numpy(_decode(entry, image_size)).permute(2, 0, 1)
         except (OSError, ValueError, TypeError) as error:
-            raise ValueError(f"{path}: image {index} cannot be decoded ({error}); the file is damaged or "
-                             f"not an insightface .bin") from None
+            raise DataError(f"{path}: image {index} cannot be decoded ({error}); the file is damaged or "
+                            f"not an insightface .bin") from None
     logger.info("loaded %s: %d pairs", path, len(issame))
     return [original, original.flip(3)], issame
 
 
 def _fold_splits(num_pairs: int, nrof_folds: int) -> list[tuple[np.ndarray, np.ndarray]]:
-    """Contiguous folds as sklearn's unshuffled KFold makes them (first folds one larger).
+    """Upstream's folds: sklearn's unshuffled KFold (contiguous, the first folds one larger).
 
-    Fewer pairs than folds: one fold per pair; a single pair is its own train and test set.
+    Fewer pairs than folds: one fold per pair; a single pair is its own train and test set (upstream's
+    LFold for one split).
     """
+    # Imported here: scikit-learn takes a second or two to import, and every training process imports
+    # this module (through eval.callback) whether it verifies or not.
+    from sklearn.model_selection import KFold
+
     indices = np.arange(num_pairs)
     folds = min(nrof_folds, num_pairs)
     if folds < 2:
         return [(indices, indices)]
-    tests = np.array_split(indices, folds)
-    return [(np.setdiff1d(indices, test), test) for test in tests]
+    return list(KFold(n_splits=folds, shuffle=False).split(indices))
 
 
 def _accepts_below(dist: np.ndarray, thresholds: np.ndarray) -> np.ndarray:
@@ -201,15 +213,18 @@ def flip_fused(embeddings_list: Sequence[np.ndarray]) -> np.ndarray:
     return _l2_normalize(embeddings_list[0] + embeddings_list[1])
 
 
-def test(data_set: VerificationSet, backbone: nn.Module, batch_size: int, nfolds: int = 10):
+def test(data_set: VerificationSet, backbone: nn.Module, batch_size: int, nfolds: int = 10,
+         stream: TextIO | None = None, name: str = "verification set"):
     """``(acc1, std1, acc2, std2, xnorm, embeddings_list)`` of one loaded set.
 
     acc1/std1: accuracy of the original images alone (upstream leaves it 0); acc2/std2: of the
     flip-summed embeddings; xnorm: mean embedding norm over both; embeddings_list: [original, flipped].
-    The backbone runs in eval mode without autograd; its modes are restored afterwards.
+    The backbone runs in eval mode without autograd; its modes are restored afterwards. ``stream``:
+    where a command line shows the embedding progress of ``name``.
     """
     images, issame = data_set
-    embeddings_list = [embed(backbone, view, batch_size) for view in images]
+    embeddings_list = [embed(backbone, view, batch_size, stream, f"[{name}] embedding {which} images")
+                       for view, which in zip(images, ("original", "flipped"))]
     xnorm = float(np.mean(np.linalg.norm(np.concatenate(embeddings_list), axis=1)))
     accuracy1 = evaluate(_l2_normalize(embeddings_list[0]), issame, nfolds)[2]
     accuracy2 = evaluate(flip_fused(embeddings_list), issame, nfolds)[2]
@@ -222,30 +237,47 @@ def pair_scores(fused: np.ndarray) -> np.ndarray:
     return np.sum(fused[0::2] * fused[1::2], axis=1)
 
 
-def _set_name(path: str) -> str:
-    return os.path.splitext(os.path.basename(path))[0]
+def _set_names(paths: Sequence[Path]) -> list[str]:
+    """``lfw`` for ``data/lfw.bin``: the name in the printed lines and in the result files."""
+    names = [path.stem for path in paths]
+    for index, name in enumerate(names):
+        if name in names[:index]:
+            raise ConfigError(f"--bins lists two sets named {name} ({paths[names.index(name)]} and {paths[index]}); "
+                              "their results would overwrite each other: rename one file")
+    return names
+
+
+def _labels(path: Path, issame: Sequence[bool]) -> np.ndarray:
+    labels = np.asarray(issame, dtype=bool)
+    if labels.all() or not labels.any():
+        raise DataError(f"{path} holds only {'genuine' if labels.all() else 'impostor'} pairs; TAR@FAR and the ROC "
+                        "need both: use a set with same-person and different-person pairs")
+    return labels
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     add_model_arguments(parser)
-    parser.add_argument("--bins", nargs="+", required=True, help=".bin verification sets to evaluate")
+    parser.add_argument("--bins", nargs="+", required=True, type=Path, help=".bin verification sets to evaluate")
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--nfolds", type=int, default=10)
     args = parser.parse_args(argv)
 
     with exit_on_user_error():
-        backbone = build_backbone(args)
-        prefix = output_prefix(args.weights)
+        check_positive(args.batch_size, "--batch-size")
+        check_positive(args.nfolds, "--nfolds")
+        names = _set_names(args.bins)
+        model = build_model(args)
+        prefix = output_prefix(model.path)
         curves = {}
-        for path in args.bins:
-            name = _set_name(path)
+        for path, name in zip(args.bins, names):
             data_set = load_bin(path)
-            acc1, std1, acc2, std2, xnorm, embeddings_list = test(data_set, backbone, args.batch_size, args.nfolds)
+            labels = _labels(path, data_set[1])
+            acc1, std1, acc2, std2, xnorm, embeddings_list = test(data_set, model.module, args.batch_size, args.nfolds,
+                                                                  sys.stderr, name)
             fused = flip_fused(embeddings_list)
             val, val_std, far = evaluate(fused, data_set[1], args.nfolds)[3:]
             scores = pair_scores(fused)
-            labels = np.asarray(data_set[1])
             print(f"[{name}]XNorm: {xnorm:f}")
             print(f"[{name}]Accuracy: {acc1:1.5f}+-{std1:1.5f}")
             print(f"[{name}]Accuracy-Flip: {acc2:1.5f}+-{std2:1.5f}")
@@ -258,7 +290,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             fpr, tpr, _ = roc_points(scores, labels)
             curves[name] = (fpr, tpr)
         plot_path = f"{prefix}_verification_roc.png"
-        save_roc_plot(curves, plot_path, title=f"ROC of {os.path.basename(args.weights)}")
+        save_roc_plot(curves, plot_path, title=f"ROC of {model.path.name}")
         print(f"ROC plot: {plot_path}")
     return 0
 

@@ -1,10 +1,12 @@
-"""Weights loading, ONNX export (checked by onnxruntime) and the single-image inference CLI.
+"""Weights loading (a run folder or a .pth), ONNX export (checked by onnxruntime) and the single-image
+inference CLI.
 
 References: onnxruntime running the exported graph, PIL decoding the images the test wrote, and
 embeddings computed in the test from a model loaded with plain ``load_state_dict``.
 """
 from __future__ import annotations
 
+import json
 import logging
 import re
 import subprocess
@@ -21,12 +23,13 @@ from PIL import Image
 from torch import nn
 
 from backbones import FaceImageError, WeightsError, get_model, load_backbone, read_face_image
+from backbones.trained import TrainedModel, load_trained, resolve_model
 from tools import export_onnx, inference
+from utils.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parent.parent
+R18 = ["--network", "r18", "--network-kw", "width_mult=0.25"]
 torch.set_num_threads(1)
-
-
 
 
 def trained_like(name: str, width_mult: float, seed: int = 0) -> nn.Module:
@@ -52,6 +55,16 @@ def r18_weights(tmp_path_factory) -> tuple[Path, nn.Module]:
     path = tmp_path_factory.mktemp("weights") / "backbone.pth"
     torch.save(model.state_dict(), path)
     return path, model
+
+
+@pytest.fixture(scope="module")
+def r18_run(r18_weights, tmp_path_factory) -> Path:
+    """The same weights in a run folder as train.py writes it (backbone.pth + model.json)."""
+    folder = tmp_path_factory.mktemp("run")
+    (folder / "backbone.pth").write_bytes(r18_weights[0].read_bytes())
+    (folder / "model.json").write_text(json.dumps({"network": "r18", "network_kwargs": {"width_mult": 0.25},
+                                                   "embedding_size": 512, "num_classes": 10}))
+    return folder
 
 
 def write_face(path: Path, size: tuple[int, int], seed: int, mode: str = "RGB") -> Path:
@@ -106,6 +119,38 @@ def test_weights_of_another_width_name_the_mismatch_and_the_right_width(r18_weig
     assert "fits network r18, width_mult=0.25, num_features=512" in message
 
 
+def test_a_run_folder_or_a_pth_beside_model_json_names_its_network(r18_weights, r18_run):
+    path, model = r18_weights
+    want = TrainedModel(r18_run / "backbone.pth", "r18", {"width_mult": 0.25, "num_features": 512})
+    assert resolve_model(r18_run) == resolve_model(r18_run / "backbone.pth") == want
+    # Options the run folder already states may be repeated; the network may be named again.
+    assert resolve_model(r18_run, "r18", {"width_mult": 0.25}) == want
+    loaded, described = load_trained(r18_run)
+    assert described == want and not loaded.training
+    assert described.describe() == f"r18 (width_mult=0.25, num_features=512) from {r18_run / 'backbone.pth'}"
+    assert all(torch.equal(loaded.state_dict()[k], v) for k, v in model.state_dict().items())
+    assert resolve_model(path, "r18", {"width_mult": 0.25}) == TrainedModel(path, "r18", {"width_mult": 0.25})
+
+
+def test_a_model_path_that_names_no_model_is_one_sentence(r18_weights, r18_run, tmp_path):
+    path, _ = r18_weights
+    with pytest.raises(ConfigError, match=r"bare backbone without a model.json .*it fits network r18, width_mult=0.25"):
+        resolve_model(path)
+    with pytest.raises(WeightsError, match="holds no backbone.pth; pass a run folder"):
+        resolve_model(tmp_path)
+    with pytest.raises(WeightsError, match="absent does not exist"):
+        resolve_model(tmp_path / "absent")
+    with pytest.raises(ConfigError, match="--network r50 contradicts .*model.json, which says r18"):
+        resolve_model(r18_run, "r50")
+    (tmp_path / "backbone.pth").write_bytes(path.read_bytes())
+    (tmp_path / "model.json").write_text("{not json")
+    with pytest.raises(WeightsError, match="model.json cannot be read as JSON"):
+        resolve_model(tmp_path)
+    (tmp_path / "model.json").write_text('{"lr": 0.1}')
+    with pytest.raises(WeightsError, match="model.json does not name a network"):
+        resolve_model(tmp_path)
+
+
 def test_weights_of_another_network_name_the_network_they_fit(r18_weights, tmp_path):
     path, _ = r18_weights
     with pytest.raises(WeightsError, match=r"missing keys \(layer1\.2\..*fits network r18, width_mult=0.25"):
@@ -134,14 +179,13 @@ def check_onnx_against_pytorch(path: Path, model: nn.Module) -> None:
         np.testing.assert_allclose(exported, reference, rtol=0, atol=1e-4)
 
 
-def test_export_cli_writes_a_checked_onnx_model_of_a_small_r18(r18_weights, tmp_path, capsys):
-    path, model = r18_weights
-    output = tmp_path / "r18.onnx"
-    assert export_onnx.main(["--network", "r18", "--weights", str(path), "--width-mult", "0.25",
-                             "--output", str(output)]) == 0
-    reported = float(re.search(r"max abs difference (\S+)", capsys.readouterr().out).group(1))
-    assert reported < 1e-4
-    check_onnx_against_pytorch(output, model)
+def test_export_cli_given_a_run_folder_writes_a_checked_model_onnx_into_it(r18_weights, r18_run, capsys):
+    _, model = r18_weights
+    assert export_onnx.main(["--model", str(r18_run)]) == 0
+    out = capsys.readouterr().out
+    assert f"wrote {r18_run / 'model.onnx'} from r18 (width_mult=0.25" in out
+    assert float(re.search(r"max abs difference (\S+)", out).group(1)) < 1e-4
+    check_onnx_against_pytorch(r18_run / "model.onnx", model)
 
 
 def test_export_of_mbf_matches_pytorch_in_onnxruntime(tmp_path):
@@ -150,19 +194,31 @@ def test_export_of_mbf_matches_pytorch_in_onnxruntime(tmp_path):
     check_onnx_against_pytorch(tmp_path / "mbf.onnx", model)
 
 
+def exits_with(capsys, main, argv) -> str:
+    """``main(argv)`` ends with status 1 and one ``error: ...`` line; returns that line."""
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 1 and err.startswith("error: ") and err.count("\n") == 1, err
+    return err
+
+
 def test_export_cli_refuses_to_overwrite_and_explains_bad_weights(r18_weights, tmp_path, capsys):
     path, _ = r18_weights
     existing = tmp_path / "model.onnx"
     existing.write_bytes(b"keep me")
-    assert export_onnx.main(["--network", "r18", "--weights", str(path), "--output", str(existing)]) == 1
-    assert "--force" in capsys.readouterr().err and existing.read_bytes() == b"keep me"
-    assert export_onnx.main(["--network", "r34", "--weights", str(path), "--output", str(tmp_path / "x.onnx")]) == 1
-    assert "fits network r18, width_mult=0.25" in capsys.readouterr().err
+    err = exits_with(capsys, export_onnx.main, ["--weights", str(path), *R18, "--output", str(existing)])
+    assert "already exists; pass --force" in err and existing.read_bytes() == b"keep me"
+    err = exits_with(capsys, export_onnx.main, ["--model", str(path), "--network", "r34", "--output",
+                                                str(tmp_path / "x.onnx")])
+    assert "fits network r18, width_mult=0.25" in err
+    err = exits_with(capsys, export_onnx.main, ["--model", str(path), *R18, "--output", str(tmp_path / "no" / "x")])
+    assert "is in a folder that does not exist" in err
 
 
 def test_export_script_reports_a_missing_weights_file_without_a_traceback(tmp_path):
     run = subprocess.run(
-        [sys.executable, "-m", "tools.export_onnx", "--network", "r18", "--weights", str(tmp_path / "none.pth")],
+        [sys.executable, "-m", "tools.export_onnx", "--network", "r18", "--model", str(tmp_path / "none.pth")],
         capture_output=True, text=True, timeout=120, cwd=ROOT,
     )
     assert run.returncode == 1
@@ -220,22 +276,20 @@ def test_inference_cli_saves_one_unit_embedding(r18_weights, tmp_path, capsys):
     path, _ = r18_weights
     face = write_face(tmp_path / "a.jpg", (112, 112), seed=4)
     saved = tmp_path / "a.npy"
-    assert inference.main(["--network", "r18", "--weights", str(path), "--width-mult", "0.25",
-                                str(face), "--save", str(saved)]) == 0
+    assert inference.main([str(face), "--weights", str(path), *R18, "--save", str(saved)]) == 0
     embedding = np.load(saved)
     assert embedding.shape == (512,) and embedding.dtype == np.float32
     np.testing.assert_allclose(embedding, reference_embeddings(path, face)[0], atol=1e-5)
-    assert inference.main(["--network", "r18", "--weights", str(path), "--width-mult", "0.25",
-                                str(face)]) == 0
+    assert inference.main([str(face), "--weights", str(path), *R18]) == 0
     printed = np.array(re.findall(r"-?\d+\.\d+", capsys.readouterr().out.split("\n", 1)[1]), dtype=np.float64)
     assert printed.shape == (512,) and abs(np.linalg.norm(printed) - 1) < 1e-3
 
 
-def test_inference_cli_prints_the_cosine_similarity_of_two_faces(r18_weights, tmp_path, capsys):
+def test_inference_cli_prints_the_cosine_similarity_of_two_faces(r18_weights, r18_run, tmp_path, capsys):
     path, _ = r18_weights
     a = write_face(tmp_path / "a.jpg", (112, 112), seed=5)
     b = write_face(tmp_path / "b.png", (112, 112), seed=6)
-    args = ["--network", "r18", "--weights", str(path), "--width-mult", "0.25"]
+    args = ["--model", str(r18_run)]
     assert inference.main(args + [str(a), str(b)]) == 0
     printed = float(re.search(r"cosine similarity: (\S+)", capsys.readouterr().out).group(1))
     expected = reference_embeddings(path, a, b)
@@ -247,9 +301,9 @@ def test_inference_cli_prints_the_cosine_similarity_of_two_faces(r18_weights, tm
 def test_inference_cli_turns_user_errors_into_one_line(r18_weights, tmp_path, capsys):
     path, _ = r18_weights
     pair = write_face(tmp_path / "pair.jpg", (224, 112), seed=7)
-    assert inference.main(["--network", "r18", "--weights", str(path), "--width-mult", "0.25", str(pair)]) == 1
-    err = capsys.readouterr().err
-    assert err.startswith("error: ") and "not square" in err and "Traceback" not in err
+    assert "not square" in exits_with(capsys, inference.main, [str(pair), "--weights", str(path), *R18])
     face = write_face(tmp_path / "a.jpg", (112, 112), seed=8)
-    assert inference.main(["--network", "vit_t", "--weights", str(path), str(face)]) == 1
-    assert "fits network r18, width_mult=0.25" in capsys.readouterr().err
+    err = exits_with(capsys, inference.main, ["--network", "vit_t", "--weights", str(path), str(face)])
+    assert "fits network r18, width_mult=0.25" in err
+    err = exits_with(capsys, inference.main, [str(face), str(face), str(face), "--weights", str(path), *R18])
+    assert "3 images given; give one image" in err

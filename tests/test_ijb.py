@@ -24,6 +24,7 @@ from eval.ijb import (
     template_features,
 )
 from tests.test_verification import TinyNet
+from utils.errors import DataError
 
 torch.set_num_threads(1)
 
@@ -224,12 +225,28 @@ def test_miniature_ijb_end_to_end(tmp_path):
     (lambda root: open(os.path.join(root, "meta", "ijbc_template_pair_label.txt"), "w").close(), "is empty"),
     (lambda root: open(os.path.join(root, "meta", "ijbc_template_pair_label.txt"), "a").write("1 2 1 7\n"),
      "template_pair_label.txt is not lines of"),
+    (lambda root: open(os.path.join(root, "meta", "ijbc_template_pair_label.txt"), "w").write("1 2 1\n5 8 1\n"),
+     "lists only genuine pairs; TAR@FAR needs both"),
+    (lambda root: open(os.path.join(root, "meta", "ijbc_template_pair_label.txt"), "a").write("1 2 3\n"),
+     "third column other than 1 .* or 0"),
 ])
 def test_read_meta_errors_name_the_file_and_line(tmp_path, damage, message):
     write_ijb(str(tmp_path))
     damage(str(tmp_path))
-    with pytest.raises(ValueError, match=message):
+    with pytest.raises(DataError, match=message):
         read_meta(str(tmp_path), "IJBC")
+
+
+def test_a_face_that_cannot_be_aligned_or_decoded_is_a_data_error_naming_it(tmp_path):
+    write_ijb(str(tmp_path))
+    meta = read_meta(str(tmp_path), "IJBC")
+    landmarks = meta.landmarks.copy()
+    landmarks[2] = 50.0  # all five landmarks on one point
+    with pytest.raises(DataError, match=r"face image .*3\.jpg cannot be aligned .*one point.*; fix its landmarks"):
+        embed_faces(TinyNet().eval(), AlignedFaces(meta.image_paths, landmarks), batch_size=4)
+    open(meta.image_paths[6], "wb").write(b"GIF89a broken")
+    with pytest.raises(DataError, match=r"face image .*7\.jpg cannot be decoded"):
+        embed_faces(TinyNet().eval(), AlignedFaces(meta.image_paths, meta.landmarks), batch_size=4)
 
 
 def test_read_meta_requires_both_files_to_list_faces_in_the_same_order(tmp_path):
@@ -238,5 +255,5 @@ def test_read_meta_requires_both_files_to_list_faces_in_the_same_order(tmp_path)
     lines = open(path).read().splitlines()
     lines[0], lines[1] = lines[1], lines[0]
     open(path, "w").write("\n".join(lines) + "\n")
-    with pytest.raises(ValueError, match="line 1: .* names 1.jpg but .* names 2.jpg"):
+    with pytest.raises(DataError, match="line 1: .* names 1.jpg but .* names 2.jpg"):
         read_meta(str(tmp_path), "IJBC")

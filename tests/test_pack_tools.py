@@ -1,7 +1,6 @@
 """tools/pack_rec.py and tools/make_synthetic.py, run end to end and read back."""
 from __future__ import annotations
 
-import importlib.util
 import os
 import pickle
 
@@ -12,19 +11,7 @@ from PIL import Image
 from torchvision.io import decode_jpeg
 
 from dataset import RecordReader, build_dataset, unpack
-
-TOOLS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools")
-
-
-def load_tool(name: str):
-    spec = importlib.util.spec_from_file_location(name, os.path.join(TOOLS, f"{name}.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-pack_rec = load_tool("pack_rec")
-make_synthetic = load_tool("make_synthetic")
+from tools import make_synthetic, pack_rec
 
 # (size, PIL mode, file suffix) per image: mixed sizes, grayscale, alpha and palette images.
 IMAGE_KINDS = [((130, 150), "RGB", ".jpg"), ((80, 60), "L", ".png"), ((112, 112), "RGBA", ".png"),
@@ -131,24 +118,44 @@ def test_pack_leaves_out_identities_with_too_few_images(faces, tmp_path, capsys)
     assert build_dataset(str(tmp_path), num_views=4).num_classes == 2
 
 
+def exits_with(capsys, main, argv) -> str:
+    """``main(argv)`` ends with status 1 and one ``error: ...`` line (no traceback); returns it."""
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    err = capsys.readouterr().err
+    errors = [line for line in err.splitlines() if line.startswith("error: ")]
+    assert exit_info.value.code == 1 and len(errors) == 1 and "Traceback" not in err, err
+    return errors[0]
+
+
 def test_pack_refuses_bad_images_and_existing_output(faces, tmp_path, capsys):
     broken = tmp_path / "broken"
     (broken / "x").mkdir(parents=True)
     Image.new("RGB", (100, 100)).save(broken / "x" / "fine.png")
     (broken / "x" / "zz_bad.jpg").write_bytes(b"\xff\xd8 truncated")
     out = tmp_path / "out"
-    assert pack_rec.main([str(broken), str(out), "--workers", "1"]) == 1
-    message = capsys.readouterr().err
-    assert message.startswith("error: cannot read image ") and "zz_bad.jpg" in message and "Traceback" not in message
+    message = exits_with(capsys, pack_rec.main, [str(broken), str(out), "--workers", "1"])
+    assert message.startswith("error: cannot read image ") and "zz_bad.jpg" in message
     assert not (out / "train.rec").exists() and not (out / "train.idx").exists()  # nothing half-written
 
     assert pack_rec.main([str(faces), str(out), "--workers", "1"]) == 0
-    assert pack_rec.main([str(faces), str(out), "--workers", "1"]) == 1
-    assert "already holds train.rec, train.idx; choose another --output or pass --overwrite" in capsys.readouterr().err
-    assert pack_rec.main([str(tmp_path / "missing"), str(tmp_path / "o2")]) == 1
+    assert "already holds train.rec, train.idx; choose another --output or pass --overwrite" in exits_with(
+        capsys, pack_rec.main, [str(faces), str(out), "--workers", "1"])
+    assert pack_rec.main([str(faces), str(out), "--workers", "1", "--force"]) == 0
+    assert "missing does not exist" in exits_with(capsys, pack_rec.main, [str(tmp_path / "missing"),
+                                                                          str(tmp_path / "o2")])
+    assert "--views 0 is not a positive number" in exits_with(capsys, pack_rec.main, [str(faces), str(tmp_path),
+                                                                                      "--views", "0"])
 
 
-def test_make_synthetic_writes_train_rec_and_val_bin(tmp_path):
+def test_pack_shows_its_progress_on_stderr(faces, tmp_path, capsys):
+    assert pack_rec.main([str(faces), str(tmp_path), "--workers", "1"]) == 0
+    lines = capsys.readouterr().err.splitlines()
+    # 4 identities: a line at each of 25, 50, 75 and 100%, rounded down to its tenth.
+    assert [line.split(" (")[0] for line in lines] == [f"packing identities: {p}%" for p in (20, 50, 70, 100)]
+
+
+def test_make_synthetic_writes_train_rec_and_val_bin(tmp_path, capsys):
     args = ["--output", str(tmp_path), "--identities", "12", "--images-per-identity", "5", "--views", "2",
             "--val-identities", "6", "--val-pairs", "20", "--workers", "1", "--seed", "3"]
     assert make_synthetic.main(args) == 0
@@ -160,4 +167,6 @@ def test_make_synthetic_writes_train_rec_and_val_bin(tmp_path):
     assert len(bins) == 40 and len(issame) == 20 and sum(issame) == 10
     assert all(isinstance(b, bytes) and b[:2] == b"\xff\xd8" for b in bins)
     assert decode_jpeg(torch.frombuffer(bytearray(bins[0]), dtype=torch.uint8)).shape == (3, 112, 112)
-    assert make_synthetic.main(args) == 1  # never overwrites silently
+    # Never overwrites silently.
+    assert "already holds" in exits_with(capsys, make_synthetic.main, args)
+    assert "--val-pairs 3" in exits_with(capsys, make_synthetic.main, [*args, "--val-pairs", "3"])

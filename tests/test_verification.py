@@ -25,7 +25,7 @@ from eval.roc import roc_points, tar_at_far
 from eval.verification import evaluate, load_bin
 from eval.verification import test as verification_test
 from tests.distributed_helpers import run_world
-from utils.errors import ConfigError
+from utils.errors import ConfigError, DataError
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures", "recordio")
 VERIFY_BIN = os.path.join(FIXTURES, "verify.bin")
@@ -111,6 +111,24 @@ def test_evaluate_equals_brute_force_reference(num_pairs, noise, seed):
     assert 0.6 < got[2].mean() < 1.0  # the planted structure is found, imperfectly
 
 
+def test_val_threshold_is_interpolated_between_grid_points():
+    """Per fold: one impostor at squared distance 1.0007, 499 at 3.0, 10 genuine at 0.5 and 10 at 1.0003.
+
+    On the train fold FAR is 0 at threshold 1.000 and 1/500 at 1.001, so FAR 1e-3 lies half-way:
+    threshold 1.0005, which accepts the 1.0003 genuine pairs of the test fold (VAL 1, FAR 0). The
+    grid point below it (1.000) would accept only half (VAL 0.5).
+    """
+    fold = np.r_[[1.0007], np.full(499, 3.0), np.full(10, 0.5), np.full(10, 1.0003)]
+    fold_issame = [False] * 500 + [True] * 20
+    dist = np.r_[fold, fold]
+    embeddings = np.zeros((2 * dist.size, 2))
+    embeddings[1::2, 0] = np.sqrt(dist)
+    issame = fold_issame * 2
+    _, _, _, val, val_std, far = evaluate(embeddings, issame, nrof_folds=2)
+    assert (val, val_std, far) == (1.0, 0.0, 0.0)
+    assert (val, val_std, far) == pytest.approx(reference_evaluate(embeddings, issame, 2)[3:], abs=1e-12)
+
+
 def test_evaluate_is_perfect_on_separable_pairs_and_chance_on_random_ones():
     embeddings, issame = planted_pairs(400, 32, 0.0, 3)  # genuine pairs identical: distance 0
     _, _, accuracy, val, _, _ = evaluate(embeddings, issame)
@@ -181,7 +199,7 @@ class _Exploit:
 ])
 def test_load_bin_errors_name_the_file(tmp_path, make, message):
     path = make(tmp_path)
-    with pytest.raises(ValueError, match=message) as error:
+    with pytest.raises(DataError, match=message) as error:
         load_bin(path)
     assert path in str(error.value)
 

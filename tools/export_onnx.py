@@ -1,7 +1,7 @@
 """Export a trained backbone to ONNX and check the export with onnxruntime.
 
-    python -m tools.export_onnx --network r50 --weights output/backbone.pth
-    python -m tools.export_onnx --network r18 --weights backbone.pth --width-mult 0.25 --output r18.onnx
+    python -m tools.export_onnx --model output/run                      # -> output/run/model.onnx
+    python -m tools.export_onnx --model backbone.pth --network r18 --network-kw width_mult=0.25 --output r18.onnx
 
 The model takes ``data``: float32 (batch, 3, 112, 112) RGB in [-1, 1] (any batch size) and returns
 ``embedding``: float32 (batch, num_features), not yet L2-normalised (as arcface_torch's export).
@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 import warnings
 from pathlib import Path
 
@@ -20,7 +19,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from backbones import NETWORKS, load_backbone
+from backbones.trained import add_model_arguments, load_from_args
+from utils.errors import ConfigError, exit_on_user_error
 
 INPUT_NAME = "data"
 OUTPUT_NAME = "embedding"
@@ -44,8 +44,8 @@ def export_onnx(model: nn.Module, path: Path) -> None:
     os.replace(partial, path)
 
 
-def onnxruntime_difference(model: nn.Module, path: Path, batch: int, seed: int = 0) -> tuple[float, float]:
-    """(largest |onnxruntime - PyTorch|, largest |PyTorch|) over one random batch in [-1, 1]."""
+def onnxruntime_difference(model: nn.Module, path: Path, batch: int, seed: int = 0) -> tuple[float, float, int]:
+    """(largest |onnxruntime - PyTorch|, largest |PyTorch|, embedding size) over one random batch in [-1, 1]."""
     import onnxruntime
 
     images = torch.rand(batch, 3, 112, 112, generator=torch.Generator().manual_seed(seed)) * 2 - 1
@@ -53,40 +53,35 @@ def onnxruntime_difference(model: nn.Module, path: Path, batch: int, seed: int =
     exported = session.run([OUTPUT_NAME], {INPUT_NAME: images.numpy()})[0]
     with torch.no_grad():
         reference = model(images).numpy()
-    return float(np.abs(exported - reference).max()), float(np.abs(reference).max())
+    return float(np.abs(exported - reference).max()), float(np.abs(reference).max()), exported.shape[1]
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--network", required=True, choices=NETWORKS, help="backbone the weights belong to")
-    parser.add_argument("--weights", required=True, type=Path, help="backbone.pth written by training")
-    parser.add_argument("--width-mult", type=float, default=1.0, help="width the weights were trained with")
-    parser.add_argument("--num-features", type=int, default=512, help="embedding size (config embedding_size)")
-    parser.add_argument("--output", type=Path, help="ONNX file to write (default: model.onnx next to --weights)")
+    add_model_arguments(parser)
+    parser.add_argument("--output", type=Path, help="ONNX file to write (default: model.onnx next to the weights)")
     parser.add_argument("--force", action="store_true", help="overwrite --output if it exists")
     parser.add_argument("--check-batch", type=int, default=3,
                         help="random images for the onnxruntime check (not the export's batch: shows it is dynamic)")
-    args = parser.parse_args(argv)
-    if args.output and not args.output.parent.is_dir():
-        parser.error(f"--output {args.output}: folder {args.output.parent} does not exist")
-    return args
+    return parser.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    output = args.output or args.weights.parent / "model.onnx"
-    try:
+    with exit_on_user_error():
+        if args.check_batch < 1:
+            raise ConfigError(f"--check-batch {args.check_batch} is not a positive number; pass 1 or more")
+        if args.output and not args.output.parent.is_dir():
+            raise ConfigError(f"--output {args.output} is in a folder that does not exist; create "
+                              f"{args.output.parent} first or choose another path")
+        model, trained = load_from_args(args)
+        output = args.output or trained.weights.parent / "model.onnx"
         if output.exists() and not args.force:
-            raise FileExistsError(f"{output} already exists; pass --force to overwrite it or --output another path.")
-        model = load_backbone(args.network, args.weights, width_mult=args.width_mult,
-                              num_features=args.num_features)
-    except (OSError, ValueError) as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 1
-    export_onnx(model, output)
-    difference, scale = onnxruntime_difference(model, output, args.check_batch)
-    print(f"wrote {output}: input '{INPUT_NAME}' (batch, 3, 112, 112) float32 in [-1, 1], "
-          f"output '{OUTPUT_NAME}' (batch, {args.num_features})")
+            raise ConfigError(f"{output} already exists; pass --force to overwrite it or --output another path")
+        export_onnx(model, output)
+        difference, scale, embedding_size = onnxruntime_difference(model, output, args.check_batch)
+    print(f"wrote {output} from {trained.describe()}: input '{INPUT_NAME}' (batch, 3, 112, 112) float32 in [-1, 1], "
+          f"output '{OUTPUT_NAME}' (batch, {embedding_size})")
     print(f"onnxruntime vs PyTorch on {args.check_batch} random images: max abs difference "
           f"{difference:.3g} (largest output magnitude {scale:.3g})")
     return 0

@@ -1,8 +1,11 @@
 """Embed one aligned face image, or compare two.
 
-    python -m tools.inference --network r50 --weights output/backbone.pth face.jpg
-    python -m tools.inference --network r50 --weights output/backbone.pth face.jpg --save face.npy
-    python -m tools.inference --network r50 --weights output/backbone.pth a.jpg b.jpg
+    python -m tools.inference --model output/run face.jpg
+    python -m tools.inference --model output/run face.jpg --save face.npy
+    python -m tools.inference --model backbone.pth --network r50 a.jpg b.jpg
+    python -m tools.inference a.jpg --model backbone.pth --network r18 --network-kw width_mult=0.25
+
+(--network-kw takes every value up to the next option, so images go before it.)
 
 Images are aligned face crops (square; resized to 112x112 if another size), read as RGB. One image:
 its L2-normalised embedding is printed, or saved as a float32 .npy of shape (num_features,). Two
@@ -18,23 +21,25 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from backbones import NETWORKS, embed, load_backbone, read_face_image
+from backbones import embed, read_face_image
+from backbones.trained import add_model_arguments, load_from_args
+from utils.errors import ConfigError, exit_on_user_error
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("images", nargs="+", type=Path, help="one or two aligned face images")
-    parser.add_argument("--network", required=True, choices=NETWORKS, help="backbone the weights belong to")
-    parser.add_argument("--weights", required=True, type=Path, help="backbone.pth written by training")
-    parser.add_argument("--width-mult", type=float, default=1.0, help="width the weights were trained with")
-    parser.add_argument("--num-features", type=int, default=512, help="embedding size (config embedding_size)")
+    add_model_arguments(parser)
     parser.add_argument("--save", type=Path, help="write the embedding(s) to this .npy file")
-    args = parser.parse_args(argv)
+    return parser.parse_args(argv)
+
+
+def check_args(args: argparse.Namespace) -> None:
     if len(args.images) > 2:
-        parser.error(f"give one image (embedding) or two (similarity), not {len(args.images)}")
+        raise ConfigError(f"{len(args.images)} images given; give one image (embedding) or two (similarity)")
     if args.save and not args.save.parent.is_dir():
-        parser.error(f"--save {args.save}: folder {args.save.parent} does not exist")
-    return args
+        raise ConfigError(f"--save {args.save} is in a folder that does not exist; create {args.save.parent} "
+                          "first or choose another path")
 
 
 def report(embeddings: np.ndarray, save: Path | None) -> None:
@@ -53,15 +58,13 @@ def report(embeddings: np.ndarray, save: Path | None) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s: %(message)s")
-    try:
+    with exit_on_user_error():
+        check_args(args)
         images = torch.stack([read_face_image(path) for path in args.images])
-        model = load_backbone(args.network, args.weights, width_mult=args.width_mult,
-                              num_features=args.num_features)
+        model, _ = load_from_args(args)
         report(embed(model, images).numpy(), args.save)
-    except (OSError, ValueError) as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 1
     return 0
+
 
 if __name__ == "__main__":
     raise SystemExit(main())

@@ -18,7 +18,9 @@ from multiprocessing import Pool
 
 import numpy as np
 
-from dataset import DataError, InsightfaceWriter, check_output, encode, identity_records, verification_pairs
+from dataset import InsightfaceWriter, check_output, encode, identity_records, verification_pairs
+from utils.errors import ConfigError, exit_on_user_error
+from utils.progress import progress
 
 VAL_NAME = "synthetic_val.bin"
 
@@ -34,28 +36,32 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--quality", type=int, default=95, help="JPEG quality")
     parser.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="drawing processes")
-    parser.add_argument("--overwrite", action="store_true", help="replace files already in --output")
-    args = parser.parse_args(argv)
+    parser.add_argument("--overwrite", "--force", dest="overwrite", action="store_true",
+                        help="replace files already in --output")
+    return parser.parse_args(argv)
+
+
+def check_args(args: argparse.Namespace) -> None:
     if args.views < 1 or args.images_per_identity < args.views:
-        parser.error(f"--images-per-identity ({args.images_per_identity}) must be at least --views ({args.views}) "
-                     "and --views at least 1")
+        raise ConfigError(f"--views {args.views} with --images-per-identity {args.images_per_identity} cannot be "
+                          "packed; pass --views 1 or more and at least that many --images-per-identity")
     if args.identities < 1 or args.val_identities < 2 or args.val_pairs < 2 or args.val_pairs % 2:
-        parser.error("--identities must be >= 1, --val-identities >= 2 and --val-pairs an even number >= 2")
-    return args
+        raise ConfigError(f"--identities {args.identities}, --val-identities {args.val_identities} and --val-pairs "
+                          f"{args.val_pairs} make no data set; pass --identities 1 or more, --val-identities 2 or "
+                          "more and an even --val-pairs of 2 or more")
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    try:
+    with exit_on_user_error():
+        check_args(args)
         check_output(args.output, ["train.rec", "train.idx", VAL_NAME], args.overwrite)
-    except DataError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 1
     start = time.time()
     jobs = [(identity, args.images_per_identity, args.views, args.seed, args.quality)
             for identity in range(args.identities)]
     with InsightfaceWriter(args.output) as writer, Pool(max(1, args.workers)) as pool:
-        for records in pool.imap(identity_records, jobs, chunksize=8):
+        drawn = pool.imap(identity_records, jobs, chunksize=8)
+        for records in progress(drawn, len(jobs), "drawing identities", sys.stderr):
             writer.write_identity(records)
     val_identities = np.arange(args.identities, args.identities + args.val_identities)
     faces, issame = verification_pairs(val_identities, args.val_pairs, args.seed)

@@ -19,6 +19,8 @@ from functools import partial
 from multiprocessing import Pool
 
 from dataset import DataError, InsightfaceWriter, check_output, pack_identity, scan_identities
+from utils.errors import ConfigError, exit_on_user_error
+from utils.progress import progress
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -34,18 +36,18 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--format", choices=("jpeg", "png"), default="jpeg", help="record image encoding")
     parser.add_argument("--quality", type=int, default=95, help="JPEG quality")
     parser.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="encoding processes")
-    parser.add_argument("--overwrite", action="store_true", help="replace a train.rec/.idx already in output")
+    parser.add_argument("--overwrite", "--force", dest="overwrite", action="store_true",
+                        help="replace a train.rec/.idx already in output")
     parser.set_defaults(fit="resize")
-    args = parser.parse_args(argv)
-    if args.views < 1:
-        parser.error("--views must be at least 1")
-    return args
+    return parser.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     start = time.time()
-    try:
+    with exit_on_user_error():
+        if args.views < 1:
+            raise ConfigError(f"--views {args.views} is not a positive number; pass --views 1 or more")
         check_output(args.output, ["train.rec", "train.idx"], args.overwrite)
         identities = scan_identities(args.input)
         kept = [(name, paths) for name, paths in identities if len(paths) >= args.views]
@@ -56,11 +58,9 @@ def main(argv: list[str] | None = None) -> int:
         encode_one = partial(pack_identity, views=args.views, fit=args.fit, image_format=args.format,
                              quality=args.quality)
         with InsightfaceWriter(args.output) as writer, Pool(max(1, args.workers)) as pool:
-            for records in pool.imap(encode_one, [paths for _, paths in kept], chunksize=4):
+            packed = pool.imap(encode_one, [paths for _, paths in kept], chunksize=4)
+            for records in progress(packed, len(kept), "packing identities", sys.stderr):
                 writer.write_identity(records)
-    except DataError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 1
     if left_out:
         print(f"left out {len(left_out)} identities with fewer than {args.views} images: "
               f"{', '.join(left_out[:10])}{' ...' if len(left_out) > 10 else ''}")

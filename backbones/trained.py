@@ -1,0 +1,137 @@
+"""A trained model, named the one way every tool takes it: a run folder, or a ``.pth`` file.
+
+A run folder written by train.py holds ``backbone.pth`` and ``model.json`` (``network``,
+``network_kwargs``, ``embedding_size``, ``num_classes``; see ``utils.checkpoint.save_backbone``).
+Given the folder, or a ``.pth`` with a ``model.json`` beside it, nothing else is needed. A bare
+``.pth`` (e.g. from arcface_torch) needs its network and the options it was trained with:
+``--network r50 --network-kw width_mult=0.25 num_features=256``.
+
+Not exported from ``backbones/__init__``: utils.checkpoint (whose file names this module reads)
+imports ``backbones`` itself.
+"""
+from __future__ import annotations
+
+import argparse
+import ast
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from backbones.weights import load_backbone, read_state_dict, suggest_network
+from utils.checkpoint import BACKBONE_NAME, MODEL_INFO_NAME
+from utils.errors import ConfigError, WeightsError
+
+
+@dataclass(frozen=True)
+class TrainedModel:
+    """Which weights file, and the ``get_model`` call that fits it."""
+
+    weights: Path
+    network: str
+    options: dict[str, object] = field(default_factory=dict)
+
+    def describe(self) -> str:
+        """``r18 (width_mult=0.125, num_features=32) from output/backbone.pth``."""
+        options = ", ".join(f"{key}={value}" for key, value in self.options.items())
+        return f"{self.network}{f' ({options})' if options else ''} from {self.weights}"
+
+
+def parse_network_kw(items: Sequence[str]) -> dict[str, object]:
+    """``["width_mult=0.25", "fp16=False"]`` -> ``{"width_mult": 0.25, "fp16": False}``."""
+    options: dict[str, object] = {}
+    for item in items:
+        key, sep, text = item.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"--network-kw {item!r} is not KEY=VALUE; write e.g. --network-kw width_mult=0.25")
+        try:
+            options[key] = ast.literal_eval(text)
+        except (ValueError, SyntaxError):
+            options[key] = text  # a bare word such as a name
+    return options
+
+
+def _read_model_info(path: Path) -> tuple[str, dict[str, object]]:
+    """``(network, get_model options)`` from a model.json; the embedding size becomes num_features."""
+    fix = "pass the .pth file with --network NAME instead, or the run folder train.py wrote"
+    try:
+        info = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise WeightsError(f"{path} cannot be read as JSON ({error}); {fix}") from None
+    if not isinstance(info, dict) or not isinstance(info.get("network"), str) \
+            or not isinstance(info.get("network_kwargs", {}), dict):
+        raise WeightsError(f"{path} does not name a network as train.py writes it ('network', 'network_kwargs', "
+                           f"'embedding_size'); {fix}")
+    options = dict(info.get("network_kwargs", {}))
+    if "embedding_size" in info:
+        options["num_features"] = info["embedding_size"]
+    return info["network"], options
+
+
+def _merge(info_path: Path, saved: tuple[str, dict[str, object]], network: str | None,
+           options: Mapping[str, object]) -> tuple[str, dict[str, object]]:
+    """model.json's network and options, plus command-line ones that do not contradict them."""
+    saved_network, saved_options = saved
+    if network is not None and network != saved_network:
+        raise ConfigError(f"--network {network} contradicts {info_path}, which says {saved_network}; drop --network "
+                          "(a run folder names its own network)")
+    for key, value in options.items():
+        if key in saved_options and saved_options[key] != value:
+            raise ConfigError(f"--network-kw {key}={value} contradicts {info_path}, which says "
+                              f"{key}={saved_options[key]}; drop that option")
+    return saved_network, {**saved_options, **options}
+
+
+def resolve_model(path: str | Path, network: str | None = None,
+                  options: Mapping[str, object] | None = None) -> TrainedModel:
+    """The weights file and network that ``path`` names (a run folder or a .pth; see the module doc)."""
+    path = Path(path)
+    options = dict(options or {})
+    if path.is_dir():
+        weights = path / BACKBONE_NAME
+        if not weights.is_file():
+            raise WeightsError(f"folder {path} holds no {BACKBONE_NAME}; pass a run folder written by train.py "
+                               "or a backbone .pth file")
+    elif path.is_file():
+        weights = path
+    else:
+        raise WeightsError(f"weights file {path} does not exist; pass a run folder written by train.py or a "
+                           "backbone .pth file")
+    info_path = weights.parent / MODEL_INFO_NAME
+    if info_path.is_file():
+        network, options = _merge(info_path, _read_model_info(info_path), network, options)
+    elif network is None:
+        suggestion = suggest_network(read_state_dict(weights))
+        hint = f" (it fits {suggestion})" if suggestion else ""
+        raise ConfigError(f"{weights} is a bare backbone without a {MODEL_INFO_NAME} beside it; pass --network NAME "
+                          f"and the options it was trained with as --network-kw KEY=VALUE{hint}")
+    return TrainedModel(weights=weights, network=network, options=options)
+
+
+def load_trained(path: str | Path, network: str | None = None, options: Mapping[str, object] | None = None,
+                 device: str | torch.device = "cpu") -> tuple[nn.Module, TrainedModel]:
+    """The backbone ``path`` names, weights loaded strictly, in eval mode on ``device``, and what it is."""
+    model = resolve_model(path, network, options)
+    return load_backbone(model.network, model.weights, device, **model.options), model
+
+
+def add_model_arguments(parser: argparse.ArgumentParser,
+                        model_group: argparse._MutuallyExclusiveGroup | None = None) -> None:
+    """``--model`` (alias ``--weights``), ``--network``, ``--network-kw``: the same in every tool.
+
+    ``model_group``: a required group that also offers another source (eval's ``--onnx``).
+    """
+    (model_group or parser).add_argument(
+        "--model", "--weights", dest="model", type=Path, required=model_group is None, metavar="PATH",
+        help=f"a run folder written by train.py ({BACKBONE_NAME} + {MODEL_INFO_NAME}), or a backbone .pth file")
+    parser.add_argument("--network", help="the network of a bare .pth, e.g. r50 (a run folder names its own)")
+    parser.add_argument("--network-kw", nargs="+", default=[], metavar="KEY=VALUE",
+                        help="get_model options a bare .pth was trained with, e.g. width_mult=0.25 num_features=256")
+
+
+def load_from_args(args: argparse.Namespace, device: str | torch.device = "cpu") -> tuple[nn.Module, TrainedModel]:
+    """``load_trained`` for the arguments ``add_model_arguments`` added."""
+    return load_trained(args.model, args.network, parse_network_kw(args.network_kw), device)

@@ -1,0 +1,233 @@
+"""Make a verification ``.bin`` (as insightface's lfw.bin) from a folder of your own aligned face crops.
+
+    python -m tools.make_bin lfw_aligned/ lfw.bin --pairs pairs.txt
+    python -m tools.make_bin faces/ faces_val.bin --random 3000 --seed 0
+
+IMAGE_FOLDER holds one sub-folder of aligned face crops per identity.
+
+--pairs FILE: LFW's pairs.txt format. A header line (``folds pairs_per_fold``: 2 x folds x
+pairs_per_fold pairs follow, or a single count N: 2N follow), then ``name n1 n2`` for photos n1 and n2
+of one person and ``name1 n1 name2 n2`` for photos of two people; photo n of name is
+``IMAGE_FOLDER/name/name_%04d.jpg``. Pairs keep the file's order.
+
+--random N: N same-person and N different-person pairs drawn from the folder with ``--seed``, each
+possible pair equally likely and none twice, same and different alternating (so every one of the
+ten contiguous folds evaluation cuts holds both kinds).
+
+Output: a pickle (protocol 4) of ``(bins, issame)``, what arcface_torch's ``load_bin`` reads: 2N
+encoded images, pair i = images (2i, 2i+1). A 112x112 JPEG or PNG is stored byte for byte. Another
+square image (an aligned crop of another size, or another format) is resized to 112x112 (bilinear)
+and stored as JPEG quality 95, or PNG when the file was lossless. A non-square image is refused:
+squeezing it would distort the face, so align or crop it first.
+"""
+from __future__ import annotations
+
+import argparse
+import io
+import os
+import pickle
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TextIO
+
+import numpy as np
+from PIL import Image
+
+from dataset import scan_identities
+from utils.errors import ConfigError, DataError, exit_on_user_error
+from utils.progress import progress
+
+FACE_SIZE = 112
+JPEG_QUALITY = 95
+
+Pair = tuple[Path, Path, bool]  # first image, second image, same person
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("images", type=Path, metavar="IMAGE_FOLDER", help="one sub-folder of face crops per identity")
+    parser.add_argument("output", type=Path, metavar="OUT.bin", help="the verification set to write")
+    pairs = parser.add_mutually_exclusive_group(required=True)
+    pairs.add_argument("--pairs", type=Path, metavar="FILE", help="pairs in LFW's pairs.txt format")
+    pairs.add_argument("--random", type=int, metavar="N", help="draw N same-person and N different-person pairs")
+    parser.add_argument("--seed", type=int, default=0, help="seed of --random")
+    parser.add_argument("--force", "--overwrite", dest="force", action="store_true", help="replace OUT.bin")
+    return parser.parse_args(argv)
+
+
+# --- pairs ---------------------------------------------------------------------------------------
+
+
+def _photo(folder: Path, name: str, number: str, where: str) -> Path:
+    try:
+        index = int(number)
+    except ValueError:
+        raise DataError(f"{where}: photo number {number!r} is not a whole number; write e.g. '{name} 1 4'") from None
+    path = folder / name / f"{name}_{index:04d}.jpg"
+    if not path.is_file():
+        raise DataError(f"{where} names photo {index} of {name}, but {path} does not exist; check IMAGE_FOLDER "
+                        "(one sub-folder per name, photos named name_0001.jpg, ...)")
+    return path
+
+
+def _expected_pairs(header: list[str], where: str) -> int:
+    try:
+        counts = [int(field) for field in header]
+    except ValueError:
+        counts = []
+    if len(counts) == 2:
+        return 2 * counts[0] * counts[1]
+    if len(counts) == 1:
+        return 2 * counts[0]
+    raise DataError(f"{where} is {' '.join(header)!r}; the first line must be 'folds pairs_per_fold' (e.g. '10 300') "
+                    "or one count, as in LFW's pairs.txt")
+
+
+def read_pairs(pairs_file: Path, folder: Path) -> list[Pair]:
+    """The pairs of an LFW-format pairs file, their photos looked up in ``folder``."""
+    try:
+        lines = [(number, line.split()) for number, line in enumerate(pairs_file.read_text().splitlines(), 1)]
+    except (OSError, UnicodeDecodeError) as error:
+        raise DataError(f"pairs file {pairs_file} cannot be read ({error}); pass LFW's pairs.txt or a file "
+                        "in its format") from None
+    lines = [(number, fields) for number, fields in lines if fields]
+    if not lines:
+        raise DataError(f"pairs file {pairs_file} is empty; pass LFW's pairs.txt or a file in its format")
+    expected = _expected_pairs(lines[0][1], f"{pairs_file} line {lines[0][0]}")
+    pairs = []
+    for number, fields in lines[1:]:
+        where = f"{pairs_file} line {number}"
+        if len(fields) == 3:
+            name, first, second = fields
+            pairs.append((_photo(folder, name, first, where), _photo(folder, name, second, where), True))
+        elif len(fields) == 4:
+            name1, first, name2, second = fields
+            pairs.append((_photo(folder, name1, first, where), _photo(folder, name2, second, where), False))
+        else:
+            raise DataError(f"{where} has {len(fields)} fields; same-person lines are 'name n1 n2' and "
+                            "different-person lines 'name1 n1 name2 n2'")
+    if len(pairs) != expected:
+        raise DataError(f"{pairs_file} lists {len(pairs)} pairs but its header promises {expected}; the file is "
+                        "truncated or its first line is wrong")
+    return pairs
+
+
+def _draw_unique(rng: np.random.Generator, count: int, draw) -> list[tuple[int, int]]:
+    """``count`` different unordered pairs from ``draw(rng) -> (a, b)`` (None: drawn again)."""
+    seen, pairs = set(), []
+    while len(pairs) < count:
+        pair = draw(rng)
+        if pair is not None and frozenset(pair) not in seen:
+            seen.add(frozenset(pair))
+            pairs.append(pair)
+    return pairs
+
+
+def random_pairs(folder: Path, count: int, seed: int) -> list[Pair]:
+    """``count`` same-person and ``count`` different-person pairs, alternating, each possible pair equally likely."""
+    identities = scan_identities(str(folder))
+    paths = [Path(path) for _, photos in identities for path in photos]
+    owner = np.repeat(np.arange(len(identities)), [len(photos) for _, photos in identities])
+    first_photo = np.r_[0, np.cumsum([len(photos) for _, photos in identities])[:-1]]
+    sizes = np.bincount(owner)
+    same_possible = int((sizes * (sizes - 1) // 2).sum())
+    different_possible = int((len(paths) ** 2 - (sizes ** 2).sum()) // 2)
+    if count > min(same_possible, different_possible):
+        raise DataError(f"{folder} allows {same_possible} same-person and {different_possible} different-person "
+                        f"pairs, fewer than the {count} asked for; lower --random or add photos (same-person pairs "
+                        "need identities with two or more)")
+    rng = np.random.default_rng(seed)
+    pair_weights = sizes * (sizes - 1) / (2 * same_possible)
+
+    def same(rng: np.random.Generator) -> tuple[int, int]:
+        identity = rng.choice(len(sizes), p=pair_weights)  # weighted by its pairs: every pair equally likely
+        a, b = rng.choice(sizes[identity], 2, replace=False)
+        return int(first_photo[identity] + a), int(first_photo[identity] + b)
+
+    def different(rng: np.random.Generator) -> tuple[int, int] | None:
+        a, b = rng.choice(len(paths), 2, replace=False)
+        return None if owner[a] == owner[b] else (int(a), int(b))
+
+    positives = _draw_unique(rng, count, same)
+    negatives = _draw_unique(rng, count, different)
+    pairs = []
+    for (a, b), (c, d) in zip(positives, negatives):
+        pairs += [(paths[a], paths[b], True), (paths[c], paths[d], False)]
+    return pairs
+
+
+# --- images --------------------------------------------------------------------------------------
+
+
+def encode_face(path: Path) -> tuple[bytes, bool]:
+    """``(what the .bin stores for this photo, whether it had to be re-encoded)``; see the module doc."""
+    try:
+        data = path.read_bytes()
+        with Image.open(io.BytesIO(data)) as image:
+            face = image.convert("RGB")  # decodes it all: a truncated file fails here, not in an evaluation
+            source_format = image.format
+    except (OSError, ValueError, Image.DecompressionBombError) as error:
+        raise DataError(f"{path} is not a readable image ({error}); replace or remove it") from None
+    if face.size == (FACE_SIZE, FACE_SIZE) and source_format in ("JPEG", "PNG"):
+        return data, False
+    width, height = face.size
+    if width != height:
+        raise DataError(f"{path} is {width}x{height} (width x height), not square; pass aligned square face crops "
+                        "(align or crop this photo first)")
+    out = io.BytesIO()
+    face = face.resize((FACE_SIZE, FACE_SIZE), Image.BILINEAR)
+    if source_format == "JPEG":
+        face.save(out, format="JPEG", quality=JPEG_QUALITY)
+    else:
+        face.save(out, format="PNG")
+    return out.getvalue(), True
+
+
+def encode_pairs(pairs: Sequence[Pair], stream: TextIO | None = None) -> tuple[list[bytes], int]:
+    """``(2N encoded images in pair order, how many were re-encoded)``; each file is read once."""
+    encoded: dict[Path, tuple[bytes, bool]] = {}
+    paths = [path for first, second, _ in pairs for path in (first, second)]
+    bins = []
+    for path in progress(paths, len(paths), "encoding photos", stream):
+        if path not in encoded:
+            encoded[path] = encode_face(path)
+        bins.append(encoded[path][0])
+    return bins, sum(resized for _, resized in encoded.values())
+
+
+def write_bin(path: Path, bins: list[bytes], issame: list[bool]) -> None:
+    """The pickle, written beside ``path`` and renamed over it: never a half-written .bin."""
+    partial = path.with_name(f".{path.name}.partial")
+    with open(partial, "wb") as f:
+        pickle.dump((bins, issame), f, protocol=4)
+    os.replace(partial, path)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    with exit_on_user_error():
+        if not args.images.is_dir():
+            raise DataError(f"image folder {args.images} does not exist; pass a folder with one sub-folder per "
+                            "identity")
+        if not args.output.parent.is_dir():
+            raise ConfigError(f"{args.output} is in a folder that does not exist; create {args.output.parent} first "
+                              "or choose another path")
+        if args.output.exists() and not args.force:
+            raise ConfigError(f"{args.output} already exists; pass --force to replace it or choose another path")
+        if args.random is not None and args.random < 1:
+            raise ConfigError(f"--random {args.random} is not a positive number; pass --random 1 or more")
+        if args.pairs is not None:
+            pairs = read_pairs(args.pairs, args.images)
+        else:
+            pairs = random_pairs(args.images, args.random, args.seed)
+        bins, resized = encode_pairs(pairs, sys.stderr)
+        issame = [same for _, _, same in pairs]
+        write_bin(args.output, bins, issame)
+    print(f"wrote {args.output}: {len(issame)} pairs ({sum(issame)} same person, {len(issame) - sum(issame)} "
+          f"different), {len(bins)} images, {resized} photos resized or re-encoded to 112x112")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
