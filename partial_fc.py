@@ -65,10 +65,16 @@ class PartialFC(nn.Module):
     ``view_weights`` (default: equal, summing to 1) weight each view's mean cross-entropy, so a
     single-view learning rate carries over to V views. ``seed`` fixes the initial centres (the
     same matrix on any number of processes).
+
+    A label outside ``[0, num_classes)`` raises a DataError on every rank before any collective on
+    embeddings. Checking costs the host a wait for the device, so a GPU training loop may pass
+    ``defer_label_check=True``: a bad label then makes the loss NaN instead (nothing waits), and
+    ``check_labels(labels)`` raises its error once the loop sees the non-finite loss.
     """
 
     def __init__(self, margin_loss: CombinedMarginLoss, embedding_size: int, num_classes: int,
-                 sample_rate: float = 1.0, view_weights: Sequence[float] | None = None, seed: int = 0):
+                 sample_rate: float = 1.0, view_weights: Sequence[float] | None = None, seed: int = 0,
+                 defer_label_check: bool = False):
         super().__init__()
         if not 0.0 < sample_rate <= 1.0:
             raise ConfigError(f"sample_rate={sample_rate} must lie in (0, 1] (1.0 uses every class centre)")
@@ -77,6 +83,7 @@ class PartialFC(nn.Module):
         self.num_classes = num_classes
         self.sample_rate = sample_rate
         self.view_weights = None if view_weights is None else tuple(float(w) for w in view_weights)
+        self.defer_label_check = defer_label_check
         self.rank, self.world_size = rank(), world()
         if num_classes < self.world_size:
             raise ConfigError(f"num_classes={num_classes} is smaller than the {self.world_size} processes; every "
@@ -97,8 +104,11 @@ class PartialFC(nn.Module):
         weights = self._view_weights(len(views))
         self._check_shapes(views, labels)
 
-        global_labels = _all_gather_labels(labels.reshape(-1).long())
-        self._check_labels(global_labels)
+        global_labels = _all_gather_labels(labels.reshape(-1).long().to(self.weight.device))
+        if self.defer_label_check:
+            bad_label = ((global_labels < 0) | (global_labels >= self.num_classes)).any()
+        else:
+            self._raise_for_bad_labels(global_labels)
 
         local_labels = global_labels - self.class_start
         local_labels[(local_labels < 0) | (local_labels >= self.num_local)] = -1
@@ -122,7 +132,13 @@ class PartialFC(nn.Module):
         with torch.autocast(device_type, enabled=False):
             loss, row_losses = _ShardedMarginSoftmax.apply(
                 gathered, self.weight, index, row_labels, row_coef, self.margin_loss, gemm_dtype)
+        if self.defer_label_check:
+            loss = torch.where(bad_label, torch.nan, loss)
         return loss, row_losses.view(self.world_size, num_views, batch).mean(dim=(0, 2)).detach()
+
+    def check_labels(self, labels: torch.Tensor) -> None:
+        """Raise the DataError of a label outside [0, num_classes) on any rank. Collective."""
+        self._raise_for_bad_labels(_all_gather_labels(labels.reshape(-1).long().to(self.weight.device)))
 
     def local_rows(self, full: torch.Tensor) -> torch.Tensor:
         """This rank's rows of a whole (num_classes, ...) matrix."""
@@ -143,7 +159,7 @@ class PartialFC(nn.Module):
                                  f"({labels.numel()}, {self.embedding_size}) to match the labels and "
                                  "embedding_size: check embedding_size in the config and the backbone")
 
-    def _check_labels(self, global_labels: torch.Tensor) -> None:
+    def _raise_for_bad_labels(self, global_labels: torch.Tensor) -> None:
         bad = (global_labels < 0) | (global_labels >= self.num_classes)
         if bool(bad.any()):
             position = int(torch.nonzero(bad)[0])
@@ -279,12 +295,10 @@ class _ShardedMarginSoftmax(torch.autograd.Function):
                                "buffer is consumed in place): run the forward again instead of retain_graph")
         ctx.consumed = True
         x, weight, centres, index, inv_norm, norms, grad_cos = ctx.saved_tensors
-        dtype = x.dtype
-        scaled = grad_cos.mul_(inv_norm * grad_loss)  # G / |w|, used by both GEMMs; buffer reused
-        grad_x = _matmul(scaled, centres, ctx.gemm_dtype, dtype) if ctx.needs_input_grad[0] else None
+        grad_x, grad_centres = _backward_gemms(grad_cos, grad_loss, x, centres, inv_norm, ctx.gemm_dtype,
+                                               ctx.needs_input_grad[0], ctx.needs_input_grad[1])
         grad_weight = None
         if ctx.needs_input_grad[1]:
-            grad_centres = _matmul(scaled.t(), x, ctx.gemm_dtype, dtype)
             along = torch.bmm(grad_centres.unsqueeze(1), centres.unsqueeze(2)).view(-1)
             # rows clamped to NORM_EPS were divided by a constant: no projection term there
             along.mul_(torch.where(norms > NORM_EPS, inv_norm * inv_norm, 0.0))
@@ -295,6 +309,25 @@ class _ShardedMarginSoftmax(torch.autograd.Function):
             else:
                 grad_weight = torch.zeros_like(weight).index_copy_(0, index, grad_centres)
         return grad_x, grad_weight, None, None, None, None, None
+
+
+def _backward_gemms(grad_cos: torch.Tensor, grad_loss: torch.Tensor, x: torch.Tensor, centres: torch.Tensor,
+                    inv_norm: torch.Tensor, gemm_dtype: torch.dtype | None, want_x: bool, want_centres: bool):
+    """(dL/dX, dL/dW before the normalisation's projection) from G = dL/dcos (N, C), consumed in place.
+
+    Both are products with G / |w|. In float32/64 that scaling is done once, in place. In half
+    precision G (times the loss scale) is cast once, and 1/|w| stays in float32: folded into the
+    centres for dL/dX and applied to the rows of dL/dW after its GEMM, so that small centre norms
+    cannot push a cast value past float16's range.
+    """
+    dtype = x.dtype
+    if gemm_dtype is None:
+        scaled = grad_cos.mul_(inv_norm * grad_loss)
+        return (scaled @ centres if want_x else None), (scaled.t() @ x if want_centres else None)
+    half = grad_cos.mul_(grad_loss).to(gemm_dtype)
+    grad_x = (half @ (centres * inv_norm[:, None]).to(gemm_dtype)).to(dtype) if want_x else None
+    grad_centres = (half.t() @ x.to(gemm_dtype)).to(dtype).mul_(inv_norm[:, None]) if want_centres else None
+    return grad_x, grad_centres
 
 
 def _matmul(a: torch.Tensor, b: torch.Tensor, gemm_dtype: torch.dtype | None, out_dtype: torch.dtype):

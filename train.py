@@ -22,6 +22,7 @@ import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import IntEnum
+from pathlib import Path
 from types import SimpleNamespace
 
 import torch
@@ -33,14 +34,18 @@ from dataset import FaceLoader, build_dataset, build_loader
 from eval.callback import VerificationCallback
 from losses import CombinedMarginLoss
 from partial_fc import PartialFC
-from utils.checkpoint import Checkpointer, Progress
+from utils.checkpoint import BACKBONE_NAME, Checkpointer, Progress
 from utils.config import check_data_path, load_config
+from utils.device import choose_device, configure_numerics, describe_device
 from utils.distributed import (
     all_reduce_max,
+    backend,
     cleanup,
     init_distributed,
     is_main,
     launched_rank,
+    local_process,
+    nodes,
     rank,
     world,
 )
@@ -49,6 +54,7 @@ from utils.image import normalize
 from utils.log import SpeedLogger, setup_logging
 from utils.lr_scheduler import build_scheduler
 from utils.memory_plan import describe, device_bytes, memory_plan, processes_that_fit
+from utils.metrics import Metrics, open_metrics
 from utils.run_dir import lock_run_dir, resolve_resume
 
 log = logging.getLogger("train")
@@ -89,11 +95,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(dry_run_report(cfg, args.world_size or int(os.environ.get("WORLD_SIZE", "1")), args.json))
             return 0
         check_data_path(cfg)
-        env = init_distributed()
-        if env.device.type == "cpu":
+        device = choose_device(cfg.device, *local_process())
+        configure_numerics(device, cfg.tf32, cfg.deterministic)
+        init_distributed(device, cfg.timeout_minutes)
+        if device.type == "cpu":
             _share_cpu(cfg.num_workers)
         try:
-            train(cfg, env.device)
+            train(cfg, device)
         finally:
             cleanup()
     except UserError as error:
@@ -174,8 +182,9 @@ def build_model(cfg: SimpleNamespace, num_classes: int, device: torch.device) ->
                          **cfg.network_kwargs).to(device)
     margin = CombinedMarginLoss(cfg.margin_scale, *cfg.margin_list, cfg.interclass_filtering_threshold,
                                 straight_through=cfg.straight_through_margin)
+    # On a GPU the label check would make every step wait for the device: deferred to a NaN loss instead.
     pfc = PartialFC(margin, cfg.embedding_size, num_classes, cfg.sample_rate, view_weights=cfg.view_weights,
-                    seed=cfg.seed).to(device)
+                    seed=cfg.seed, defer_label_check=device.type == "cuda").to(device)
     return backbone, pfc
 
 
@@ -239,6 +248,9 @@ def train_step(model: Model, micro_batches, cfg, inject_nan: bool = False) -> tu
     grad_norm = nn.utils.clip_grad_norm_(model.backbone.parameters(), cfg.max_grad_norm)
     losses = torch.stack(micro_losses).mean(dim=0)
     outcome = _agreed_outcome(losses[0], grad_norm, model.pfc.weight.grad)
+    if outcome == StepOutcome.LOSS_NONFINITE and model.pfc.defer_label_check:
+        for _, labels in micro_batches:  # a bad label is a data error, not a diverging loss
+            model.pfc.check_labels(labels)
     if outcome:
         model.optimizer.zero_grad(set_to_none=True)
         model.restore_bn_buffers()
@@ -306,11 +318,13 @@ def _train_in_folder(cfg: SimpleNamespace, device: torch.device, source) -> dict
     """Config -> data -> model -> resume -> loop (with its saves) in the locked run folder."""
     setup_logging(cfg.output)
     log.info("config: %s", ", ".join(f"{k}={v!r}" for k, v in sorted(vars(cfg).items())))
+    log.info("device %s, backend %s, %d process(es) on %d node(s)", describe_device(device), backend(), world(),
+             nodes())
     dataset = build_dataset(cfg.rec, num_views=cfg.num_views, view_source=cfg.view_source,
                             num_classes=cfg.num_classes, flip=cfg.flip, skip_bad_records=cfg.skip_bad_records,
-                            seed=cfg.seed)
+                            seed=cfg.seed, dali_aug=cfg.dali_aug, num_samples=cfg.num_image)
     loader = build_loader(dataset, cfg.batch_size, rank=rank(), world_size=world(), seed=cfg.seed,
-                          num_workers=cfg.num_workers, device=device)
+                          num_workers=cfg.num_workers, device=device, gpu_decode=cfg.dali)
     progress = Progress(steps_per_epoch=_steps_per_epoch(loader, cfg.gradient_acc))
     _check_memory(cfg, dataset.num_classes, device)
     model = build_training(cfg, dataset.num_classes, device, progress.steps_per_epoch)
@@ -324,14 +338,15 @@ def _train_in_folder(cfg: SimpleNamespace, device: torch.device, source) -> dict
     stop = min(total_steps, cfg.max_steps) if cfg.max_steps else total_steps
     log.info("%d records, %d classes, %d process(es), %d steps per epoch, %d steps in all, starting at step %d",
              len(dataset), dataset.num_classes, world(), progress.steps_per_epoch, total_steps, progress.global_step)
-    writer = _summary_writer(cfg.output)
+    metrics = open_metrics(cfg)
     try:
-        results = _loop(cfg, model, loader, progress, checkpointer, stop, writer)
+        results = _loop(cfg, model, loader, progress, checkpointer, stop, metrics)
     finally:
-        if writer is not None:
-            writer.close()  # flushes the last scalars, also when the run stops on an error
+        metrics.close()  # flushes the last scalars, also when the run stops on an error
     log.info("training finished at global step %d: %s", progress.global_step,
              ", ".join(f"{name} Accuracy-Flip {acc:.5f}" for name, acc in results.items()) or "no val_targets")
+    if device.type == "cuda":
+        log.info("peak GPU memory %.2f GiB", torch.cuda.max_memory_allocated(device) / 2 ** 30)
     return results
 
 
@@ -356,11 +371,11 @@ def _steps_per_epoch(loader: FaceLoader, gradient_acc: int) -> int:
 
 
 def _loop(cfg, model: Model, loader: FaceLoader, progress: Progress, checkpointer: Checkpointer, stop: int,
-          writer) -> dict[str, float]:
+          metrics: Metrics) -> dict[str, float]:
     """Steps progress.global_step .. stop - 1: train, log, verify, save. The final verification accuracies."""
-    verification = VerificationCallback(cfg.verbose, cfg.val_targets, cfg.rec, summary_writer=writer)
+    verification = VerificationCallback(cfg.verbose, cfg.val_targets, cfg.rec, summary_writer=metrics)
     speed = SpeedLogger(cfg.frequent, stop, cfg.batch_size * world() * cfg.gradient_acc, cfg.num_views,
-                        summary_writer=writer, start_step=progress.global_step)
+                        summary_writer=metrics, start_step=progress.global_step)
     nan_steps = _debug_nan_steps()
     grad_scale = model.scaler.get_scale if model.scaler.is_enabled() else None
     results, verified_at = {}, -1
@@ -375,20 +390,16 @@ def _loop(cfg, model: Model, loader: FaceLoader, progress: Progress, checkpointe
             speed(progress.global_step, losses, epoch, lr, grad_scale)
         with speed.paused():
             accuracy = verification(progress.global_step, model.backbone)
-            checkpointer.after_step(progress, final=progress.global_step == stop)
+            final = progress.global_step == stop
+            if checkpointer.after_step(progress, final) and is_main():
+                name = "Final" if final else f"step{progress.global_step}"
+                metrics.log_artifact(Path(cfg.output) / BACKBONE_NAME, name)
         if accuracy is not None:
             results, verified_at = accuracy, progress.global_step
     if verified_at != progress.global_step:
         with speed.paused():
             results = verification.evaluate_now(model.backbone, progress.global_step)
     return results
-
-
-def _summary_writer(output: str):
-    if not is_main():
-        return None
-    from torch.utils.tensorboard import SummaryWriter  # imported late: tensorboard is slow to import
-    return SummaryWriter(log_dir=f"{output}/tensorboard")
 
 
 if __name__ == "__main__":

@@ -86,6 +86,10 @@ def measure(implementation: str, num_classes: int, device: torch.device, steps: 
             loss, _ = head(views, labels)
         loss.backward()
 
+    if device.type == "cuda":
+        # The first CUDA step also allocates cuBLAS workspaces and caches that are not the steady state. (On a
+        # CPU a warm-up would leave its freed pages resident and hide the step's own peak.)
+        step()
     baseline = _reset_peak(device)
     step()
     peak_above = _peak(device) - baseline

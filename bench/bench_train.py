@@ -15,7 +15,9 @@ with other work (as this 2-core CPU is) slows all of them alike. Target: (b) <= 
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -42,6 +44,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=3, help="timed steps per mode per round")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--modes", default="abc")
+    parser.add_argument("--peak-of", choices=sorted(MODES), help=argparse.SUPPRESS)
     parser.add_argument("--threads", type=int, default=1,
                         help="CPU threads (0: torch's default); 1 by default: on shared cores more threads than "
                              "free cores make every step many times slower, whatever the mode")
@@ -89,20 +92,36 @@ def timed(step, steps: int, device: torch.device) -> float:
     return (time.perf_counter() - start) / steps
 
 
+def peak_of_one_mode(args, mode: str, device: torch.device) -> float:
+    """GiB of GPU memory at the peak of one step of `mode`, after a warm-up step, alone in this process."""
+    step = make_mode(args, mode, device)
+    step()
+    torch.cuda.synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    step()
+    torch.cuda.synchronize(device)
+    return torch.cuda.max_memory_allocated(device) / 2 ** 30
+
+
+def mode_peak_in_a_process(argv, mode: str) -> float:
+    command = [sys.executable, "-m", "bench.bench_train", *(sys.argv[1:] if argv is None else argv), "--peak-of", mode]
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, check=True)
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     device = torch.device(args.device)
+    if args.peak_of:
+        print(json.dumps(peak_of_one_mode(args, args.peak_of, device)))
+        return 0
+    # One process per mode for GPU memory: in this one every mode's model and optimizer state stays allocated.
+    peak = {mode: mode_peak_in_a_process(argv, mode) for mode in args.modes} if device.type == "cuda" else {}
     steps = {mode: make_mode(args, mode, device) for mode in args.modes}
-    peak = {}
-    for mode, step in steps.items():  # warm-up (allocator, kernels) and peak memory of one step
-        if device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(device)
+    for step in steps.values():  # warm-up: allocator, kernels
         step()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-            peak[mode] = torch.cuda.max_memory_allocated(device) / 2**30
     times = {mode: [] for mode in steps}
     for _ in range(args.rounds):
         for mode, step in steps.items():

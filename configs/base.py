@@ -1,10 +1,11 @@
 """Every configuration key, with its default and what it does.
 
 An experiment file (e.g. configs/ms1mv3_r50_pair.py) assigns module-level names that override
-these; `train.py configs/X.py --set key=value` overrides both. Only keys defined here exist: a
-misspelt key is an error that suggests the closest one. The annotation of each key is its type;
-`--set` values are parsed as Python literals and checked against it (a `Literal[...]` lists the
-values a key accepts).
+these, or is an arcface_torch config file (`config = edict()`, `config.key = value`), run unchanged;
+`train.py configs/X.py --set key=value` overrides both. Only keys defined here exist: a misspelt
+key is an error that suggests the closest one. The annotation of each key is its type; `--set`
+values are parsed as Python literals and checked against it (a `Literal[...]` lists the values a
+key accepts).
 """
 from typing import Literal
 
@@ -19,6 +20,11 @@ flip: bool = True                 # random horizontal flip, drawn independently 
 skip_bad_records: bool = False    # skip undecodable records (counted and logged) instead of stopping
 num_workers: int = 2              # data-loading processes per training process
 seed: int = 2048                  # seeds data order, augmentation, initialisation and centre sampling
+num_image: int | None = None      # samples in the data, as arcface_torch's configs state it: checked against the
+                                  # data (a mismatch is an error); for rec="synthetic" the length of an epoch
+dali: bool = False                # decode JPEG on the GPU (nvJPEG, batched) instead of in the data workers
+dali_aug: bool = False            # arcface_torch's DALI augmentations, drawn per view: low resolution, blur,
+                                  # hue/saturation, grey
 
 # --- model --------------------------------------------------------------------------------
 network: str = "r50"              # backbone: r18 r34 r50 r100 r200 r2060 mbf mbf_large vit_t vit_s vit_b, and
@@ -40,6 +46,13 @@ straight_through_margin: bool = False          # gradient of the margin taken as
 fp16: bool = False                # backbone in float16 autocast with a GradScaler (margin softmax stays float32)
 bf16: bool = False                # backbone in bfloat16 autocast, no scaler needed (exclusive with fp16)
 
+# --- hardware -----------------------------------------------------------------------------
+device: Literal["auto", "cuda", "cpu"] = "auto"  # auto: this process's GPU when CUDA works, else the CPU (the
+                                  # log says which); cuda: stop with the reason when CUDA cannot be used
+tf32: bool = True                 # TF32 tensor cores for float32 matmuls and convolutions on GPUs (~10 bits mantissa)
+deterministic: bool = False       # deterministic GPU kernels (slower): bitwise-exact resume on GPUs too
+timeout_minutes: float = 30.0     # how long a rank waits at a collective (e.g. for a checkpoint being written)
+
 # --- optimisation -------------------------------------------------------------------------
 optimizer: Literal["sgd", "adamw"] = "sgd"  # one optimizer, backbone and class centres as two param groups
 lr: float = 0.1                   # learning rate of the GLOBAL batch batch_size * world_size * gradient_acc, as is:
@@ -59,9 +72,18 @@ max_nonfinite_steps: int = 10     # this many non-finite losses in a row stop th
 frequent: int = 10                # a log line (speed, loss per view, lr, ETA) every this many steps
 verbose: int = 2000               # verification on val_targets every this many steps (and at the end)
 val_targets: tuple[str, ...] = () # .bin verification sets: names looked up as <rec>/<name>.bin, or paths
+using_wandb: bool = False         # also log to Weights & Biases (needs `pip install wandb`; WANDB_MODE=offline works)
+wandb_key: str | None = None      # API key to log in with (None or arcface_torch's "XXX..." placeholder: wandb's own)
+wandb_entity: str | None = None   # W&B entity (team or user); None: your default
+wandb_project: str = "pairface"   # W&B project
+wandb_log_all: bool = False       # a W&B run per process, not only rank 0's (the others log their config only)
+wandb_resume: bool = False        # continue the last W&B run of this folder instead of starting a new one
+suffix_run_name: str | None = None  # appended to the W&B run name <yymmdd_HHMM>_GPU<rank>
+notes: str | None = None          # W&B run notes
+save_artifacts: bool = False      # upload backbone.pth to W&B as a model artifact at each epoch end and at the end
 
 # --- output and resume --------------------------------------------------------------------
-output: str = ""                  # run folder (log, TensorBoard, checkpoint.pt, backbone.pth); "": output/<config name>
+output: str | None = None         # run folder (log, TensorBoard, checkpoint, backbone.pth); None: output/<config name>
 save_all_states: bool = True      # write the full resumable checkpoint.pt (False: only backbone.pth)
 save_every_steps: int = 0         # also checkpoint every this many steps (0: at the end of each epoch only)
 resume: bool | str = False        # True: continue the run in `output`; a path: start from that checkpoint.pt,

@@ -157,11 +157,13 @@ class FaceDataset(Dataset):
         return [int(others[i]) for i in rng.picks(len(others), self.num_views - 1)]
 
 
-def _source_for(path: str, num_views: int, view_source: ViewSource, num_classes: int | None, seed: int) -> Source:
+def _source_for(path: str, num_views: int, view_source: ViewSource, num_classes: int | None, seed: int,
+                num_samples: int | None) -> Source:
     if path == "synthetic":
         if num_classes is None:
             raise DataError("the synthetic speed mode needs num_classes; set num_classes in the config")
-        return SyntheticSource(num_classes, num_views if view_source == "record" else 1, seed)
+        return SyntheticSource(num_classes, num_views if view_source == "record" else 1, seed,
+                               num_samples or SyntheticSource.DEFAULT_LENGTH)
     if path.endswith(".rec"):
         return RecSource(path[:-len(".rec")] + ".idx", path)
     if not os.path.isdir(path):
@@ -174,17 +176,22 @@ def _source_for(path: str, num_views: int, view_source: ViewSource, num_classes:
 
 
 def build_dataset(path: str, num_views: int = 1, view_source: ViewSource = "record", num_classes: int | None = None,
-                  flip: bool = True, skip_bad_records: bool = False, seed: int = 0, dali_aug: bool = False
-                  ) -> FaceDataset:
+                  flip: bool = True, skip_bad_records: bool = False, seed: int = 0, dali_aug: bool = False,
+                  num_samples: int | None = None) -> FaceDataset:
     """A dataset of ``num_views`` views per sample from a ``.rec`` folder, an image folder or "synthetic".
 
     ``num_classes``, when given, must cover every label of the data (DataError otherwise). ``dali_aug``
     adds arcface_torch's DALI augmentation to every view (facedata/dali_aug.py), after the flip.
+    ``num_samples`` (arcface_torch's ``num_image``), when given, is how many samples the data must hold,
+    and the length of the synthetic speed mode.
     """
     if not isinstance(num_views, int) or num_views < 1:
         raise DataError(f"num_views must be a positive integer, got {num_views!r}; set it to 1 for plain datasets")
     path = os.fspath(path)
-    source = _source_for(path, num_views, view_source, num_classes, seed)
+    source = _source_for(path, num_views, view_source, num_classes, seed, num_samples)
+    if num_samples is not None and len(source) != num_samples:
+        raise DataError(f"{path} holds {len(source)} samples but num_image={num_samples}; set num_image = "
+                        f"{len(source)} (or None) in the config")
     if num_classes is not None and source.labels is not None and source.labels.max() >= num_classes:
         bad = int(np.argmax(source.labels >= num_classes))
         raise DataError(f"{source.describe(bad)} has label {source.labels[bad]} but num_classes={num_classes}; "

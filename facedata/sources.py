@@ -159,9 +159,10 @@ class FolderSource:
 class SyntheticSource:
     """arcface_torch's speed mode: one fixed random image for every sample, nothing decoded."""
 
-    LENGTH = 1_000_000
+    DEFAULT_LENGTH = 1_000_000
 
-    def __init__(self, num_classes: int, views_per_image: int, seed: int) -> None:
+    def __init__(self, num_classes: int, views_per_image: int, seed: int, length: int = DEFAULT_LENGTH) -> None:
+        self.length = length
         generator = torch.Generator().manual_seed(seed)
         self.image = torch.randint(0, 256, (3, IMAGE_SIZE, IMAGE_SIZE * views_per_image), dtype=torch.uint8,
                                    generator=generator)
@@ -171,10 +172,10 @@ class SyntheticSource:
     @cached_property
     def identities(self) -> IdentityTable:
         """Sample i belongs to identity i % num_classes (built only when the identity view source asks)."""
-        return IdentityTable.from_labels(np.arange(self.LENGTH) % self.num_classes)
+        return IdentityTable.from_labels(np.arange(self.length) % self.num_classes)
 
     def __len__(self) -> int:
-        return self.LENGTH
+        return self.length
 
     def describe(self, index: int) -> str:
         return f"synthetic sample {index}"

@@ -88,6 +88,7 @@ def killed_two_node_run(data, tmp_path_factory) -> Path:
 
 def test_a_killed_two_node_run_resumes_on_one_node_with_three_processes(data, killed_two_node_run, tmp_path):
     output = Path(shutil.copytree(killed_two_node_run, tmp_path / "run"))
+    assert "backend gloo, 4 process(es) on 2 node(s)" in (output / "training.log").read_text()
     saved = load_run(output)
     assert saved["world_size"] == 4
     step = saved["progress"]["global_step"]

@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from losses import CombinedMarginLoss
 from partial_fc import PartialFC, initial_centres
 from utils import distributed
+from utils.device import choose_device, configure_numerics
 
 
 def dense_reference(views: list[torch.Tensor], labels: torch.Tensor, centres: torch.Tensor,
@@ -118,17 +119,20 @@ def main() -> int:
     parser.add_argument("--tolerance", type=float, default=None,
                         help="worst relative error allowed (default 1e-5 for float64, 1e-4 for float32)")
     args = parser.parse_args()
-    env = distributed.init_distributed()
+    device = choose_device("auto", *distributed.local_process())
+    configure_numerics(device, tf32=False, deterministic=False)  # compared with float64: no TF32 rounding
+    distributed.init_distributed(device, timeout_minutes=10)
+    rank, world_size = distributed.rank(), distributed.world()
     dtype = getattr(torch, args.dtype)
     tolerance = args.tolerance or (1e-5 if dtype == torch.float64 else 1e-4)
     try:
         errors = run_check(args.views, args.classes, args.batch, args.embedding_size, tuple(args.margin),
-                           args.sample_rate, dtype, env.device)
+                           args.sample_rate, dtype, device)
     finally:
         distributed.cleanup()
-    if env.rank != 0:
+    if rank != 0:
         return 0
-    print(f"PartialFC check: world {env.world_size}, {env.device.type}, {args.views} views, {args.classes} classes, "
+    print(f"PartialFC check: world {world_size}, {device.type}, {args.views} views, {args.classes} classes, "
           f"batch {args.batch}/rank, margin {tuple(args.margin)}, sample_rate {args.sample_rate}, {args.dtype}")
     width = max(len(name) for name in errors)
     for name, err in errors.items():

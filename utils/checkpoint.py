@@ -153,16 +153,17 @@ class Checkpointer:
         log.info("initialised the backbone from %s (a bare backbone: class centres, optimizer and schedule "
                  "start fresh)", path)
 
-    def after_step(self, progress: Progress, final: bool = False) -> None:
-        """Save if a save is due after this step (`final`: the last step of the run)."""
+    def after_step(self, progress: Progress, final: bool = False) -> bool:
+        """Save if a save is due after this step (`final`: the last step of the run); whether it saved."""
         step = progress.global_step
         every = self.save_every_steps
         due = self._waiting or final or step % progress.steps_per_epoch == 0 or (every and step % every == 0)
         if not due or step == self._saved_at:
-            return
+            return False
         self._waiting = progress.nonfinite_in_a_row > 0 and not final
         if not self._waiting:
             self.save(progress)
+        return not self._waiting
 
     def save(self, progress: Progress) -> None:
         if self.save_all_states:

@@ -1,8 +1,10 @@
 """Configuration: configs/base.py, then an experiment file, then `--set key=value` overrides.
 
 A config file is plain Python whose module-level names are the keys (names starting with `_`,
-imported modules, functions, classes and typing forms are helpers, not keys). configs/base.py defines every key
-and annotates its type; anything else is an error naming the key and the closest valid one.
+imported modules, functions, classes and typing forms are helpers, not keys), or an arcface_torch
+config file whose `config = edict()` holds them (`config.key = value`): both merge onto base.py.
+configs/base.py defines every key and annotates its type; anything else is an error naming the key
+and the closest valid one.
 """
 from __future__ import annotations
 
@@ -12,7 +14,7 @@ import os
 import runpy
 import types
 import typing
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -24,7 +26,7 @@ BASE_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "base.py"
 def load_config(path: str | os.PathLike, overrides: Sequence[str] = ()) -> SimpleNamespace:
     """The merged configuration: base defaults, the file's values, then each `key=value` override.
 
-    `output` left empty becomes `output/<config file name>`.
+    `output` left empty (None, as arcface_torch's files leave it) becomes `output/<config file name>`.
     """
     defaults, types_by_key = _read_base()
     values = dict(defaults)
@@ -53,7 +55,12 @@ def _read_config_file(path: Path) -> dict:
     if not path.is_file():
         raise ConfigError(f"config file {path} does not exist; pass an existing configs/*.py file such as "
                           "configs/synthetic_pair.py")
-    return _keys_of(_module_names(path))
+    names = _keys_of(_module_names(path))
+    config = names.get("config")
+    if isinstance(config, Mapping):  # arcface_torch's style: config = edict(); config.key = value
+        del names["config"]
+        names.update(config)
+    return names
 
 
 def _module_names(path: Path) -> dict:

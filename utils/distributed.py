@@ -7,18 +7,10 @@ process with no process group at all.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-
-
-@dataclass(frozen=True)
-class DistEnv:
-    rank: int
-    local_rank: int
-    world_size: int
-    device: torch.device
 
 
 def is_initialized() -> bool:
@@ -47,26 +39,42 @@ def barrier() -> None:
         dist.barrier()
 
 
-def default_backend() -> str:
-    return "nccl" if torch.cuda.is_available() else "gloo"
+def local_process() -> tuple[int, int]:
+    """(this process's index on its node, processes on the node) from torchrun's LOCAL_RANK and
+    LOCAL_WORLD_SIZE, or SLURM's SLURM_LOCALID and SLURM_NTASKS_PER_NODE under srun."""
+    for index, count in (("LOCAL_RANK", "LOCAL_WORLD_SIZE"), ("SLURM_LOCALID", "SLURM_NTASKS_PER_NODE")):
+        if index in os.environ:
+            return int(os.environ[index]), int(os.environ.get(count, "1").split("(")[0])
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        from utils.errors import ConfigError  # here, not at the top: utils.errors builds on this module
+
+        raise ConfigError("WORLD_SIZE > 1 but neither LOCAL_RANK (torchrun) nor SLURM_LOCALID (srun) says which "
+                          "GPU is this process's; start training with torchrun or srun")
+    return 0, 1
 
 
-def init_distributed(backend: str | None = None) -> DistEnv:
-    """Join the process group torchrun describes in the environment, or run as one process.
+def nodes() -> int:
+    """Machines in the job: torchrun's GROUP_WORLD_SIZE, else processes over processes per node."""
+    if "GROUP_WORLD_SIZE" in os.environ:
+        return int(os.environ["GROUP_WORLD_SIZE"])
+    return max(1, world() // local_process()[1])
 
-    Without ``WORLD_SIZE`` in the environment (plain ``python train.py``) no process group is
-    created; the collective helpers then degrade to no-ops.
-    """
-    world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    if torch.cuda.is_available():
-        torch.cuda.set_device(local_rank)
-        device = torch.device("cuda", local_rank)
-    else:
-        device = torch.device("cpu")
-    if "WORLD_SIZE" in os.environ and not is_initialized():
-        dist.init_process_group(backend=backend or default_backend(), init_method="env://")
-    return DistEnv(rank=rank(), local_rank=local_rank, world_size=world_size, device=device)
+
+def init_distributed(device: torch.device, timeout_minutes: float) -> None:
+    """Join the process group torchrun (or srun with MASTER_ADDR/PORT, RANK, WORLD_SIZE) describes, or
+    run as one process: without WORLD_SIZE in the environment no process group is created and the
+    collective helpers are no-ops. NCCL on GPUs, bound to this process's GPU; gloo on CPUs. The
+    timeout covers the longest a rank may wait at a collective for the others (e.g. while rank 0
+    writes a checkpoint), so that a slow save does not trip the NCCL watchdog."""
+    if "WORLD_SIZE" not in os.environ or is_initialized():
+        return
+    on_gpu = device.type == "cuda"
+    dist.init_process_group(backend="nccl" if on_gpu else "gloo", init_method="env://",
+                            timeout=timedelta(minutes=timeout_minutes), device_id=device if on_gpu else None)
+
+
+def backend() -> str:
+    return dist.get_backend() if is_initialized() else "none (one process)"
 
 
 def cleanup() -> None:

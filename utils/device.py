@@ -1,0 +1,73 @@
+"""Which device a training process uses, and how its numerics are set: never a silent CPU fallback.
+
+`device = "auto"` takes this process's GPU when CUDA works and the CPU otherwise, and the start-up log
+always says which; `"cuda"` refuses to start without a usable GPU and says why (no driver, a driver
+too old for the CUDA build torch was compiled for, or a torch without CUDA).
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+
+from utils.errors import ConfigError
+
+# The oldest Linux driver each CUDA major version runs on (NVIDIA's CUDA toolkit release notes).
+MIN_DRIVER = {12: "525.60.13", 13: "580.65.06"}
+NVIDIA_DRIVER_FILE = Path("/proc/driver/nvidia/version")
+CUBLAS_WORKSPACE = ":4096:8"  # the cuBLAS setting that makes its GEMMs deterministic
+
+
+def choose_device(choice: str, local_rank: int, local_processes: int) -> torch.device:
+    """The device of the process `local_rank` of `local_processes` on this node, for config key `device`."""
+    if choice == "cpu" or (choice == "auto" and not torch.cuda.is_available()):
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise ConfigError(f"device='cuda' but CUDA cannot be used here: {cuda_unavailable_reason()}")
+    visible = torch.cuda.device_count()
+    if local_processes > visible:
+        shown = os.environ.get("CUDA_VISIBLE_DEVICES")
+        where = f" (CUDA_VISIBLE_DEVICES={shown})" if shown is not None else ""
+        raise ConfigError(f"{local_processes} processes on this node but {visible} GPU(s) visible{where}; start "
+                          f"torchrun with --nproc_per_node={visible} or fewer")
+    torch.cuda.set_device(local_rank)
+    return torch.device("cuda", local_rank)
+
+
+def cuda_unavailable_reason() -> str:
+    """Why torch.cuda.is_available() is False, as far as can be told, and what to do."""
+    build = torch.version.cuda
+    if build is None:
+        return (f"this torch ({torch.__version__}) is built without CUDA; install the CUDA build pinned in "
+                "requirements.txt, or set device='cpu'")
+    needed = MIN_DRIVER.get(int(build.split(".")[0]))
+    requirement = f"NVIDIA driver {needed} or newer" if needed else "a matching NVIDIA driver"
+    if not NVIDIA_DRIVER_FILE.exists():
+        return (f"no NVIDIA driver is loaded ({NVIDIA_DRIVER_FILE} is missing); this torch is built for CUDA {build} "
+                f"and needs {requirement}: install it, or set device='cpu'")
+    driver = NVIDIA_DRIVER_FILE.read_text().split("Kernel Module", 1)[-1].split()[0]
+    return (f"the NVIDIA driver is {driver} but this torch is built for CUDA {build} and needs {requirement}: "
+            "update the driver (or check CUDA_VISIBLE_DEVICES and nvidia-smi), or set device='cpu'")
+
+
+def configure_numerics(device: torch.device, tf32: bool, deterministic: bool) -> None:
+    """Speed defaults on GPUs (cuDNN autotuning, TF32 matmuls and convolutions), unless `deterministic`
+    asks for reproducible kernels: then cuDNN and cuBLAS pick deterministic algorithms and any operation
+    without one raises. On a CPU every kernel is deterministic already."""
+    if deterministic:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", CUBLAS_WORKSPACE)  # read at cuBLAS's first use
+    torch.use_deterministic_algorithms(deterministic)
+    torch.backends.cudnn.deterministic = deterministic
+    torch.backends.cudnn.benchmark = device.type == "cuda" and not deterministic
+    precision = "tf32" if tf32 else "ieee"
+    torch.backends.cuda.matmul.fp32_precision = precision
+    torch.backends.cudnn.conv.fp32_precision = precision
+
+
+def describe_device(device: torch.device) -> str:
+    """'cuda:0 (NVIDIA H200, 139.8 GiB)' or 'cpu (16 cores)', for the start-up log."""
+    if device.type == "cuda":
+        properties = torch.cuda.get_device_properties(device)
+        return f"{device} ({properties.name}, {properties.total_memory / 2 ** 30:.1f} GiB)"
+    return f"cpu ({os.cpu_count()} cores, {torch.get_num_threads()} compute threads)"
