@@ -158,7 +158,7 @@ def to_arcface_torch(src: Path, dst: Path, world_size: int, steps_per_epoch: int
     lines = [f"wrote {dst}: arcface_torch train_v2 files for {world_size} ranks ({num_classes} class centres) and "
              f"{MODEL_FILE}, at global step {step} (epoch {epoch}, {steps} batches per epoch, lr {lrs[0]:.6g})"]
     if renumbered != step:
-        lines.append(f"note: the run stopped inside epoch {epoch} (step {renumbered} of {steps} per epoch); "
+        lines.append(f"note: the run stopped inside epoch {epoch} (step {renumbered}, epochs of {steps} batches); "
                      f"arcface_torch resumes at epoch starts only, so the files say step {step}, the start of "
                      "that epoch (the weights are the run's last)")
     lines.append("not carried over (arcface_torch's files have no place for them): grad scaler, data position, "

@@ -87,6 +87,11 @@ class Layout:
         # at step 0 (the 2021 layout) nothing is renumbered and any value serves.
         return self.global_step // self.epoch if self.epoch else 1
 
+    @property
+    def pattern(self) -> str:
+        """The name of its rank files, e.g. V2_FILE."""
+        return V2_FILE if self.kind == TRAIN_V2 else WEIGHT_FILE
+
     def backbone_file(self) -> Path:
         return self.folder / (V2_FILE.format(0) if self.kind == TRAIN_V2 else BACKBONE_2021)
 
@@ -244,14 +249,14 @@ def _optimizer_name(groups: list[dict]) -> str:
 
 def check_fits(layout: Layout, model_info: dict, model) -> None:
     """CheckpointError unless the files fit this run's embedding size, class count, network and optimizer."""
-    where = layout.backbone_file()
+    where = layout.folder / layout.pattern.format(0)
     if layout.embedding_size != model_info["embedding_size"]:
         raise CheckpointError(f"{where} holds {layout.embedding_size}-dimensional class centres, this run's "
                               f"embedding_size is {model_info['embedding_size']}; set "
                               f"embedding_size={layout.embedding_size} (or resume with the config that trained it)")
     if layout.num_classes != model_info["num_classes"]:
         raise CheckpointError(_class_count_problem(layout, model_info["num_classes"]))
-    _check_backbone(where, _backbone_state(layout), model_info, model.backbone)
+    _check_backbone(layout.backbone_file(), _backbone_state(layout), model_info, model.backbone)
     ours = _optimizer_name(model.optimizer.param_groups)
     if layout.optimizer != ours:
         raise CheckpointError(f"{where} holds {layout.optimizer} state, this run uses {ours}; set "
@@ -260,13 +265,12 @@ def check_fits(layout: Layout, model_info: dict, model) -> None:
 
 
 def _class_count_problem(layout: Layout, num_classes: int) -> str:
-    pattern = V2_FILE if layout.kind == TRAIN_V2 else WEIGHT_FILE
     # Files of ranks 0..W-1 of a run on more processes, the last ranks' files not copied?
     world = layout.world_size + 1
     while layout.num_classes < num_classes and world <= num_classes \
             and class_range(num_classes, 0, world)[1] >= layout.shards[0]:
         if [class_range(num_classes, r, world)[1] for r in range(layout.world_size)] == list(layout.shards):
-            return (f"{layout.folder / pattern.format(layout.world_size)} is missing: the folder holds ranks 0.."
+            return (f"{layout.folder / layout.pattern.format(layout.world_size)} is missing: the folder holds ranks 0.."
                     f"{layout.world_size - 1} of a run on {world} processes; copy every rank's file into it")
         world += 1
     return (f"{layout.folder} holds {layout.num_classes} class centres in {layout.world_size} rank files, this run "
