@@ -2,12 +2,14 @@
 
 The arcface_torch folders are written here as upstream's code writes them, from 2 ranks: train_v2.py's
 per-rank dict (the state_dict of a torch optimizer over [backbone parameters, centre shard] after real
-steps, and of a copy of upstream's PolynomialLRWarmup), and the 2021 partial_fc.py's plain tensors.
+steps, and of a copy of upstream's PolynomialLRWarmup), and the 2021 partial_fc.py's plain tensors,
+their storages tagged cuda:0 as upstream's GPU tensors are (this machine has no GPU to load them on).
 21 classes: rows 0..10 on source rank 0, 11..20 on rank 1; on 3 ranks 0..6, 7..13, 14..20, so rank 1
 takes rows from both files. References are the source ranks' tensors stacked by hand.
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import re
 import shutil
@@ -82,6 +84,20 @@ class CentreShard(torch.nn.Module):
         self.weight = torch.nn.Parameter(torch.normal(0, 0.01, (num_local, embedding_size)))
 
 
+@contextlib.contextmanager
+def saved_from_gpu():
+    """torch.save tags every storage "cuda:0", as in the files of a run whose tensors lived on GPU 0."""
+    def tag(storage):
+        return "cuda:0" if storage.device.type == "cpu" else None
+
+    torch.serialization.register_package(-1, tag, lambda storage, location: None)
+    try:
+        yield
+    finally:
+        registry = torch.serialization._package_registry
+        registry.remove(next(entry for entry in registry if entry[1] is tag))
+
+
 def write_train_v2(folder: Path, optimizer: str = "sgd", world_size: int = 2, num_classes: int = NUM_CLASSES,
                    epochs: int = UPSTREAM_EPOCHS, embedding_size: int = DIM) -> list[dict]:
     """train_v2.py's save after `epochs` epochs of UPSTREAM_BATCHES batches on `world_size` ranks; the dicts written."""
@@ -116,9 +132,10 @@ def write_train_v2(folder: Path, optimizer: str = "sgd", world_size: int = 2, nu
             "state_optimizer": opt.state_dict(),
             "state_lr_scheduler": lr_scheduler.state_dict(),
         }
-        torch.save(checkpoint, folder / f"checkpoint_gpu_{rank}.pt")
-        if rank == 0:
-            torch.save(backbone.state_dict(), folder / "model.pt")
+        with saved_from_gpu():
+            torch.save(checkpoint, folder / f"checkpoint_gpu_{rank}.pt")
+            if rank == 0:
+                torch.save(backbone.state_dict(), folder / "model.pt")
         written.append(checkpoint)
     return written
 
@@ -128,14 +145,15 @@ def write_2021(folder: Path, world_size: int = 2) -> dict:
     folder.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(1)
     backbone = get_model("r18", num_features=DIM, width_mult=0.125)
-    torch.save(backbone.state_dict(), folder / "backbone.pth")
     weights, moms = [], []
-    for rank in range(world_size):
-        num_local = NUM_CLASSES // world_size + int(rank < NUM_CLASSES % world_size)
-        weights.append(torch.normal(0, 0.01, (num_local, DIM)))
-        moms.append(torch.randn(num_local, DIM))
-        torch.save(weights[-1], folder / f"rank_{rank}_softmax_weight.pt")
-        torch.save(moms[-1], folder / f"rank_{rank}_softmax_weight_mom.pt")
+    with saved_from_gpu():
+        torch.save(backbone.state_dict(), folder / "backbone.pth")
+        for rank in range(world_size):
+            num_local = NUM_CLASSES // world_size + int(rank < NUM_CLASSES % world_size)
+            weights.append(torch.normal(0, 0.01, (num_local, DIM)))
+            moms.append(torch.randn(num_local, DIM))
+            torch.save(weights[-1], folder / f"rank_{rank}_softmax_weight.pt")
+            torch.save(moms[-1], folder / f"rank_{rank}_softmax_weight_mom.pt")
     return {"backbone": backbone.state_dict(), "weight": torch.cat(weights), "momentum_buffer": torch.cat(moms)}
 
 
@@ -231,6 +249,7 @@ def parameters_only(state: dict) -> dict:
     return {key: value for key, value in state.items() if not re.search(r"running_|num_batches_tracked", key)}
 
 
+@pytest.mark.slow  # one torchrun launch of 3 processes: ~4 CPU seconds of imports each
 def test_train_v2_resumes_through_torchrun_on_three_processes(data, sources, tmp_path):
     """At lr 0 (and momentum 0, so SGD leaves its buffers alone) the run's own checkpoint shows where the
     import put every row: 2 ranks x 5 batches at step 10 is, on 3 processes of 3 steps, step 6."""
