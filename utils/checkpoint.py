@@ -8,6 +8,8 @@ A run folder holds:
 - `model.json`: what network `backbone.pth` belongs to (network, network_kwargs, embedding_size,
   num_classes), so that tools given the run folder need no more options.
 
+A run also resumes from a folder arcface_torch wrote (utils/arcface_checkpoint.py), on any world size.
+
 Every file is written atomically (utils/atomic.py): a crash at any moment costs no earlier save.
 """
 from __future__ import annotations
@@ -23,6 +25,7 @@ import torch
 from torch import nn
 
 from backbones import load_backbone
+from utils.arcface_checkpoint import MARKERS, MODEL_FILE, marker_for, restore_arcface
 from utils.atomic import atomic_save, write_bytes
 from utils.distributed import is_main, world
 from utils.errors import CheckpointError
@@ -41,7 +44,9 @@ from utils.training_state import (
 
 BACKBONE_NAME = "backbone.pth"
 MODEL_INFO_NAME = "model.json"
-WEIGHTS_NAMES = (POINTER_NAME, LEGACY_NAME, BACKBONE_NAME)  # what makes a folder a run worth guarding
+# What makes a folder a run worth guarding, in the order a resume prefers them: arcface_torch's rank
+# files before its backbone alone (model.pt is all train_v2.py writes by default).
+WEIGHTS_NAMES = (POINTER_NAME, LEGACY_NAME, *MARKERS, BACKBONE_NAME, MODEL_FILE)
 
 log = logging.getLogger(__name__)
 
@@ -62,9 +67,11 @@ def save_backbone(backbone: nn.Module, output_dir: str | os.PathLike, model_info
 
 def find_resume_source(location: str | os.PathLike) -> tuple[str, Path]:
     """(kind, file) to resume from a run folder or a file: kind "checkpoint" (checkpoint.json),
-    "legacy" (an earlier version's checkpoint.pt) or "backbone" (a bare backbone .pth). CheckpointError
-    if there is none."""
+    "legacy" (an earlier version's checkpoint.pt), "arcface_torch" (rank 0's file of an arcface_torch
+    save, standing for every rank's) or "backbone" (a bare backbone .pth). CheckpointError if there is none."""
     location = Path(location)
+    if location.is_file() and marker_for(location) is not None:  # one rank's file: the save it belongs to
+        return "arcface_torch", marker_for(location)
     if location.is_dir():
         found = [location / name for name in WEIGHTS_NAMES if (location / name).is_file()]
         if not found:
@@ -76,6 +83,8 @@ def find_resume_source(location: str | os.PathLike) -> tuple[str, Path]:
                               f"a {POINTER_NAME} or a backbone .pth file")
     if location.suffix == ".json":
         return "checkpoint", location
+    if location.name in MARKERS:
+        return "arcface_torch", location
     return ("legacy" if read_legacy(location).get("format") == LEGACY_FORMAT else "backbone"), location
 
 
@@ -120,7 +129,7 @@ class Checkpointer:
         if kind == "backbone":
             self._start_from_backbone(path)
             return
-        restore = restore_state if kind == "checkpoint" else restore_legacy
+        restore = {"checkpoint": restore_state, "legacy": restore_legacy, "arcface_torch": restore_arcface}[kind]
         restored = restore(path, self.model_info, self.model)
         saved = restored.progress
         progress.nonfinite_total = saved["nonfinite_total"]
@@ -128,7 +137,7 @@ class Checkpointer:
             progress.global_step = saved["global_step"]
             self.loader.load_state_dict(restored.rank_state["loader"])
             set_rng_state(restored.rank_state["rng"])
-        else:
+        elif saved["global_step"]:  # step 0 (arcface_torch's 2021 layout) is step 0 however an epoch is cut
             self._renumber(restored, progress)
         log.info("resumed from %s at global step %d (epoch %d), lr %.6f", path, progress.global_step, progress.epoch,
                  self.model.optimizer.param_groups[0]["lr"])

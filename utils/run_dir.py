@@ -14,7 +14,7 @@ LOCK_NAME = ".lock"
 
 
 def resolve_resume(output: str, resume: bool | str) -> tuple[str, Path] | None:
-    """What to start from: None for a fresh run, else ("checkpoint" | "backbone", file).
+    """What to start from: None for a fresh run, else (kind, file) from find_resume_source.
 
     A fresh run (or one starting from another folder's weights) needs an empty or missing output
     folder; `resume=True` continues the run already in `output`.

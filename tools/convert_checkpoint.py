@@ -1,0 +1,221 @@
+"""Convert a training checkpoint between pairface and arcface_torch, either way.
+
+    python -m tools.convert_checkpoint output/my_run arcface_out --to arcface_torch --world-size 8
+    python -m tools.convert_checkpoint arcface_out output/my_run --to pairface --config configs/ms1mv3_r50.py
+
+--to arcface_torch: SRC is a pairface run folder (its checkpoint.json); DST gets what arcface_torch's
+train_v2.py writes on N GPUs: `checkpoint_gpu_{rank}.pt` for each of the N ranks and `model.pt`.
+train_v2.py with `config.output = DST` and `config.resume = True` on N GPUs continues the run. Step,
+epoch and schedule are counted in arcface_torch's batches on N GPUs (the run's steps per epoch scaled
+from its processes to N, or --steps-per-epoch), at an epoch start, since arcface_torch resumes only
+there; the schedule keeps pairface's power-2 decay. arcface_torch's files have no place for the grad
+scaler, data position, random streams or config: those start afresh there.
+
+--to pairface: SRC is an arcface_torch output folder (train_v2's checkpoint_gpu_*.pt, or the 2021
+layout's rank_*_softmax_weight*.pt beside backbone.pth); DST becomes a pairface run folder
+(checkpoint.json, checkpoint-<step>/, backbone.pth, model.json) that `train.py CONFIG --resume
+--set output=DST` continues on any number of processes. --config (and --set) name the network and
+training settings, as for train.py: arcface_torch's files do not say them. (train.py --resume also
+reads arcface_torch's folders directly; this writes them as a pairface run once and for all.)
+
+Either way the conversion runs in one process, holding the class-centre matrix and its optimizer
+state once. DST must be new or empty, unless --force.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import pickle
+import sys
+import tempfile
+from pathlib import Path
+from typing import TextIO
+
+import torch
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+from partial_fc import class_range
+from train import build_training, model_info
+from utils.arcface_checkpoint import (
+    MARKERS,
+    MODEL_FILE,
+    PAIRFACE_POWER,
+    V2_FILE,
+    marker_for,
+    rank_files,
+    read_layout,
+    restore_arcface,
+)
+from utils.atomic import atomic_save
+from utils.checkpoint import Progress, save_backbone
+from utils.config import load_config
+from utils.errors import CheckpointError, ConfigError, RunDirError, exit_on_user_error
+from utils.lr_scheduler import jump_to_step, poly_factor
+from utils.progress import progress
+from utils.training_state import POINTER_NAME, read_pointer, save_state
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("src", type=Path, help="pairface run folder (--to arcface_torch) or arcface_torch output "
+                                                "folder (--to pairface)")
+    parser.add_argument("dst", type=Path, help="folder to write (new or empty, unless --force)")
+    parser.add_argument("--to", required=True, choices=("arcface_torch", "pairface"), help="the layout to write")
+    parser.add_argument("--world-size", type=int, metavar="N",
+                        help="--to arcface_torch: the number of GPUs arcface_torch will continue on (required)")
+    parser.add_argument("--steps-per-epoch", type=int, metavar="S",
+                        help="--to arcface_torch: arcface_torch's batches per epoch on N GPUs (default: the run's "
+                             "steps per epoch scaled from its processes to N)")
+    parser.add_argument("--config", help="--to pairface: the experiment file to continue with (required)")
+    parser.add_argument("--set", metavar="KEY=VALUE", action="append", default=[],
+                        help="--to pairface: override a config key, as for train.py; repeatable")
+    parser.add_argument("--force", action="store_true", help="write into DST even if it holds files")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)  # the import's log line
+    with exit_on_user_error():
+        if args.to == "arcface_torch":
+            if args.world_size is None or args.world_size < 1:
+                raise ConfigError("--to arcface_torch needs --world-size N, the number of GPUs arcface_torch will "
+                                  "continue on; pass a positive N")
+            if args.steps_per_epoch is not None and args.steps_per_epoch < 1:
+                raise ConfigError(f"--steps-per-epoch {args.steps_per_epoch} is not a positive number; pass "
+                                  "arcface_torch's batches per epoch, or leave it out")
+            _prepare(args.dst, args.force)
+            lines = to_arcface_torch(args.src, args.dst, args.world_size, args.steps_per_epoch, sys.stderr)
+            lines.insert(1, f"continue it with arcface_torch's train_v2.py on {args.world_size} GPUs: config.output = "
+                            f"\"{args.dst}\", config.resume = True, config.save_all_states = True")
+        else:
+            if args.config is None:
+                raise ConfigError("--to pairface needs --config CONFIG, the experiment file (network, embedding "
+                                  "size, optimizer, schedule) to continue with; pass the one train.py will use")
+            cfg = load_config(args.config, args.set)
+            _prepare(args.dst, args.force)
+            lines = to_pairface(args.src, args.dst, cfg, sys.stderr)
+            overrides = "".join(f" --set {item}" for item in args.set)
+            lines.append(f"continue it with: torchrun --nproc_per_node=N train.py {args.config}{overrides} --set "
+                         f"output={args.dst} --resume (any N)")
+    print("\n".join(lines))
+    return 0
+
+
+def _prepare(dst: Path, force: bool) -> None:
+    if dst.exists() and not dst.is_dir():
+        raise RunDirError(f"{dst} is a file; choose a folder to write the converted checkpoint into")
+    if dst.is_dir() and any(dst.iterdir()) and not force:
+        raise RunDirError(f"{dst} already holds files; choose a new folder, or pass --force to write the "
+                          "converted checkpoint over what is there")
+    dst.mkdir(parents=True, exist_ok=True)
+
+
+# --- pairface -> arcface_torch --------------------------------------------------------------------
+
+def to_arcface_torch(src: Path, dst: Path, world_size: int, steps_per_epoch: int | None,
+                     stream: TextIO | None = None) -> list[str]:
+    """Write the pairface run in `src` as arcface_torch's train_v2 files for `world_size` ranks; what was done."""
+    whole = _read_whole(src, dst)
+    run = pickle.loads(whole["run"])
+    centres, backbone, groups = whole["centres"], whole["backbone"], run["param_groups"]
+    num_classes = centres.shape[0]
+    if world_size > num_classes:
+        raise ConfigError(f"--world-size {world_size} exceeds the run's {num_classes} classes; every rank needs a "
+                          "class centre: pass a smaller N")
+    optimizer_state = {int(index): state for index, state in whole.get("optimizer", {}).items()}
+    centre_index = groups[1]["params"][0]  # pairface's and arcface_torch's groups: backbone, then the centres
+    saved, config = run["progress"], run["config"]
+    # arcface_torch counts batches, pairface optimizer steps; both keep the fraction of training done.
+    steps = steps_per_epoch or max(1, round(saved["steps_per_epoch"] * config["gradient_acc"] * run["world_size"]
+                                            / world_size))
+    renumbered = round(saved["global_step"] * steps / saved["steps_per_epoch"])
+    epoch = renumbered // steps
+    step = epoch * steps
+    warmup, total = steps * config["warmup_epoch"], steps * config["num_epoch"]
+    base_lrs = [group["initial_lr"] for group in groups]
+    lrs = [base * poly_factor(step, warmup, total, PAIRFACE_POWER) for base in base_lrs]
+    # train_v2 loads this into its PolynomialLRWarmup (__dict__.update): the keys its torch.optim scheduler
+    # keeps, then the class's own three. The power is pairface's, so the LR goes on along the same curve.
+    scheduler = {"base_lrs": base_lrs, "last_epoch": step, "verbose": False, "_step_count": step + 1,
+                 "_is_initial": False, "_get_lr_called_within_step": False, "_last_lr": lrs,
+                 "total_iters": total, "power": PAIRFACE_POWER, "warmup_iters": warmup}
+    param_groups = [{**group, "lr": lr} for group, lr in zip(groups, lrs)]
+    for rank, stale in rank_files(dst, V2_FILE).items():
+        if rank >= world_size:
+            stale.unlink()  # a set for more ranks written here before (--force) would mix with this one
+    for rank in progress(range(world_size), world_size, f"writing {V2_FILE.format('*')}", stream):
+        start, count = class_range(num_classes, rank, world_size)
+        state = dict(optimizer_state)
+        if centre_index in optimizer_state:
+            state[centre_index] = {name: value[start:start + count].clone() if _is_rows(value, num_classes) else value
+                                   for name, value in optimizer_state[centre_index].items()}
+        atomic_save({"epoch": epoch, "global_step": step, "state_dict_backbone": backbone,
+                     "state_dict_softmax_fc": {"weight": centres[start:start + count].clone()},
+                     "state_optimizer": {"state": state, "param_groups": param_groups},
+                     "state_lr_scheduler": scheduler}, dst / V2_FILE.format(rank))
+    atomic_save(backbone, dst / MODEL_FILE)
+    lines = [f"wrote {dst}: arcface_torch train_v2 files for {world_size} ranks ({num_classes} class centres) and "
+             f"{MODEL_FILE}, at global step {step} (epoch {epoch}, {steps} batches per epoch, lr {lrs[0]:.6g})"]
+    if renumbered != step:
+        lines.append(f"note: the run stopped inside epoch {epoch} (step {renumbered}, epochs of {steps} batches); "
+                     f"arcface_torch resumes at epoch starts only, so the files say step {step}, the start of "
+                     "that epoch (the weights are the run's last)")
+    lines.append("not carried over (arcface_torch's files have no place for them): grad scaler, data position, "
+                 "random streams, config")
+    return lines
+
+
+def _read_whole(src: Path, scratch_parent: Path) -> dict:
+    """The checkpoint src/checkpoint.json names, read whole with torch's DCP-to-torch.save converter and
+    memory-mapped from there, so that the matrices are not held twice."""
+    pointer = src / POINTER_NAME
+    if not pointer.is_file():
+        raise CheckpointError(f"{src} holds no pairface {POINTER_NAME}; pass the output folder of a pairface run "
+                              "that saved a checkpoint")
+    folder = src / read_pointer(pointer)["directory"]
+    with tempfile.TemporaryDirectory(dir=scratch_parent, prefix=".convert-") as scratch:
+        whole_path = Path(scratch) / "whole.pt"
+        try:
+            dcp_to_torch_save(folder, whole_path)
+        except Exception as error:  # DCP reports a damaged folder with many exception types
+            raise CheckpointError(f"cannot read checkpoint {folder} ({type(error).__name__}); it is damaged or "
+                                  "incomplete: convert another run folder") from None
+        # The pickles are pairface's own (DCP stores the run's bytes blobs): weights_only cannot read them.
+        return torch.load(whole_path, map_location="cpu", weights_only=False, mmap=True)
+
+
+def _is_rows(value, num_classes: int) -> bool:
+    return torch.is_tensor(value) and value.dim() == 2 and value.shape[0] == num_classes
+
+
+# --- arcface_torch -> pairface --------------------------------------------------------------------
+
+def to_pairface(src: Path, dst: Path, cfg, stream: TextIO | None = None) -> list[str]:
+    """Write the arcface_torch checkpoint in `src` as a pairface run folder `dst` for config `cfg`; what was done."""
+    marker = marker_for(src) if src.is_file() else next((src / name for name in MARKERS if (src / name).is_file()),
+                                                           None)
+    if marker is None:
+        raise CheckpointError(f"{src} holds no arcface_torch checkpoint ({' or '.join(MARKERS)}); pass the output "
+                              "folder arcface_torch wrote with save_all_states = True")
+    layout = read_layout(marker)
+    num_classes = cfg.num_classes or layout.num_classes
+    # The checkpoint is one process's (save_state records world size 1), so its steps are counted as
+    # one process would count them: arcface_torch's W ranks' batches per epoch, W times as many, in
+    # optimizer steps. A resume on any number of processes renumbers from there.
+    steps = max(1, round(layout.steps_per_epoch * layout.world_size / cfg.gradient_acc))
+    saved = Progress(global_step=round(layout.global_step * steps / layout.steps_per_epoch), steps_per_epoch=steps)
+    model = build_training(cfg, num_classes, torch.device("cpu"), steps)
+    info = model_info(cfg, num_classes)
+    restored = restore_arcface(marker, info, model, stream)
+    jump_to_step(model.scheduler, saved.global_step)
+    save_state(dst, model, saved.saved(), restored.first_rank_state["loader"], info,
+               {**vars(cfg), "output": str(dst)})
+    save_backbone(model.backbone, dst, info)
+    return [f"wrote {dst}: a pairface run at global step {saved.global_step} (epoch {saved.epoch}, "
+            f"{saved.steps_per_epoch} steps per epoch counted for one process) from arcface_torch's {layout.kind} "
+            f"files of {layout.world_size} ranks at its global step {layout.global_step}"]
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
