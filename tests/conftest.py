@@ -2,6 +2,7 @@
 built once per test session."""
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -13,11 +14,18 @@ from tools import make_synthetic
 @pytest.fixture(autouse=True, scope="session")
 def one_torch_thread():
     """Tiny tensor ops spread over threads cost milliseconds each on a busy 2-core machine, and a process
-    forked from a multi-threaded OpenMP pool can hang: the tests keep torch at one thread."""
-    threads = torch.get_num_threads()
+    forked from a multi-threaded OpenMP pool can hang: the tests keep torch at one thread. OMP_NUM_THREADS
+    keeps it there when train.main runs in this process (it would otherwise take the free cores) and in
+    every process a test starts."""
+    threads, variable = torch.get_num_threads(), os.environ.get("OMP_NUM_THREADS")
     torch.set_num_threads(1)
+    os.environ["OMP_NUM_THREADS"] = "1"
     yield
     torch.set_num_threads(threads)
+    if variable is None:
+        del os.environ["OMP_NUM_THREADS"]
+    else:
+        os.environ["OMP_NUM_THREADS"] = variable
 
 
 @pytest.fixture(scope="session")

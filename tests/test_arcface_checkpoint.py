@@ -41,13 +41,6 @@ OVERRIDES = ["num_classes=21", f"warmup_epoch={WARMUP_EPOCHS}"]
 FOLDERS = ("train_v2_sgd", "train_v2_adamw", "2021")
 
 
-@pytest.fixture(autouse=True)
-def one_training_thread(monkeypatch):
-    """train.main (run_here) would raise torch's thread count to the cores it finds, and every tiny test
-    after it would then wait on a second thread on this busy 2-core machine (10-30x slower)."""
-    monkeypatch.setenv("OMP_NUM_THREADS", "1")
-
-
 class PolynomialLRWarmup(_LRScheduler):
     """arcface_torch's lr_scheduler.py as it is, but for the `verbose` argument torch 2.14 no longer takes."""
 
