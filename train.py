@@ -189,11 +189,13 @@ def build_model(cfg: SimpleNamespace, num_classes: int, device: torch.device) ->
 
 
 def build_optimizer(cfg: SimpleNamespace, backbone: nn.Module, pfc: PartialFC) -> torch.optim.Optimizer:
-    """One optimizer, two parameter groups (backbone, centres), the same lr and weight decay (upstream)."""
+    """One optimizer, two parameter groups (backbone, centres), the same lr and weight decay (upstream).
+    Fused: one kernel updates each group in place, where the default one would allocate a centre-sized
+    temporary for the weight decay term."""
     groups = [{"params": list(backbone.parameters())}, {"params": list(pfc.parameters())}]
     if cfg.optimizer == "sgd":
-        return torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
-    return torch.optim.AdamW(groups, lr=cfg.lr, weight_decay=cfg.weight_decay)
+        return torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay, fused=True)
+    return torch.optim.AdamW(groups, lr=cfg.lr, weight_decay=cfg.weight_decay, fused=True)
 
 
 def build_training(cfg: SimpleNamespace, num_classes: int, device: torch.device, steps_per_epoch: int) -> Model:
@@ -269,7 +271,9 @@ def train_step(model: Model, micro_batches, cfg, inject_nan: bool = False) -> tu
 
 def _agreed_outcome(loss: torch.Tensor, grad_norm: torch.Tensor, centre_grad: torch.Tensor) -> StepOutcome:
     """The worst outcome over ranks, computed on the device: the step's one wait for the device."""
-    grads_finite = torch.isfinite(grad_norm) & torch.isfinite(centre_grad).all()
+    # The sum is non-finite exactly when an element is (short of an overflow no real gradient reaches), and
+    # unlike isfinite(centre_grad) it needs no temporaries the size of the centre matrix.
+    grads_finite = torch.isfinite(grad_norm) & torch.isfinite(centre_grad.sum())
     local = torch.where(torch.isfinite(loss), torch.where(grads_finite, 0.0, 1.0), 2.0).to(torch.float32)
     return StepOutcome(int(all_reduce_max(local).item()))
 
