@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from dataset import InsightfaceWriter, encode, render_faces, side_by_side
 from tools import make_synthetic
 
 
@@ -36,3 +37,17 @@ def data(tmp_path_factory) -> Path:
     assert make_synthetic.main(["--output", str(folder), "--identities", "20", "--images-per-identity", "4",
                                 "--val-identities", "10", "--val-pairs", "20", "--workers", "1"]) == 0
     return folder
+
+
+@pytest.fixture(scope="session")
+def pair_records(tmp_path_factory):
+    """A factory: (count, seed) -> a folder of `count` two-view records, one identity each, so that a
+    label names its sample index."""
+    def make(count: int, seed: int) -> str:
+        out = tmp_path_factory.mktemp("pairs")
+        faces = render_faces(range(count), 0, seed=seed), render_faces(range(count), 1, seed=seed)
+        with InsightfaceWriter(str(out)) as writer:
+            for identity in range(count):
+                writer.write_identity([encode(side_by_side([faces[0][identity], faces[1][identity]]))])
+        return str(out)
+    return make

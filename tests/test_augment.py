@@ -9,20 +9,17 @@ import pytest
 import torch
 
 from dataset import (
-    InsightfaceWriter,
     SampleRandom,
     ViewAugment,
     build_dataset,
     build_loader,
     dali_augment,
     draw_augments,
-    encode,
     gaussian_blur,
     grey,
     hue_saturation,
     low_resolution,
     render_faces,
-    side_by_side,
 )
 
 # DALI's hsv.h matrices, typed from upstream (not imported from the code under test).
@@ -168,13 +165,8 @@ NUM_SAMPLES = 24
 
 
 @pytest.fixture(scope="module")
-def pair_rec(tmp_path_factory) -> str:
-    out = tmp_path_factory.mktemp("pairs")
-    images = render_faces(range(NUM_SAMPLES), 0, seed=3), render_faces(range(NUM_SAMPLES), 1, seed=3)
-    with InsightfaceWriter(str(out)) as writer:
-        for identity in range(NUM_SAMPLES):
-            writer.write_identity([encode(side_by_side([images[0][identity], images[1][identity]]))])
-    return str(out)
+def pair_rec(pair_records) -> str:
+    return pair_records(NUM_SAMPLES, seed=3)
 
 
 def test_dataset_adds_each_views_draws_after_the_flip(pair_rec):

@@ -10,7 +10,6 @@ from torch.utils.data import DistributedSampler
 from dataset import (
     DataError,
     FaceLoader,
-    InsightfaceWriter,
     RecordReader,
     RecordWriter,
     build_dataset,
@@ -19,7 +18,6 @@ from dataset import (
     one_ahead,
     pack,
     render_faces,
-    side_by_side,
     unpack,
 )
 
@@ -27,14 +25,8 @@ NUM_SAMPLES = 30
 
 
 @pytest.fixture(scope="module")
-def pair_rec(tmp_path_factory) -> str:
-    """One two-view record per identity, so a label names its sample index."""
-    out = tmp_path_factory.mktemp("pairs")
-    faces = render_faces(range(NUM_SAMPLES), 0, seed=1), render_faces(range(NUM_SAMPLES), 1, seed=1)
-    with InsightfaceWriter(str(out)) as writer:
-        for identity in range(NUM_SAMPLES):
-            writer.write_identity([encode(side_by_side([faces[0][identity], faces[1][identity]]))])
-    return str(out)
+def pair_rec(pair_records) -> str:
+    return pair_records(NUM_SAMPLES, seed=1)
 
 
 def collect(loader, epochs) -> list[tuple[torch.Tensor, torch.Tensor]]:
