@@ -7,7 +7,8 @@
 One step: the loader's (B, V, 3, 112, 112) uint8 batch -> one backbone pass over the B*V images
 -> V embedding tensors -> PartialFC (one loss over all views) -> one backward -> clip -> one
 optimizer step over backbone and centres -> LR step. Run folder: training.log, tensorboard/,
-checkpoint.pt (full state, resumable on any world size), backbone.pth (arcface_torch-compatible).
+checkpoint.json + checkpoint-<step>/ (the full state, sharded, resumable on any world size),
+backbone.pth (arcface_torch-compatible) and model.json.
 """
 from __future__ import annotations
 

@@ -15,7 +15,7 @@ import sys
 import time
 from pathlib import Path
 
-from backbones import load_backbone
+from backbones.trained import load_trained
 from eval.verification import load_bin, test
 from tools import make_synthetic
 from utils.config import load_config
@@ -53,8 +53,7 @@ def main() -> int:
         return 1
     minutes = (time.time() - start) / 60
 
-    backbone = load_backbone(cfg.network, f"{output}/backbone.pth", num_features=cfg.embedding_size,
-                             **cfg.network_kwargs)
+    backbone, _ = load_trained(output)
     val = data / make_synthetic.VAL_NAME
     _, _, accuracy, std, _, _ = test(load_bin(str(val)), backbone, batch_size=64)
     verdict = "meets" if accuracy >= TARGET else "is below"
@@ -63,7 +62,7 @@ demo summary
   trained        {cfg.network} {cfg.network_kwargs} on {cfg.num_views}-view records of {data}, {minutes:.1f} minutes
   held-out       {val} (identities never seen in training)
   Accuracy-Flip  {accuracy:.4f} +- {std:.4f} ({verdict} the {TARGET} target), from {output}/backbone.pth alone
-  checkpoint     {output}/checkpoint.pt   (resume: the train.py command above, plus --resume)
+  checkpoint     {output}/checkpoint.json (resume: the train.py command above, plus --resume)
   backbone       {output}/backbone.pth    (arcface_torch-compatible state_dict)
   log            {output}/training.log
   TensorBoard    tensorboard --logdir {output}/tensorboard""")
