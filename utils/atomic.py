@@ -45,12 +45,17 @@ def write_bytes(data: bytes, handle: IO[bytes]) -> None:
     handle.write(data)
 
 
+def os_error_behind(error: BaseException | None) -> OSError | None:
+    """The OSError (disk full, file too large, file missing) behind `error`, if any: torch reports a
+    failed write as a RuntimeError raised while handling one, DCP as a per-rank failure."""
+    while error is not None and not isinstance(error, OSError):
+        error = error.__cause__ or error.__context__
+    return error
+
+
 def raise_if_disk_error(error: BaseException, path: Path) -> None:
-    """A CheckpointError naming `path` if an OSError (disk full, file too large) is behind `error`:
-    torch reports a failed write as a RuntimeError raised while handling one."""
-    cause = error
-    while cause is not None and not isinstance(cause, OSError):
-        cause = cause.__cause__ or cause.__context__
+    """A CheckpointError naming `path` if an OSError is behind `error`."""
+    cause = os_error_behind(error)
     if cause is not None:
         raise CheckpointError(f"could not write {path} ({cause.strerror or cause}); the previous {path.name} "
                               "is untouched: free disk space or choose another output folder") from error

@@ -35,7 +35,7 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 
-from utils.atomic import atomic_save, fsync_dir, write_bytes
+from utils.atomic import atomic_save, fsync_dir, os_error_behind, write_bytes
 from utils.distributed import barrier, is_initialized, is_main, rank, world
 from utils.errors import CheckpointError, agreed
 
@@ -218,9 +218,7 @@ def _failure(what: str, folder: Path, error: CheckpointException, advice: str) -
     """One sentence for every rank from DCP's collected per-rank failures: the first failed rank's
     system error (disk full, file missing) if there is one behind it, else its exception."""
     failed_rank, (cause, _) = sorted(error.failures.items())[0]
-    system = cause
-    while system is not None and not isinstance(system, OSError):
-        system = system.__cause__ or system.__context__
+    system = os_error_behind(cause)
     if system is not None and system.strerror:
         detail = system.strerror + (f": {system.filename}" if system.filename else "")
     else:
