@@ -11,7 +11,9 @@ of the largest element, still many orders of magnitude below any real mistake.
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 
+import partial_fc
 from losses import CombinedMarginLoss
 from partial_fc import PartialFC, class_range, initial_centres
 from tests.distributed_helpers import run_world
@@ -63,14 +65,14 @@ def dense_reference_with_options(views: list[torch.Tensor], labels: torch.Tensor
 
 def pfc_against_dense(views: int, margin: tuple, num_classes: int = 7, sample_rate: float = 1.0,
                       threshold: float = 0.0, straight_through: bool = False, seed: int = 0, batch: int = 4,
-                      embedding_size: int = 16) -> dict:
+                      embedding_size: int = 16, labels_below: int | None = None) -> dict:
     """One PartialFC step on every rank of the current world (the backbone in DDP when there is a
     process group), on rank 0 {tensor name: (pairface's, the reference's, the reference's without
-    the options)}; {} on other ranks."""
+    the options)}; {} on other ranks. Labels are drawn from [0, labels_below or num_classes)."""
     rank, world_size = distributed.rank(), distributed.world()
     gen = torch.Generator().manual_seed(seed)
     inputs = torch.randn(world_size * batch, views, IN_FEATURES, generator=gen, dtype=torch.float64)
-    labels = torch.randint(0, num_classes, (world_size * batch,), generator=gen)
+    labels = torch.randint(0, labels_below or num_classes, (world_size * batch,), generator=gen)
     torch.manual_seed(seed)
     reference_backbone = make_backbone(IN_FEATURES, embedding_size).double()
     backbone = make_backbone(IN_FEATURES, embedding_size).double()
@@ -141,6 +143,8 @@ def _everything_distributed(rank, world_size):
     return dict(exact=_all_cases(7, 1.0),
                 sampled=_all_cases(41, 0.3),
                 options=_option_cases(),
+                # 5 classes on 2 ranks (3 + 2), every label on rank 0's shard: rank 1 samples int(0.3 * 2) = 0 centres
+                empty_shard=pfc_against_dense(views=2, margin=ARCFACE, num_classes=5, sample_rate=0.3, labels_below=3),
                 sampling=_sampling_facts(rank, world_size),
                 bad_label=_bad_label_on_rank_one(rank, world_size))
 
@@ -178,6 +182,19 @@ def test_sampled_loss_equals_reference_restricted_to_the_subset(world2):
     _assert_all_cases(world2[0]["sampled"])
 
 
+def test_a_rank_that_samples_no_centre_at_all(world2):
+    """Tiny sample rates over many ranks leave a rank without positives no centre: its softmax shard is
+    empty (the maximum of no logits is -inf) and the result is still the reference's."""
+    assert_matches_reference(world2[0]["empty_shard"], "rank 1 samples no centre")
+
+
+def test_many_column_chunks_give_the_same_loss_and_gradients(monkeypatch):
+    """The softmax passes walk the (N, C) buffer in column chunks to bound temporaries; results must not
+    depend on the chunking (here 8 elements: one or two columns per chunk)."""
+    monkeypatch.setattr(partial_fc, "COLUMN_CHUNK_ELEMENTS", 8)
+    assert_matches_reference(pfc_against_dense(views=2, margin=ARCFACE, num_classes=11, seed=3), "chunked")
+
+
 @pytest.mark.parametrize("case", OPTION_CASES)
 def test_margin_options_through_partial_fc_without_process_group(case):
     result = pfc_against_dense(**OPTION_CASES[case], seed=7)
@@ -207,7 +224,7 @@ def _sampling_facts(rank, world_size):
     torch.manual_seed(100 + rank)
     num_classes, batch = 40, 3
     pfc = PartialFC(CombinedMarginLoss(), 8, num_classes, sample_rate=0.25).double()
-    labels = torch.tensor([[1, 5, 5], [30, 22, 1]])[rank % 2]
+    labels = torch.tensor([[0, 5, 5], [30, 20, 1]])[rank % 2]  # 0 and 20: the first class of each rank
     views = [torch.randn(batch, 8, dtype=torch.float64, requires_grad=True) for _ in range(2)]
     pfc(views, labels)[0].backward()
     start, count = class_range(num_classes, rank, world_size)
@@ -232,7 +249,7 @@ def _zero_outside(pfc, start):
 
 def test_sampling_keeps_every_positive_and_leaves_the_rest_untouched(world2):
     results = [r["sampling"] for r in world2]
-    positives = {1, 5, 30, 22}
+    positives = {0, 1, 5, 30, 20}
     for r in results:
         mine = {c for c in positives if r["start"] <= c < r["start"] + r["count"]}
         for draw in [r["sampled"], *r["later_draws"]]:
@@ -256,20 +273,20 @@ def draws(seed: int, forwards: int, num_classes: int = 40, sample_rate: float = 
     pfc = PartialFC(CombinedMarginLoss(), 8, num_classes, sample_rate=sample_rate)
     views = [torch.randn(3, 8), torch.randn(3, 8)]
     with torch.no_grad():
-        return [_draw(pfc, views, torch.tensor([1, 5, 5])) for _ in range(forwards)]
+        return [_draw(pfc, views, torch.tensor([0, 5, 5])) for _ in range(forwards)]
 
 
 def test_sampled_negatives_are_random_fresh_each_forward_and_seeded():
-    """10 of 40 centres per forward: the positives 1 and 5, and 8 of the 38 others drawn afresh by every
+    """10 of 40 centres per forward: the positives 0 and 5, and 8 of the 38 others drawn afresh by every
     forward call, uniformly, from torch's seeded generator (the seed replays them; another seed does not)."""
     forwards = 200
     seen = draws(0, forwards)
-    assert all({1, 5} <= set(draw) and len(draw) == 10 for draw in seen)
+    assert all({0, 5} <= set(draw) and len(draw) == 10 for draw in seen)
     assert len(set(seen)) == forwards, "a draw of 8 of 38 negatives should not repeat within 200 forwards"
     counts = torch.bincount(torch.tensor([c for draw in seen for c in draw]), minlength=40)
-    negatives = torch.tensor([c for c in range(40) if c not in (1, 5)])
+    negatives = torch.tensor([c for c in range(40) if c not in (0, 5)])
     expected = forwards * 8 / 38  # 42 per class; binomial standard deviation 5.8
-    assert counts[[1, 5]].tolist() == [forwards, forwards]
+    assert counts[[0, 5]].tolist() == [forwards, forwards]
     assert int(counts[negatives].min()) > expected - 28 and int(counts[negatives].max()) < expected + 28, counts
     assert draws(0, forwards) == seen
     assert draws(1, 20) != seen[:20]
@@ -359,3 +376,86 @@ def test_class_range_splits_unevenly_and_covers_everything():
         assert ranges[0][0] == 0 and sum(count for _, count in ranges) == num_classes
         assert all(a + n == b for (a, n), (b, _) in zip(ranges, ranges[1:]))
         assert max(n for _, n in ranges) - min(n for _, n in ranges) <= 1
+
+
+def test_repr_names_the_classes_this_rank_holds():
+    pfc = PartialFC(CombinedMarginLoss(), 8, 7, sample_rate=0.5)
+    assert pfc.extra_repr() == "num_classes=7, local=0..6, embedding_size=8, sample_rate=0.5"
+
+
+def _small_problem(seed: int = 5):
+    torch.manual_seed(seed)
+    pfc = PartialFC(CombinedMarginLoss(), 8, 9).double()
+    views = [torch.randn(5, 8, dtype=torch.float64, requires_grad=True) for _ in range(2)]
+    return pfc, views, torch.tensor([0, 3, 8, 3, 1])
+
+
+def test_the_loss_gradient_scales_with_the_gradient_it_receives():
+    """Training back-propagates a scaled loss (the grad scaler's scale, 1 / gradient_acc)."""
+    grads = []
+    for factor in (1.0, 2.5):
+        pfc, views, labels = _small_problem()
+        (factor * pfc(views, labels)[0]).backward()
+        grads.append([pfc.weight.grad, *(v.grad for v in views)])
+    for plain, scaled in zip(*grads):
+        torch.testing.assert_close(scaled, 2.5 * plain, rtol=1e-13, atol=0.0)
+
+
+def test_frozen_centres_or_frozen_embeddings_still_get_the_other_gradient():
+    """Fine-tuning a backbone against fixed centres, or training centres on fixed embeddings."""
+    for frozen in ("centres", "embeddings"):
+        pfc, views, labels = _small_problem()
+        reference_views = [v.detach().clone().requires_grad_(frozen == "centres") for v in views]
+        reference_centres = pfc.weight.detach().clone().requires_grad_(frozen == "embeddings")
+        dense_reference(reference_views, labels, reference_centres, ARCFACE, SCALE).backward()
+        if frozen == "centres":
+            pfc.weight.requires_grad_(False)
+        else:
+            views = [v.detach() for v in views]
+        pfc(views, labels)[0].backward()
+        if frozen == "centres":
+            assert pfc.weight.grad is None
+            for mine, theirs in zip(views, reference_views):
+                assert_float64_close(mine.grad, theirs.grad, "embedding gradient with frozen centres")
+        else:
+            assert_float64_close(pfc.weight.grad, reference_centres.grad, "centre gradient with frozen embeddings")
+
+
+def test_a_second_backward_of_one_forward_is_refused():
+    pfc, views, labels = _small_problem()
+    loss, _ = pfc(views, labels)
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="once per forward"):
+        loss.backward()
+
+
+class _GemmDtypes(TorchDispatchMode):
+    """Records the input dtypes of every matrix product run under it (forward and backward)."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten.mm.default:
+            self.seen.append((tuple(args[0].shape), tuple(args[1].shape), args[0].dtype, args[1].dtype))
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, None])
+def test_the_three_gemms_run_in_the_autocast_precision(dtype):
+    """Under autocast the logits GEMM and both gradient GEMMs take half-precision inputs (that is what
+    makes them fast); without autocast they stay float32."""
+    torch.manual_seed(6)
+    pfc = PartialFC(CombinedMarginLoss(), 8, 10)
+    views = [torch.randn(6, 8, requires_grad=True) for _ in range(2)]
+    gemms = _GemmDtypes()
+    with gemms, torch.autocast("cpu", dtype=dtype or torch.bfloat16, enabled=dtype is not None):
+        loss, _ = pfc(views, torch.arange(6))
+    with gemms:
+        loss.backward()
+    assert loss.dtype == torch.float32
+    expected = dtype or torch.float32
+    assert sorted((a, b) for a, b, _, _ in gemms.seen) == [((10, 12), (12, 8)), ((12, 8), (8, 10)),
+                                                          ((12, 10), (10, 8))]
+    assert all(a == b == expected for *_, a, b in gemms.seen), gemms.seen
