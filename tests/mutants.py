@@ -19,6 +19,7 @@ import shutil
 import subprocess
 import sys
 from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -87,7 +88,9 @@ def main(argv: list[str]) -> int:
         mine = {name: status for name, status in verdicts.items() if name.startswith(mutant_prefix(module))}
         counts = Counter(mine.values())
         rechecked = [name for name, status in mine.items() if status in ("survived", "no tests")]
-        late_kills = [name for name in rechecked if killed_by_whole_files(name, module)]
+        with ThreadPoolExecutor(os.cpu_count() or 2) as pool:
+            verdict = dict(zip(rechecked, pool.map(killed_by_whole_files, rechecked, [module] * len(rechecked))))
+        late_kills = [name for name in rechecked if verdict[name]]
         left = [name for name in rechecked if name not in late_kills]
         survivors += [(name, diff(name)) for name in left]
         killed = counts["killed"] + counts["timeout"] + len(late_kills)

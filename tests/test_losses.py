@@ -12,6 +12,7 @@ MARGINS = {
     "combined": (1.0, 0.3, 0.2),
     "sphereface": (1.35, 0.0, 0.0),
     "all_three": (1.2, 0.4, 0.1),
+    "sub_unit_m1": (0.9, 0.0, 0.0),  # theta* = pi / 0.9 lies past pi: never reached, no linear part
 }
 
 
@@ -127,7 +128,7 @@ def test_target_logit_on_both_sides_of_theta_star_matches_closed_form(name):
     values = margin.target_logit(grid)
     expected = [closed_form_target(c, m1, m2, m3, 64.0) for c in grid.tolist()]
     assert values.tolist() == pytest.approx(expected, rel=1e-9, abs=1e-9)
-    assert any(math.acos(c) > (math.pi - m2) / m1 for c in grid.tolist()) == (name != "cosface")
+    assert any(math.acos(c) > (math.pi - m2) / m1 for c in grid.tolist()) == (name not in ("cosface", "sub_unit_m1"))
     for dtype in (torch.float32, torch.float16, torch.bfloat16):
         assert margin.target_logit(grid.to(dtype)).dtype == dtype
 
