@@ -357,7 +357,8 @@ def _bad_label_on_rank_one(rank, world_size):
 
 def test_out_of_range_label_raises_on_every_rank_without_hanging(world2):
     for message in [r["bad_label"] for r in world2]:
-        assert message is not None and "label 9" in message and "[0, 7)" in message and "num_classes" in message
+        assert message is not None and "label 9 (sample 0 on rank 1)" in message and "[0, 7)" in message
+        assert "num_classes" in message
 
 
 def test_negative_label_and_wrong_shapes_are_clear_errors():
@@ -459,3 +460,27 @@ def test_the_three_gemms_run_in_the_autocast_precision(dtype):
     assert sorted((a, b) for a, b, _, _ in gemms.seen) == [((10, 12), (12, 8)), ((12, 8), (8, 10)),
                                                           ((12, 10), (10, 8))]
     assert all(a == b == expected for *_, a, b in gemms.seen), gemms.seen
+
+
+def test_any_rows_of_the_initial_centres_are_those_of_the_whole_matrix(monkeypatch):
+    """Each rank draws only its rows (block by block): any range, across block boundaries, equals the same
+    rows of the whole matrix drawn at once, so the centres are the same for any number of processes."""
+    monkeypatch.setattr(partial_fc, "INIT_BLOCK_ROWS", 4)
+    whole = initial_centres(3, 0, 23, 5)
+    assert whole.std().item() == pytest.approx(0.01, rel=0.3) and len({tuple(r.tolist()) for r in whole}) == 23
+    for start, count in [(0, 4), (1, 2), (3, 6), (4, 4), (7, 16), (22, 1)]:
+        assert torch.equal(initial_centres(3, start, count, 5), whole[start:start + count]), (start, count)
+    assert not torch.equal(initial_centres(4, 0, 23, 5), whole)
+
+
+@pytest.mark.parametrize("sample_rate", [0.0, -0.1, 1.5])
+def test_a_sample_rate_outside_zero_to_one_is_refused(sample_rate):
+    with pytest.raises(ValueError, match="sample_rate"):
+        PartialFC(CombinedMarginLoss(), 8, 7, sample_rate=sample_rate)
+
+
+def test_one_class_per_process_is_enough_and_a_label_equal_to_num_classes_is_out_of_range():
+    pfc = PartialFC(CombinedMarginLoss(), 8, 1)
+    assert pfc(torch.randn(2, 8), torch.tensor([0, 0]))[0].item() == pytest.approx(0.0, abs=1e-6)
+    with pytest.raises(ValueError, match=r"label 7 \(sample 1 on rank 0\) is outside \[0, 7\)"):
+        PartialFC(CombinedMarginLoss(), 8, 7)(torch.randn(2, 8), torch.tensor([6, 7]))

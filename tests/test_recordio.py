@@ -1,6 +1,7 @@
 """RecordIO against files mxnet 1.9.1 wrote (tests/fixtures/recordio, manifest expected.json)."""
 from __future__ import annotations
 
+import gc
 import hashlib
 import json
 import multiprocessing
@@ -8,6 +9,7 @@ import os
 import pickle
 import shutil
 import struct
+import sys
 
 import numpy as np
 import pytest
@@ -286,3 +288,13 @@ def test_readers_keep_one_descriptor_and_close_it_when_dropped():
         assert _open_descriptors() == before + 1
         del reader
         assert _open_descriptors() == before
+
+
+def test_a_reader_that_failed_to_open_leaves_no_error_behind(tmp_path, monkeypatch):
+    """A reader whose constructor raised is collected quietly (its __del__ must not fail on missing fields)."""
+    unraisable = []
+    monkeypatch.setattr(sys, "unraisablehook", unraisable.append)
+    with pytest.raises(DataError):
+        RecordReader(str(tmp_path / "none.idx"), str(tmp_path / "none.rec"))
+    gc.collect()
+    assert unraisable == []
