@@ -2,7 +2,7 @@
 PY := .venv/bin/python
 STAMP := .venv/.installed
 
-.PHONY: test lint demo bench clean-venv
+.PHONY: test lint demo bench mutants clean-venv
 
 $(STAMP): requirements.txt requirements-dev.txt
 	test -x $(PY) || python3 -m venv .venv
@@ -14,6 +14,10 @@ lint: $(STAMP)
 
 test: lint
 	$(PY) -m pytest -q tests
+
+# Mutation testing (minutes per module, not part of `make test`): per module, mutants, killed, survived.
+mutants: $(STAMP)
+	$(PY) -m tests.mutants $(MODULES)
 
 demo: $(STAMP)
 	$(PY) -m tools.demo

@@ -4,6 +4,7 @@ checkpoint, backbone.pth, log and TensorBoard file), and every one of those file
 it went in (training.log may only have grown)."""
 from __future__ import annotations
 
+import multiprocessing
 import os
 import re
 import resource
@@ -11,13 +12,13 @@ import shutil
 import signal
 import socket
 import subprocess
-import time
 from pathlib import Path
 
 import pytest
 
-from tests.run_helpers import assert_nothing_lost, file_states, load_run, run_child, run_here, start_child
+from tests.run_helpers import assert_nothing_lost, file_states, load_run, run_child, run_here
 from tests.test_train_errors import only_line
+from utils.run_dir import lock_run_dir
 
 
 @pytest.fixture(scope="module")
@@ -121,20 +122,38 @@ def test_a_damaged_checkpoint(data, run):
     assert message.endswith("; it is damaged or incomplete: resume from another run folder or start a new run")
 
 
+def _hold_the_lock(folder: str, held, release) -> None:
+    """A process that holds the run folder as a training process does, until told to let go."""
+    lock = lock_run_dir(folder)
+    held.set()
+    release.wait(60)
+    lock.close()
+
+
 def test_an_output_folder_held_by_a_live_run(data, run):
-    live, _ = start_child(data, run, "max_steps=8", resume=True)
-    deadline = time.monotonic() + 60
-    while f"pid {live.pid} " not in (run / ".lock").read_text() and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert live.is_alive(), "the live run ended before the test could meet it"
-    status, stderr = run_here(data, run, "max_steps=4", resume=True)
-    assert status == 1
-    assert only_line(stderr) == (
-        f"error: output folder {run} is in use by another training process (pid {live.pid} on {socket.gethostname()}); "
-        "wait for it to finish or choose another folder with --set output=<folder>")
-    live.join(120)
-    assert live.exitcode == 0  # the live run went on undisturbed
-    assert load_run(run)["progress"]["global_step"] == 8
+    """Another process holds the folder's lock (as a live training run does, through the same lock): a start
+    there is refused with its pid and host, changes nothing (the lock file still names the holder), and once
+    the holder is gone the same start resumes."""
+    context = multiprocessing.get_context("fork")
+    held, release = context.Event(), context.Event()
+    holder = context.Process(target=_hold_the_lock, args=(str(run), held, release))
+    holder.start()
+    try:
+        assert held.wait(60), "the holder never took the lock"
+        before = file_states(run)
+        status, stderr = run_here(data, run, "max_steps=4", resume=True)
+        assert status == 1
+        assert only_line(stderr) == (
+            f"error: output folder {run} is in use by another training process (pid {holder.pid} on "
+            f"{socket.gethostname()}); wait for it to finish or choose another folder with --set output=<folder>")
+        assert_nothing_lost(before, run)
+        assert (run / ".lock").read_text() == f"pid {holder.pid} on {socket.gethostname()}\n"
+    finally:
+        release.set()
+        holder.join(60)
+    assert holder.exitcode == 0
+    assert run_here(data, run, "max_steps=4", resume=True) == (0, "")
+    assert load_run(run)["progress"]["global_step"] == 4
 
 
 def limit_file_size() -> None:

@@ -266,3 +266,74 @@ def test_gpu_batches_arrive_on_the_device_unchanged(pair_rec):
     on_gpu = collect(build_loader(ds, 4, num_workers=2, device="cuda"), range(2))
     assert all(images.is_cuda and labels.is_cuda for images, labels in on_gpu)
     assert_same_batches([(i.cpu(), label.cpu()) for i, label in on_gpu], on_cpu)
+
+
+# --- what mutation testing found unchecked ---------------------------------------------------------
+
+def test_a_fresh_loader_walks_epoch_zero_from_its_first_batch(pair_rec):
+    ds = build_dataset(pair_rec, num_views=2)
+    order = list(DistributedSampler(ds, num_replicas=1, rank=0, shuffle=True, seed=4, drop_last=True))
+    got = [labels.tolist() for _, labels in build_loader(ds, 6, seed=4, num_workers=0)]
+    assert got == [order[i:i + 6] for i in range(0, 30, 6)]
+
+
+@pytest.mark.parametrize("batch_size, lengths", [(5, [5] * 6), (29, [29, 1]), (30, [30])])
+def test_without_drop_last_the_last_batch_is_whatever_is_left(pair_rec, batch_size, lengths):
+    loader = build_loader(build_dataset(pair_rec, num_views=2), batch_size, num_workers=0, drop_last=False)
+    assert len(loader) == len(lengths) and [len(labels) for _, labels in loader] == lengths
+
+
+def test_one_batch_is_enough_and_none_is_an_error(pair_rec):
+    from dataset import DataError  # imported here: this section is appended to a file another change edits
+
+    ds = build_dataset(pair_rec, num_views=2)
+    assert len(build_loader(ds, 30, num_workers=0)) == 1
+    with pytest.raises(DataError, match="give rank 0 of 1 no batch of 31"):
+        build_loader(ds, 31, num_workers=0)
+
+
+@pytest.mark.parametrize("rank, world_size, batch_size", [(2, 2, 4), (-1, 2, 4), (0, 1, 0)])
+def test_impossible_setups_are_refused(pair_rec, rank, world_size, batch_size):
+    with pytest.raises(ValueError, match="not a valid setup"):
+        build_loader(build_dataset(pair_rec, num_views=2), batch_size, rank=rank, world_size=world_size)
+
+
+def test_batch_size_one_and_the_last_rank_are_valid(pair_rec):
+    loader = build_loader(build_dataset(pair_rec, num_views=2), 1, rank=1, world_size=2, num_workers=0)
+    assert len(loader) == 15
+
+
+@pytest.mark.parametrize("workers", [0, 1])
+def test_a_bad_record_stops_the_loader_with_its_data_error(tmp_path, pair_rec, workers):
+    """Without skip_bad_records the record's own one-sentence error reaches the training process, also
+    from a worker process (not the worker's traceback)."""
+    from dataset import DataError
+
+    reader = RecordReader(f"{pair_rec}/train.idx", f"{pair_rec}/train.rec")
+    with RecordWriter(str(tmp_path / "train.idx"), str(tmp_path / "train.rec")) as writer:
+        for key in reader.keys:
+            header, payload = unpack(reader.read(key))
+            writer.write(key, pack(header, b"garbage" if key == 5 else payload))
+    loader = build_loader(build_dataset(str(tmp_path), num_views=2), 30, num_workers=workers)
+    with pytest.raises(DataError, match=r"record key 5 is not a decodable image") as raised:
+        next(iter(loader))
+    assert "Traceback" not in str(raised.value)
+
+
+def test_loading_draws_nothing_from_torchs_global_generator(pair_rec):
+    """Centre sampling and dropout draw from torch's global generator: a loader that drew from it (a
+    DataLoader draws a worker seed at every epoch start) would change them at each epoch."""
+    loader = build_loader(build_dataset(pair_rec, num_views=2), 4, num_workers=1)
+    torch.manual_seed(0)
+    state = torch.get_rng_state()
+    collect(loader, range(2))
+    assert torch.equal(torch.get_rng_state(), state)
+
+
+def test_the_skipped_count_travels_through_state_dict(pair_rec):
+    ds = build_dataset(pair_rec, num_views=2)
+    saved = build_loader(ds, 4, num_workers=0)
+    saved.skipped = 3
+    resumed = build_loader(ds, 4, num_workers=0)
+    resumed.load_state_dict(saved.state_dict())
+    assert resumed.skipped == 3

@@ -12,6 +12,7 @@ MARGINS = {
     "combined": (1.0, 0.3, 0.2),
     "sphereface": (1.35, 0.0, 0.0),
     "all_three": (1.2, 0.4, 0.1),
+    "sub_unit_m1": (0.9, 0.0, 0.0),  # theta* = pi / 0.9 lies past pi: never reached, no linear part
 }
 
 
@@ -111,7 +112,54 @@ def test_interclass_filtering_zeroes_confusable_negatives_only():
     assert torch.equal(cos.grad, torch.tensor([[64.0, 0.0, 64.0], [0.0, 64.0, 0.0]], dtype=torch.float64))
 
 
-@pytest.mark.parametrize("kwargs", [dict(s=0), dict(m1=0), dict(m2=-0.1), dict(m2=3.2)])
+@pytest.mark.parametrize("kwargs", [dict(s=0), dict(s=-1), dict(m1=0), dict(m2=-0.1), dict(m2=math.pi), dict(m2=3.2)])
 def test_invalid_parameters_are_refused(kwargs):
     with pytest.raises(ValueError, match="must"):
         CombinedMarginLoss(**kwargs)
+
+
+@pytest.mark.parametrize("name", MARGINS)
+def test_target_logit_on_both_sides_of_theta_star_matches_closed_form(name):
+    """The whole range of the target cosine, the linear continuation past theta* included (random cosines
+    rarely get there); the target logit keeps its input's dtype."""
+    m1, m2, m3 = MARGINS[name]
+    margin = CombinedMarginLoss(64.0, m1, m2, m3)
+    grid = torch.linspace(-0.999, 0.999, 201, dtype=torch.float64)
+    values = margin.target_logit(grid)
+    expected = [closed_form_target(c, m1, m2, m3, 64.0) for c in grid.tolist()]
+    assert values.tolist() == pytest.approx(expected, rel=1e-9, abs=1e-9)
+    assert any(math.acos(c) > (math.pi - m2) / m1 for c in grid.tolist()) == (name not in ("cosface", "sub_unit_m1"))
+    for dtype in (torch.float32, torch.float16, torch.bfloat16):
+        assert margin.target_logit(grid.to(dtype)).dtype == dtype
+
+
+def test_cosface_is_exact_up_to_plus_and_minus_one():
+    """Without an angular margin (m1 = 1, m2 = 0) the target logit is s * (cos - m3) itself, with slope s:
+    no acos, so no clamping near +-1."""
+    margin = CombinedMarginLoss(64.0, 1.0, 0.0, 0.35)
+    cos = torch.tensor([-1.0, -1 + 1e-12, 0.3, 1 - 1e-12, 1.0], dtype=torch.float64, requires_grad=True)
+    logits = margin.target_logit(cos)
+    assert torch.equal(logits, 64.0 * (cos.detach() - 0.35))
+    logits.sum().backward()
+    assert torch.equal(cos.grad, torch.full_like(cos, 64.0))
+
+
+def test_a_cosine_equal_to_the_filtering_threshold_is_kept():
+    """arcface_torch drops negatives strictly above the threshold."""
+    margin = CombinedMarginLoss(64.0, 1.0, 0.0, 0.0, interclass_filtering_threshold=0.5)
+    cos = torch.tensor([[0.9, 0.5, 0.75]], dtype=torch.float64)
+    assert margin.filtered(cos, torch.tensor([0])).tolist() == [[False, False, True]]
+    assert margin(cos, torch.tensor([0])).tolist() == [[64 * 0.9, 32.0, 0.0]]
+
+
+@pytest.mark.parametrize("kwargs", [dict(s=1.0), dict(s=0.5), dict(m1=0.5), dict(m2=0.0), dict(m2=3.14)])
+def test_valid_parameters_at_the_edges_are_accepted(kwargs):
+    CombinedMarginLoss(**kwargs)
+
+
+def test_filtering_is_off_by_default():
+    """Nothing is filtered, not even a cosine that rounding pushed past 1."""
+    margin = CombinedMarginLoss(64.0, 1.0, 0.0, 0.0)
+    cos = torch.tensor([[0.2, 1.0, 1.0 + 1e-12]], dtype=torch.float64)
+    assert margin.interclass_filtering_threshold == 0.0 and not margin.straight_through
+    assert margin(cos, torch.tensor([0])).tolist() == [[64 * 0.2, 64.0, 64 * (1.0 + 1e-12)]]

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from utils.lr_scheduler import build_scheduler
+from utils.lr_scheduler import build_scheduler, jump_to_step
 
 
 def upstream_lr(last_epoch: int, base_lr: float, warmup_steps: int, max_steps: int) -> float:
@@ -68,3 +68,38 @@ def test_state_dict_resumes_at_the_same_lr():
 def test_empty_schedule_is_refused():
     with pytest.raises(ValueError, match="at least one step"):
         build_scheduler(torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1), 0, 0)
+
+
+def test_a_one_step_schedule_is_allowed():
+    weight = torch.nn.Parameter(torch.zeros(1))
+    optimizer = torch.optim.SGD([weight], lr=0.1)
+    scheduler = build_scheduler(optimizer, 0, 1)
+    assert optimizer.param_groups[0]["lr"] == 0.1
+    optimizer.step()
+    scheduler.step()
+    assert optimizer.param_groups[0]["lr"] == 0.0
+
+
+@pytest.mark.parametrize("step", [0, 3, 5, 12, 40, 45])  # start, warmup, its end, decay, the end, past it
+def test_jump_to_step_is_stepping_that_many_times(step):
+    """A resume renumbered to another step (another world size) jumps there: the optimizer's LRs, the
+    scheduler's count and every later LR are those of a schedule stepped `step` times."""
+    def setup():
+        weight, centres = torch.nn.Parameter(torch.zeros(2)), torch.nn.Parameter(torch.zeros(3, 2))
+        optimizer = torch.optim.SGD([{"params": [weight]}, {"params": [centres], "lr": 0.05}], lr=0.2)
+        return optimizer, build_scheduler(optimizer, 5, 40)
+
+    stepped_optimizer, stepped = setup()
+    for _ in range(step):
+        stepped_optimizer.step()
+        stepped.step()
+    optimizer, jumped = setup()
+    jump_to_step(jumped, step)
+    for _ in range(3):
+        assert [g["lr"] for g in optimizer.param_groups] == [g["lr"] for g in stepped_optimizer.param_groups]
+        assert jumped.last_epoch == stepped.last_epoch and jumped.get_last_lr() == stepped.get_last_lr()
+        assert optimizer.param_groups[0]["lr"] == pytest.approx(upstream_lr(jumped.last_epoch, 0.2, 5, 40)
+                                                                 if jumped.last_epoch < 40 else 0.0, abs=1e-15)
+        for opt, sched in ((optimizer, jumped), (stepped_optimizer, stepped)):
+            opt.step()
+            sched.step()

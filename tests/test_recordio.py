@@ -1,6 +1,7 @@
 """RecordIO against files mxnet 1.9.1 wrote (tests/fixtures/recordio, manifest expected.json)."""
 from __future__ import annotations
 
+import gc
 import hashlib
 import json
 import multiprocessing
@@ -8,6 +9,7 @@ import os
 import pickle
 import shutil
 import struct
+import sys
 
 import numpy as np
 import pytest
@@ -15,6 +17,8 @@ import torch
 from torchvision.io import decode_jpeg
 
 from dataset import DataError, IRHeader, RecordReader, RecordWriter, pack, unpack
+from facedata import recordio
+from facedata.recordio import encode_parts, header_label
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures", "recordio")
 MANIFEST = json.load(open(os.path.join(FIXTURES, "expected.json")))
@@ -184,3 +188,113 @@ def test_malformed_idx_line_is_named(tmp_path):
         f.write("seven\tx\n")
     with pytest.raises(DataError, match=r"flat\.idx line 7"):
         RecordReader(idx, rec)
+
+
+# --- what mutation testing found unchecked ---------------------------------------------------------
+
+def test_one_float_label_is_an_array_label():
+    """flag 1: one float32 label follows the header (not the header's own label field)."""
+    header, payload = unpack(pack(IRHeader(0, [7.0], 3, 0), b"img"))
+    assert header.flag == 1 and header.label.tolist() == [7.0] and payload == b"img"
+
+
+def test_the_class_of_a_record_is_its_label_or_the_first_of_its_labels():
+    assert header_label(IRHeader(0, 4.0, 0, 0)) == 4.0
+    assert header_label(unpack(pack(IRHeader(0, [3.0, 9.0], 0, 0), b""))[0]) == 3.0
+
+
+def test_a_record_ending_in_an_aligned_magic_is_split_as_dmlc_core_splits_it():
+    """24 bytes whose last aligned word is the magic: a first part of 20 bytes (cflag 1), then an empty
+    last part (cflag 3), written out here from the format, not by the code under test."""
+    record = bytes(range(20)) + MAGIC
+    expected = MAGIC + struct.pack("<I", (1 << 29) | 20) + bytes(range(20)) + MAGIC + struct.pack("<I", 3 << 29)
+    assert encode_parts(record) == expected
+
+
+def test_records_read_whole_when_the_first_read_is_short(monkeypatch):
+    """Records longer than the first read (4 MiB) need further reads: every fixture record, multi-part ones
+    included, still reads back as mxnet wrote it when the first read is 16 bytes."""
+    monkeypatch.setattr(recordio, "_MAX_FIRST_READ", 16)
+    for name in RECORD_FILES:
+        reader = fixture_reader(name)
+        for expected in manifest_records(name):
+            payload = unpack(reader.read(expected["key"]))[1]
+            assert hashlib.sha256(payload).hexdigest() == expected["payload_sha256"], (name, expected["key"])
+
+
+def test_read_header_of_a_record_with_many_labels(tmp_path):
+    """More labels than the header probe holds: read_header falls back to reading the record."""
+    labels = [float(i) for i in range(12)]
+    with RecordWriter(str(tmp_path / "r.idx"), str(tmp_path / "r.rec")) as writer:
+        writer.write(0, pack(IRHeader(0, labels, 5, 6), b"payload"))
+    header = RecordReader(str(tmp_path / "r.idx"), str(tmp_path / "r.rec")).read_header(0)
+    assert (header.flag, header.label.tolist(), header.id, header.id2) == (12, labels, 5, 6)
+
+
+@pytest.mark.parametrize("name", ["flat", "sparse"])
+def test_keys_outside_the_index_are_not_there(name, tmp_path):
+    if name == "sparse":
+        lines = open(os.path.join(FIXTURES, "pairs.idx")).read().splitlines()
+        (tmp_path / "p.idx").write_text("\n".join(lines[i] for i in (2, 4, 7)) + "\n")
+        shutil.copy(os.path.join(FIXTURES, "pairs.rec"), tmp_path / "p.rec")
+        reader = RecordReader(str(tmp_path / "p.idx"), str(tmp_path / "p.rec"))
+    else:
+        reader = fixture_reader(name)
+    keys = reader.keys
+    for key in (min(keys) - 1, max(keys) + 1, max(keys) + 100):
+        assert key not in reader
+        with pytest.raises(KeyError):
+            reader.read(key)
+    assert all(key in reader for key in keys)
+
+
+def test_blank_lines_in_an_index_are_skipped(tmp_path):
+    idx, rec = copy_fixture(tmp_path, "flat")
+    lines = open(idx).read().splitlines()
+    with open(idx, "w") as f:
+        f.write("\n".join(lines[:2] + ["", "   "] + lines[2:]) + "\n")
+    reader = RecordReader(idx, rec)
+    assert reader.keys == sorted(r["key"] for r in manifest_records("flat"))
+
+
+def test_an_index_with_bytes_that_are_not_text_names_the_line(tmp_path):
+    idx, rec = copy_fixture(tmp_path, "flat")
+    with open(idx, "ab") as f:
+        f.write(b"\xff\xfe\t12\n")
+    with pytest.raises(DataError, match=r"flat\.idx line 7"):
+        RecordReader(idx, rec)
+
+
+def test_an_offset_exactly_at_the_end_of_the_rec_is_past_it(tmp_path):
+    idx, rec = copy_fixture(tmp_path, "flat")
+    size = os.path.getsize(rec)
+    with open(idx, "a") as f:
+        f.write(f"9\t{size}\n")
+    with pytest.raises(DataError, match=rf"key 9 points at offset {size}, past the end"):
+        RecordReader(idx, rec)
+
+
+def _open_descriptors() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="counts descriptors in /proc")
+def test_readers_keep_one_descriptor_and_close_it_when_dropped():
+    before = _open_descriptors()
+    for _ in range(5):
+        reader = fixture_reader("flat")
+        for key in reader.keys * 3:
+            reader.read(key)
+        assert _open_descriptors() == before + 1
+        del reader
+        assert _open_descriptors() == before
+
+
+def test_a_reader_that_failed_to_open_leaves_no_error_behind(tmp_path, monkeypatch):
+    """A reader whose constructor raised is collected quietly (its __del__ must not fail on missing fields)."""
+    unraisable = []
+    monkeypatch.setattr(sys, "unraisablehook", unraisable.append)
+    with pytest.raises(DataError):
+        RecordReader(str(tmp_path / "none.idx"), str(tmp_path / "none.rec"))
+    gc.collect()
+    assert unraisable == []

@@ -9,12 +9,15 @@ process; two run through `torchrun --nproc_per_node 2 train.py`.
 """
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
-from tests.run_helpers import assert_same_run, load_run, run_here, scalars
+from tests.run_helpers import SAVED_STATE, assert_same_run, file_states, load_run, run_here, same_tensors, scalars
+from tools import make_synthetic
 
-# 1 process, 40 records, batch 4: 10 steps per epoch (5 with gradient_acc=2).
+# 1 process, 40 records, batch 4: 10 steps per epoch (5 with gradient_acc=2); each case names its data set.
 ONE_PROCESS = {
     # fp16 on CPU: a real GradScaler backing off from 2^16 during the first 8 steps (the scaled
     # gradient of PartialFC's float16 cosines overflows), so the checkpoint at step 6 holds a scale in mid-descent; SGD
@@ -23,12 +26,28 @@ ONE_PROCESS = {
     # AdamW moments, bf16 autocast, dropout (RNG), two micro-batches per step, stopped at an epoch end.
     "adamw_bf16_accumulation": (5, ["optimizer=adamw", "lr=0.01", "bf16=True", "gradient_acc=2", "sample_rate=0.5",
                                     "dropout=0.2", "num_epoch=4"]),
+    # Two loader processes (persistent across the epoch the run crosses at step 10, restarted by the resume).
+    "loader_workers": (6, ["num_workers=2", "sample_rate=0.5", "num_epoch=2"]),
+}
+# 80 one-view records (4 per identity), batch 8: 10 steps per epoch. The second view is another image of the
+# identity, drawn per sample and epoch: the resume must draw the same ones.
+IDENTITY_VIEWS = {
+    "identity_views": (6, ["view_source='identity'", "batch_size=8", "sample_rate=0.5", "num_epoch=2"]),
 }
 
 
-@pytest.mark.parametrize("case", ONE_PROCESS)
-def test_one_process_resume_is_the_uninterrupted_run(data, tmp_path, case):
-    half, overrides = ONE_PROCESS[case]
+@pytest.fixture(scope="module")
+def one_view_data(tmp_path_factory) -> Path:
+    folder = tmp_path_factory.mktemp("one_view")
+    assert make_synthetic.main(["--output", str(folder), "--identities", "20", "--images-per-identity", "4",
+                                "--views", "1", "--val-identities", "10", "--val-pairs", "20", "--workers", "1"]) == 0
+    return folder
+
+
+@pytest.mark.parametrize("case", [*ONE_PROCESS, *IDENTITY_VIEWS])
+def test_one_process_resume_is_the_uninterrupted_run(request, tmp_path, case):
+    half, overrides = ONE_PROCESS[case] if case in ONE_PROCESS else IDENTITY_VIEWS[case]
+    data = request.getfixturevalue("data" if case in ONE_PROCESS else "one_view_data")
     whole, split = tmp_path / "whole", tmp_path / "split"
     assert run_here(data, whole, *overrides, f"max_steps={2 * half}") == (0, "")
     assert run_here(data, split, *overrides, f"max_steps={half}") == (0, "")
@@ -41,6 +60,27 @@ def test_one_process_resume_is_the_uninterrupted_run(data, tmp_path, case):
     logged = scalars(split, "loss")  # fp16 skips (and does not log) the steps its scaler backs off on
     assert max(logged) == 2 * half and len(logged) >= 4
     assert_same_run(split, whole)
+
+
+def test_resume_from_a_run_folder_or_a_checkpoint_file_into_a_new_output_folder(data, tmp_path):
+    """`--set resume=<folder>` and `--set resume=<folder>/checkpoint.json` with a new output folder: both continue
+    as the uninterrupted run would have, and the run they start from is left as it was."""
+    overrides = ["sample_rate=0.5", "dropout=0.2"]
+    first, whole = tmp_path / "first", tmp_path / "whole"
+    assert run_here(data, whole, *overrides, "max_steps=4") == (0, "")
+    assert run_here(data, first, *overrides, "max_steps=2") == (0, "")
+    before = file_states(first)
+    for name, source in (("from_folder", first), ("from_file", first / "checkpoint.json")):
+        output = tmp_path / name
+        assert run_here(data, output, *overrides, "max_steps=4", f"resume={source}") == (0, "")
+        assert f"resumed from {first / 'checkpoint.json'} at global step 2" in (output / "training.log").read_text()
+        assert sorted(scalars(output, "loss")) == [3, 4]
+        for tag in ("loss", "loss_view1", "loss_view2", "learning_rate"):
+            assert scalars(output, tag) == {step: value for step, value in scalars(whole, tag).items() if step > 2}
+        resumed, uninterrupted = load_run(output), load_run(whole)
+        for key in SAVED_STATE:
+            assert same_tensors(resumed[key], uninterrupted[key]), (name, key)
+    assert file_states(first) == before
 
 
 @pytest.mark.parametrize("device", ["cpu"] + (["cuda"] if torch.cuda.is_available() else []))

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from backbones import get_model
-from tests.run_helpers import digest, load_run, run_cli
+from tests.run_helpers import digest, load_run, run_cli, run_here
 
 NETWORK = ["network=r18", "network_kwargs={'width_mult': 0.125}", "embedding_size=32"]
 TINY = (*NETWORK, "batch_size=4", "num_workers=0", "frequent=2", "verbose=4", "num_epoch=2")
@@ -80,6 +80,8 @@ def test_resume_on_one_process_continues_at_the_saved_step_with_the_saved_lr(two
     assert result.returncode == 0, result.stderr[-3000:]
     log = (output / "training.log").read_text()
     assert f"resumed from {output / 'checkpoint.json'} at global step 8 (epoch 0), lr {saved_lr:.6f}" in log
+    assert ("resuming a run of 2 process(es) and 5 steps per epoch with 1 and 10: step 4 becomes step 8; the data "
+            "order of this epoch differs from the original run") in log
     assert steps_logged(log) == [2, 4, 10]
     resumed = load_run(output)
     assert resumed["world_size"] == 1 and resumed["progress"]["global_step"] == 10
@@ -97,6 +99,7 @@ def test_resume_in_the_same_world_continues_exactly_where_it_stopped(data, tmp_p
     log = (output / "training.log").read_text()
     lr = saved["optimizer"]["param_groups"][0]["lr"]
     assert f"at global step 3 (epoch 0), lr {lr:.6f}" in log
+    assert "data order" not in log  # the same world size continues the same order
     assert steps_logged(log) == [1, 2, 3, 4, 5, 6]
     scheduler = load_run(output)["scheduler"]
     assert scheduler["last_epoch"] == 6
@@ -114,11 +117,18 @@ def test_an_existing_run_is_never_overwritten_without_resume(data, tmp_path):
     assert {p.name: digest(p) for p in output.iterdir() if p.is_file()} == before
 
 
-def test_starting_from_a_bare_backbone_is_logged(data, tmp_path):
+def test_starting_from_a_bare_backbone_loads_it_and_says_so(data, tmp_path):
+    """With lr 0 nothing moves, so the backbone.pth a run writes holds the bare backbone's weights bit for bit
+    (BatchNorm statistics aside: they move in every forward), and a fresh run's differ from them."""
     weights = tmp_path / "arcface_torch_model.pt"
     torch.manual_seed(1)
-    torch.save(get_model("r18", num_features=32, width_mult=0.125).state_dict(), weights)
-    output = tmp_path / "finetune"
-    result = train(data, output, "max_steps=1", f"resume={weights}")
-    assert result.returncode == 0, result.stderr[-3000:]
+    bare = get_model("r18", num_features=32, width_mult=0.125)
+    torch.save(bare.state_dict(), weights)
+    output, fresh = tmp_path / "finetune", tmp_path / "fresh"
+    assert run_here(data, output, "max_steps=2", "lr=0.0", f"resume={weights}", base=TINY) == (0, "")
+    assert run_here(data, fresh, "max_steps=2", "lr=0.0", base=TINY) == (0, "")
     assert f"initialised the backbone from {weights} (a bare backbone" in (output / "training.log").read_text()
+    parameters = [name for name, _ in bare.named_parameters()]
+    started, fresh_start = (torch.load(run / "backbone.pth", weights_only=True) for run in (output, fresh))
+    assert all(torch.equal(started[name], bare.state_dict()[name]) for name in parameters)
+    assert not all(torch.equal(fresh_start[name], bare.state_dict()[name]) for name in parameters)

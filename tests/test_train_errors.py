@@ -9,9 +9,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch.utils.data import DistributedSampler
 
 import train
-from tests.run_helpers import load_run
+from dataset import RecordReader, RecordWriter, pack, unpack
+from tests.run_helpers import load_run, run_here, start_cli
 from tests.test_train import train as run_train
 from train import DEBUG_NAN_STEPS_VARIABLE
 
@@ -78,3 +80,49 @@ def test_nonfinite_losses_skip_steps_and_too_many_in_a_row_stop_the_run(data, tm
     assert torch.isfinite(checkpoint["class_centres"]).all()
     backbone = torch.load(output / "backbone.pth", weights_only=True)  # also from step 10
     assert all(torch.equal(backbone[k], v) for k, v in checkpoint["backbone"].items())
+
+
+def copy_with_bad_records(data: Path, output: Path, bad_samples: set[int]) -> Path:
+    """A copy of the data set whose records of these samples (sample i is key i + 1) hold no image."""
+    output.mkdir()
+    reader = RecordReader(str(data / "train.idx"), str(data / "train.rec"))
+    with RecordWriter(str(output / "train.idx"), str(output / "train.rec")) as writer:
+        for key in reader.keys:
+            header, payload = unpack(reader.read(key))
+            writer.write(key, pack(header, b"garbage" if key - 1 in bad_samples else payload))
+    return output
+
+
+def test_under_torchrun_each_rank_reports_its_own_error_and_a_config_error_once(data, tmp_path):
+    """Every record rank 1 reads is damaged, none of rank 0's (the order is DistributedSampler's): only rank 1
+    stops with a user error, and says so on a line of its own marked [rank 1]. A config error, the same on every
+    process, is printed once."""
+    rank1 = list(DistributedSampler(range(40), num_replicas=2, rank=1, shuffle=True, seed=5, drop_last=True))
+    bad = copy_with_bad_records(data, tmp_path / "bad", set(rank1))
+    runs = [start_cli(bad, tmp_path / "bad_run", "seed=5", "max_steps=2", nproc=2),
+            start_cli(data, tmp_path / "typo", "lrr=0.1", nproc=2)]
+    data_error, config_error = [(run.communicate(timeout=400)[1], run.returncode)[::-1] for run in runs]
+
+    status, stderr = data_error
+    assert status != 0
+    errors = [line for line in stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1, stderr[-3000:]  # rank 0 has no user error of its own: torchrun ends it
+    assert re.fullmatch(rf"error: \[rank 1\] {bad}/train.rec record key (\d+) is not a decodable image \(.*\); "
+                        r"re-pack the dataset or pass skip_bad_records=True to skip such records", errors[0]), errors[0]
+    assert int(re.search(r"key (\d+)", errors[0]).group(1)) - 1 in rank1
+
+    status, stderr = config_error
+    assert status != 0
+    assert [line for line in stderr.splitlines() if line.startswith("error:")] == [
+        "error: unknown config key 'lrr' in --set lrr=0.1; did you mean 'lr'? (every key is listed in configs/base.py)"]
+
+
+def test_a_missing_verification_set_stops_the_run_before_its_first_step(data, tmp_path):
+    output = tmp_path / "run"
+    status, stderr = run_here(data, output, "val_targets=('lfw',)")
+    assert status == 1
+    assert only_line(stderr) == (
+        f"error: val_targets entry 'lfw': no verification set at {data}/lfw.bin; put lfw.bin in {data}, list its full "
+        "path, or remove it from val_targets")
+    assert not (output / "checkpoint.json").exists() and not (output / "backbone.pth").exists()
+    assert "Global Step" not in (output / "training.log").read_text()
