@@ -116,13 +116,19 @@ def _child(argv: list[str], stderr_path: str, prepare: Callable[[], None] | None
     os._exit(status)
 
 
+# Children fork from a server process that has imported train.py and run nothing: forking the test process
+# itself would hand each child whatever earlier tests left there (autograd or OpenMP thread pools that a
+# forked child cannot use), and spawning would import torch again for every child (seconds each).
+_CHILDREN = multiprocessing.get_context("forkserver")
+_CHILDREN.set_forkserver_preload(["train"])
+
+
 def start_child(data: Path, output: Path, *overrides: str, resume: bool = False,
                 prepare: Callable[[], None] | None = None) -> tuple[multiprocessing.Process, Path]:
-    """A forked process running train.main (its stderr goes to the returned file). `prepare` runs in
-    the child first, e.g. to lower its resource limits. The parent must not have run torch ops on
-    several threads (a forked OpenMP pool hangs): these tests keep torch at one thread."""
+    """A process running train.main (its stderr goes to the returned file). `prepare` (picklable: a
+    module-level function or object) runs in the child first, e.g. to lower its resource limits."""
     stderr_path = output.parent / f"{output.name}.stderr"
-    child = multiprocessing.get_context("fork").Process(
+    child = _CHILDREN.Process(
         target=_child, args=(arguments(data, output, *overrides, resume=resume), str(stderr_path), prepare))
     child.start()
     return child, stderr_path

@@ -11,12 +11,14 @@ the resumed run is the run that would have happened.
 """
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import random
 import shutil
 import signal
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -66,28 +68,37 @@ def test_a_save_reaches_the_disk_before_it_is_published(data, tmp_path, monkeypa
     assert calls.index(("rmtree", old)) > switch + 1  # the old checkpoint goes only once the new one is published
 
 
-def kill_self_at(function: str, module, target: str | None = None):
-    """A `prepare` for run_child: SIGKILL this process at its first call of `module.function` (whose first
-    argument contains `target`, when given), before the call does anything."""
-    def prepare():
-        real = getattr(module, function)
+@dataclass(frozen=True)
+class KillSelfAt:
+    """A `prepare` for run_child: SIGKILL this process at its first call of `owner.function` (`owner` an
+    importable dotted name; the call's first argument containing `target`, when given), before the call
+    does anything."""
+
+    owner: str
+    function: str
+    target: str | None = None
+
+    def __call__(self) -> None:
+        module, _, attribute = self.owner.partition(":")
+        owner = importlib.import_module(module)
+        owner = getattr(owner, attribute) if attribute else owner
+        real = getattr(owner, self.function)
 
         def fatal(*args, **kwargs):
-            if target is None or target in str(args[0]):
+            if self.target is None or self.target in str(args[0]):
                 os.kill(os.getpid(), signal.SIGKILL)
             return real(*args, **kwargs)
 
-        setattr(module, function, fatal)
-    return prepare
+        setattr(owner, self.function, fatal)
 
 
 STAGES = {
     # the new folder's files are written: before its .metadata is renamed into place
-    "folder written, not complete": lambda: kill_self_at("rename", Path),
+    "folder written, not complete": KillSelfAt("pathlib:Path", "rename"),
     # the folder is complete: before checkpoint.json is switched to it
-    "folder complete, not published": lambda: kill_self_at("replace", os, POINTER_NAME),
+    "folder complete, not published": KillSelfAt("os", "replace", POINTER_NAME),
     # published: before the old folder is removed
-    "published, old folder still there": lambda: kill_self_at("rmtree", shutil, "checkpoint-000000002"),
+    "published, old folder still there": KillSelfAt("shutil", "rmtree", "checkpoint-000000002"),
 }
 
 
@@ -104,7 +115,7 @@ def uninterrupted(data, tmp_path_factory) -> Path:
 def test_a_kill_at_each_stage_of_a_save_resumes_as_the_uninterrupted_run(data, tmp_path, uninterrupted, stage):
     output = tmp_path / "run"
     assert run_child(data, output, *OVERRIDES, "max_steps=2") == (0, "")
-    status, _ = run_child(data, output, *OVERRIDES, "max_steps=4", resume=True, prepare=STAGES[stage]())
+    status, _ = run_child(data, output, *OVERRIDES, "max_steps=4", resume=True, prepare=STAGES[stage])
     assert status == -signal.SIGKILL  # killed during the save after step 3
     published = json.loads((output / POINTER_NAME).read_text())["global_step"]
     assert published == (3 if stage.startswith("published") else 2)
