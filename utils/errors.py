@@ -50,7 +50,9 @@ def report(error: UserError) -> None:
     """Print ``error: <message>`` on stderr, prefixed with the process's rank under torchrun."""
     process = launched_rank()
     prefix = f"[rank {process}] " if process else ""
-    print(f"error: {prefix}{error}", file=sys.stderr, flush=True)
+    # One write: ranks share a terminal or pipe, and a line written in pieces interleaves with theirs.
+    sys.stderr.write(f"error: {prefix}{error}\n")
+    sys.stderr.flush()
 
 
 @contextlib.contextmanager
