@@ -7,7 +7,17 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from tests.run_helpers import file_states, finish, load_run, run_here, same_tensors, scalars, start_cli
+from tests.run_helpers import (
+    FP16_INFO,
+    FP16_ON_CPU,
+    file_states,
+    finish,
+    load_run,
+    run_here,
+    same_tensors,
+    scalars,
+    start_cli,
+)
 from tests.test_train_errors import only_line
 from train import DEBUG_NAN_STEPS_VARIABLE
 
@@ -60,8 +70,8 @@ def test_fp16_overflow_backs_the_scale_off_without_counting_towards_the_stop(dat
     """CPU fp16: the GradScaler starts at 2^16 and overflows for several steps in a row, more than
     max_nonfinite_steps=2; those skips are the scaler's routine, not a diverging loss."""
     output = tmp_path / "run"
-    assert run_here(data, output, "fp16=True", "max_steps=10", "max_nonfinite_steps=2") == (0, "")
-    saved = load_run(output)
+    assert run_here(data, output, *FP16_ON_CPU, "max_steps=10", "max_nonfinite_steps=2") == (0, "")
+    saved = load_run(output, FP16_INFO)
     assert saved["grad_scaler"]["scale"] <= 2.0 ** 13  # at least three back-offs in a row
     assert saved["progress"]["nonfinite_total"] == 0
     assert "non-finite" not in (output / "training.log").read_text()
