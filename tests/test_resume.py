@@ -29,7 +29,7 @@ from tools import make_synthetic
 
 # 1 process, 40 records, batch 4: 10 steps per epoch (5 with gradient_acc=2); each case names its data set.
 ONE_PROCESS = {
-    # fp16 on CPU: a real GradScaler backing off from 2^16 during the first 8 steps (the scaled
+    # fp16 on CPU: a real GradScaler backing off from 2^16 during the first 6 steps (the scaled
     # gradient of PartialFC's float16 cosines overflows), so the checkpoint at step 6 holds a scale in mid-descent; SGD
     # momentum; warmup then decay (the LR changes every step); the run crosses an epoch at step 10.
     "sgd_fp16_warmup": (6, [*FP16_ON_CPU, "sample_rate=0.5", "warmup_epoch=1", "num_epoch=2"]),
@@ -68,8 +68,7 @@ def test_one_process_resume_is_the_uninterrupted_run(request, tmp_path, case):
         assert 1 < stopped["grad_scaler"]["scale"] < 2.0 ** 16  # the scaler state is not the default one
     assert run_here(data, split, *overrides, f"max_steps={2 * half}", resume=True) == (0, "")
     assert f"resumed from {split / 'checkpoint.json'} at global step {half}" in (split / "training.log").read_text()
-    logged = scalars(split, "loss")  # fp16 skips (and does not log) the steps its scaler backs off on
-    assert max(logged) == 2 * half and len(logged) >= 4
+    assert sorted(scalars(split, "loss")) == list(range(1, 2 * half + 1))  # each run logged its own steps
     assert_same_run(split, whole, info)
 
 
