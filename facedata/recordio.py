@@ -151,8 +151,9 @@ class RecordReader:
             raise DataError(f"{self.idx_path}: key {keys[bad]} points at offset {offsets[bad]}, past the end of "
                             f"{self.rec_path} ({self.file_size} bytes); the .rec is truncated or the .idx belongs to "
                             "another .rec; copy the matching pair again or re-pack")
-        order = np.argsort(keys, kind="stable")
-        self._keys, self._offsets = keys[order], offsets[order]
+        # mxnet keeps the index in a dict: a key listed twice means its last offset.
+        kept = len(keys) - 1 - np.unique(keys[::-1], return_index=True)[1]
+        self._keys, self._offsets = keys[kept], offsets[kept]
         # A record ends where the next one (in file order) starts, so one read usually fetches it whole.
         boundaries = np.unique(np.append(offsets, self.file_size))
         self._extents = boundaries[np.searchsorted(boundaries, self._offsets, side="right")] - self._offsets

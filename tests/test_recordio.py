@@ -257,6 +257,19 @@ def test_blank_lines_in_an_index_are_skipped(tmp_path):
     assert reader.keys == sorted(r["key"] for r in manifest_records("flat"))
 
 
+def test_a_key_listed_twice_reads_its_last_offset_as_mxnet_does(tmp_path):
+    """mxnet's MXIndexedRecordIO fills a dict from the .idx lines, so the later line wins."""
+    idx, rec = copy_fixture(tmp_path, "flat")
+    lines = open(idx).read().splitlines()
+    second_offset = lines[1].split("\t")[1]
+    with open(idx, "a") as f:
+        f.write(f"1\t{second_offset}\n")
+    reader, original = RecordReader(idx, rec), fixture_reader("flat")
+    assert len(reader) == len(original)
+    assert reader.read(1) == original.read(2)
+    assert [reader.read(key) for key in original.keys[1:]] == [original.read(key) for key in original.keys[1:]]
+
+
 def test_an_index_with_bytes_that_are_not_text_names_the_line(tmp_path):
     idx, rec = copy_fixture(tmp_path, "flat")
     with open(idx, "ab") as f:
