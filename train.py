@@ -46,6 +46,7 @@ from utils.distributed import (
     is_main,
     launched_rank,
     local_process,
+    lost_peer,
     nodes,
     rank,
     world,
@@ -103,6 +104,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             _share_cpu(cfg.num_workers)
         try:
             train(cfg, device)
+        except Exception as error:
+            if (failure := lost_peer(error)) is None:
+                raise
+            raise TrainingError(f"lost contact with another process ({failure}), which stopped or became "
+                                "unreachable: its own error line, if it printed one, says why; fix that, then "
+                                "start again (--resume continues from the last checkpoint)") from error
         finally:
             cleanup()
     except UserError as error:

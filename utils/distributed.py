@@ -7,6 +7,7 @@ process with no process group at all.
 from __future__ import annotations
 
 import os
+import re
 from datetime import timedelta
 
 import torch
@@ -75,6 +76,18 @@ def init_distributed(device: torch.device, timeout_minutes: float) -> None:
 
 def backend() -> str:
     return dist.get_backend() if is_initialized() else "none (one process)"
+
+
+def lost_peer(error: BaseException) -> str | None:
+    """What failed, when `error` is a collective failing because another process went away (it stopped
+    on an error of its own, which it reports itself); None for any other error."""
+    if world() < 2:
+        return None
+    # NCCL and the TCP store raise DistError; gloo raises a RuntimeError with its source position first.
+    text = str(error)
+    if not isinstance(error, dist.DistError) and "Connection closed by peer" not in text:
+        return None
+    return re.sub(r"^\[[^\]]*\]\s*", "", text).split(". ")[0].strip()
 
 
 def cleanup() -> None:
