@@ -32,7 +32,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from backbones import get_model
 from dataset import FaceLoader, build_dataset, build_loader
-from eval.callback import VerificationCallback
+from eval.callback import VerificationCallback, check_val_targets
 from losses import CombinedMarginLoss
 from partial_fc import PartialFC
 from utils.checkpoint import BACKBONE_NAME, Checkpointer, Progress
@@ -97,6 +97,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(dry_run_report(cfg, args.world_size or int(os.environ.get("WORLD_SIZE", "1")), args.json))
             return 0
         check_data_path(cfg)
+        check_val_targets(cfg.val_targets, cfg.rec)  # before any model is built (minutes for a large one)
         device = choose_device(cfg.device, *local_process())
         configure_numerics(device, cfg.tf32, cfg.deterministic)
         init_distributed(device, cfg.timeout_minutes)

@@ -8,8 +8,8 @@ from collections.abc import Sequence
 from torch import nn
 
 from eval.verification import VerificationSet, load_bin, test
-from utils.distributed import broadcast_object, is_main
-from utils.errors import ConfigError
+from utils.distributed import is_main
+from utils.errors import ConfigError, agreed
 
 logger = logging.getLogger(__name__)
 
@@ -24,13 +24,14 @@ def resolve_target(target: str, rec_prefix: str) -> tuple[str, str]:
     return os.path.splitext(os.path.basename(path))[0], path
 
 
-def _missing_targets_message(targets: Sequence[str], rec_prefix: str) -> str | None:
+def check_val_targets(targets: Sequence[str], rec_prefix: str) -> None:
+    """A ConfigError naming the first val_targets entry with no verification set file."""
     for target in targets:
         _, path = resolve_target(target, rec_prefix)
         if not os.path.isfile(path):
-            return (f"val_targets entry {target!r}: no verification set at {path}; put {os.path.basename(path)} "
-                    f"in {rec_prefix or 'the rec folder'}, list its full path, or remove it from val_targets")
-    return None
+            raise ConfigError(f"val_targets entry {target!r}: no verification set at {path}; put "
+                              f"{os.path.basename(path)} in {rec_prefix or 'the rec folder'}, list its full path, "
+                              "or remove it from val_targets")
 
 
 class VerificationCallback:
@@ -50,12 +51,7 @@ class VerificationCallback:
         self.sets: dict[str, VerificationSet] = {}
         self.highest: dict[str, float] = {}
         self.last_step = 0
-        # The main rank checks the paths and every rank raises its verdict, so no rank is left
-        # waiting at the next collective for one that has stopped.
-        problem = _missing_targets_message(val_targets, rec_prefix) if is_main() else None
-        problem = broadcast_object(problem)
-        if problem is not None:
-            raise ConfigError(problem)
+        agreed(lambda: check_val_targets(val_targets, rec_prefix))
         if is_main():
             for target in val_targets:
                 name, path = resolve_target(target, rec_prefix)
