@@ -39,7 +39,6 @@ from train import build_training, model_info
 from utils.arcface_checkpoint import (
     MARKERS,
     MODEL_FILE,
-    PAIRFACE_POWER,
     V2_FILE,
     marker_for,
     rank_files,
@@ -50,7 +49,7 @@ from utils.atomic import atomic_save
 from utils.checkpoint import Progress, save_backbone
 from utils.config import load_config
 from utils.errors import CheckpointError, ConfigError, RunDirError, exit_on_user_error
-from utils.lr_scheduler import jump_to_step, poly_factor
+from utils.lr_scheduler import POLY_POWER, jump_to_step, poly_factor
 from utils.progress import progress
 from utils.training_state import POINTER_NAME, read_pointer, save_state
 
@@ -134,12 +133,12 @@ def to_arcface_torch(src: Path, dst: Path, world_size: int, steps_per_epoch: int
     step = epoch * steps
     warmup, total = steps * config["warmup_epoch"], steps * config["num_epoch"]
     base_lrs = [group["initial_lr"] for group in groups]
-    lrs = [base * poly_factor(step, warmup, total, PAIRFACE_POWER) for base in base_lrs]
+    lrs = [base * poly_factor(step, warmup, total) for base in base_lrs]
     # train_v2 loads this into its PolynomialLRWarmup (__dict__.update): the keys its torch.optim scheduler
     # keeps, then the class's own three. The power is pairface's, so the LR goes on along the same curve.
     scheduler = {"base_lrs": base_lrs, "last_epoch": step, "verbose": False, "_step_count": step + 1,
                  "_is_initial": False, "_get_lr_called_within_step": False, "_last_lr": lrs,
-                 "total_iters": total, "power": PAIRFACE_POWER, "warmup_iters": warmup}
+                 "total_iters": total, "power": POLY_POWER, "warmup_iters": warmup}
     param_groups = [{**group, "lr": lr} for group, lr in zip(groups, lrs)]
     for rank, stale in rank_files(dst, V2_FILE).items():
         if rank >= world_size:

@@ -31,6 +31,7 @@ from backbones import suggest_network
 from partial_fc import class_range
 from utils.distributed import is_main
 from utils.errors import CheckpointError, agreed
+from utils.lr_scheduler import POLY_POWER
 from utils.progress import progress
 from utils.training_state import Restored
 
@@ -44,7 +45,6 @@ MARKERS = (V2_FILE.format(0), WEIGHT_FILE.format(0))  # the file that stands for
 _RANK_FILE = re.compile(r"checkpoint_gpu_(\d+)\.pt|rank_(\d+)_softmax_weight(_mom)?\.pt")
 _V2_KEYS = ("epoch", "global_step", "state_dict_backbone", "state_dict_softmax_fc", "state_optimizer",
             "state_lr_scheduler")
-PAIRFACE_POWER = 2.0  # utils/lr_scheduler.poly_factor's decay
 FRESH_LOADER = {"skipped": 0}  # a loader's state before its first record: arcface_torch's position is not ours
 
 log = logging.getLogger(__name__)
@@ -368,7 +368,7 @@ def _log_import(layout: Layout, centre_state: dict) -> None:
              layout.world_size, layout.global_step, ", ".join(what),
              "" if layout.kind == TRAIN_V2 else "; the 2021 layout holds no step, LR schedule or backbone optimizer "
              "state: training starts at step 0, as arcface_torch restarted it")
-    if layout.schedule and layout.schedule["power"] != PAIRFACE_POWER and is_main():
+    if layout.schedule and layout.schedule["power"] != POLY_POWER and is_main():
         log.warning("arcface_torch's LR schedule in %s decays with power %g (train_v2's default), pairface's with "
                     "power %g: from here on the learning rate follows pairface's curve", layout.folder,
-                    layout.schedule["power"], PAIRFACE_POWER)
+                    layout.schedule["power"], POLY_POWER)

@@ -10,8 +10,10 @@ from functools import partial
 import torch
 from torch.optim.lr_scheduler import LambdaLR
 
+POLY_POWER = 2.0  # arcface_torch's PolyScheduler; its train_v2 PolynomialLRWarmup defaults to 1
 
-def poly_factor(step: int, warmup_steps: int, total_steps: int, power: float = 2.0) -> float:
+
+def poly_factor(step: int, warmup_steps: int, total_steps: int, power: float = POLY_POWER) -> float:
     """Multiplier of the base LR for the optimizer step numbered `step` (0-based).
 
     Upstream's PolyScheduler: `step / warmup_steps` during warmup, then
