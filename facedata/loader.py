@@ -70,16 +70,19 @@ class _EpochIndexed(Dataset):
             return error
 
 
+def _first_error(samples: list) -> DataError | None:
+    """The first DataError among a batch's samples, which the training process raises."""
+    return next((sample for sample in samples if isinstance(sample, DataError)), None)
+
+
 def _collate(samples: list):
-    """A batch, or the first DataError among its samples (raised by the training process)."""
-    failed = next((sample for sample in samples if isinstance(sample, DataError)), None)
-    return failed if failed is not None else default_collate(samples)
+    """A batch, or the first DataError among its samples."""
+    return _first_error(samples) or default_collate(samples)
 
 
 def _collate_encoded(samples: list):
     """The list of encoded samples, or the first DataError among them."""
-    failed = next((sample for sample in samples if isinstance(sample, DataError)), None)
-    return failed if failed is not None else samples
+    return _first_error(samples) or samples
 
 
 def _raise_errors(batches):
