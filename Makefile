@@ -11,6 +11,7 @@ $(STAMP): requirements.txt requirements-dev.txt
 
 lint: $(STAMP)
 	$(PY) -m ruff check .
+	.venv/bin/lint-imports --no-cache --no-logo
 
 test: lint
 	$(PY) -m pytest -q tests

@@ -2,7 +2,7 @@
 
 ``CombinedMarginLoss(s, m1, m2, m3)`` turns cosines into logits: every column gets ``s * cos``
 except the target, which gets ``s * (phi(cos) - m3)`` with ``phi(cos) = cos(m1 * theta + m2)``,
-``theta = acos(cos)``. ArcFace is (1, 0.5, 0), CosFace (1, 0, 0.35), SphereFace-style m1 > 1.
+``theta = acos(cos)``. ArcFace is (1, 0.5, 0), CosFace (1, 0, 0.4), SphereFace-style m1 > 1.
 
 Two places where the textbook formula breaks, and what we do instead:
 - ``acos`` has an infinite derivative at cos = +-1 and rounding can push cosines past +-1 (the NaN

@@ -77,7 +77,7 @@ class PartialFC(nn.Module):
                  defer_label_check: bool = False):
         super().__init__()
         if not 0.0 < sample_rate <= 1.0:
-            raise ConfigError(f"sample_rate={sample_rate} must lie in (0, 1] (1.0 uses every class centre)")
+            raise ValueError(f"sample_rate={sample_rate} must lie in (0, 1] (1.0 uses every class centre)")
         self.margin_loss = margin_loss
         self.embedding_size = embedding_size
         self.num_classes = num_classes
@@ -148,16 +148,14 @@ class PartialFC(nn.Module):
         if self.view_weights is None:
             return (1.0 / num_views,) * num_views
         if len(self.view_weights) != num_views:
-            raise ConfigError(f"view_weights has {len(self.view_weights)} entries but {num_views} views were "
-                             f"given: set view_weights in the config to {num_views} numbers (or None for equal)")
+            raise ValueError(f"view_weights has {len(self.view_weights)} entries but {num_views} views were given")
         return self.view_weights
 
     def _check_shapes(self, views: list[torch.Tensor], labels: torch.Tensor) -> None:
         for v, emb in enumerate(views):
             if emb.dim() != 2 or emb.shape[1] != self.embedding_size or emb.shape[0] != labels.numel():
-                raise ConfigError(f"view {v} embeddings have shape {tuple(emb.shape)}, expected "
-                                 f"({labels.numel()}, {self.embedding_size}) to match the labels and "
-                                 "embedding_size: check embedding_size in the config and the backbone")
+                raise ValueError(f"view {v} embeddings have shape {tuple(emb.shape)}, expected "
+                                 f"({labels.numel()}, {self.embedding_size}) to match the labels and embedding_size")
 
     def _raise_for_bad_labels(self, global_labels: torch.Tensor) -> None:
         bad = (global_labels < 0) | (global_labels >= self.num_classes)

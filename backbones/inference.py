@@ -11,11 +11,10 @@ from PIL import Image, UnidentifiedImageError
 from torch import nn
 
 from utils.errors import FaceImageError
-from utils.image import normalize
+from utils.image import IMAGE_SIZE, normalize
 
 logger = logging.getLogger(__name__)
 
-FACE_SIZE = 112
 
 
 def read_face_image(path: str | Path) -> torch.Tensor:
@@ -37,17 +36,17 @@ def read_face_image(path: str | Path) -> torch.Tensor:
     if width != height:
         raise FaceImageError(
             f"{path} is {width}x{height} (width x height), not square; pass an aligned face crop "
-            f"of {FACE_SIZE}x{FACE_SIZE} (split multi-view records into their square views first)"
+            f"of {IMAGE_SIZE}x{IMAGE_SIZE} (split multi-view records into their square views first)"
         )
-    if width != FACE_SIZE:
-        logger.warning("%s is %dx%d; resizing to %dx%d", path, width, height, FACE_SIZE, FACE_SIZE)
-        image = image.resize((FACE_SIZE, FACE_SIZE), Image.BILINEAR)
+    if width != IMAGE_SIZE:
+        logger.warning("%s is %dx%d; resizing to %dx%d", path, width, height, IMAGE_SIZE, IMAGE_SIZE)
+        image = image.resize((IMAGE_SIZE, IMAGE_SIZE), Image.BILINEAR)
     pixels = torch.from_numpy(np.asarray(image, dtype=np.uint8).copy()).permute(2, 0, 1)
     return normalize(pixels)
 
 
 @torch.no_grad()
-def embed(model: nn.Module, images: torch.Tensor) -> torch.Tensor:
+def unit_embeddings(model: nn.Module, images: torch.Tensor) -> torch.Tensor:
     """(N, 3, 112, 112) images in [-1, 1] -> (N, D) float32 unit-length embeddings (model in eval mode)."""
     device = next(model.parameters()).device
     return F.normalize(model(images.to(device)).float(), dim=1)

@@ -1,19 +1,19 @@
-"""A trained model, named the one way every tool takes it: a run folder, or a ``.pth`` file.
+"""A trained backbone on disk, written by training and named the one way every tool takes it: a run
+folder, or a ``.pth`` file.
 
-A run folder written by train.py holds ``backbone.pth`` and ``model.json`` (``network``,
-``network_kwargs``, ``embedding_size``, ``num_classes``; see ``utils.checkpoint.save_backbone``).
-Given the folder, or a ``.pth`` with a ``model.json`` beside it, nothing else is needed. A bare
-``.pth`` (e.g. from arcface_torch) needs its network and the options it was trained with:
-``--network r50 --network-kw width_mult=0.25 num_features=256``.
-
-Not exported from ``backbones/__init__``: utils.checkpoint (whose file names this module reads)
-imports ``backbones`` itself.
+A run folder written by train.py holds ``backbone.pth`` (the plain backbone state_dict with CPU
+tensors, as arcface_torch saves it, so either project loads the other's with strict=True) and
+``model.json`` (``network``, ``network_kwargs``, ``embedding_size``, ``num_classes``: what
+``save_backbone`` is given). Given the folder, or a ``.pth`` with a ``model.json`` beside it,
+nothing else is needed. A bare ``.pth`` (e.g. from arcface_torch) needs its network and the options
+it was trained with: ``--network r50 --network-kw width_mult=0.25 num_features=256``.
 """
 from __future__ import annotations
 
 import argparse
 import ast
 import json
+import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,12 +22,31 @@ import torch
 from torch import nn
 
 from backbones.weights import load_backbone, read_state_dict, suggest_network
-from utils.checkpoint import BACKBONE_NAME, MODEL_INFO_NAME
+from utils.atomic import atomic_save, write_bytes
+from utils.distributed import is_main
 from utils.errors import ConfigError, WeightsError
+
+BACKBONE_NAME = "backbone.pth"
+MODEL_INFO_NAME = "model.json"
+
+
+def cpu_state_dict(module: nn.Module) -> dict[str, torch.Tensor]:
+    """A (plain, not DDP-wrapped) module's state_dict with CPU tensors."""
+    return {key: value.detach().cpu().clone() for key, value in module.state_dict().items()}
+
+
+def save_backbone(backbone: nn.Module, output_dir: str | os.PathLike, architecture: Mapping) -> Path:
+    """Write `output_dir/backbone.pth` and `model.json` (rank 0 only; other ranks return the path untouched)."""
+    path = Path(output_dir) / BACKBONE_NAME
+    if is_main():
+        atomic_save(json.dumps(dict(architecture), indent=2).encode(), path.parent / MODEL_INFO_NAME,
+                    write=write_bytes)
+        atomic_save(cpu_state_dict(backbone), path)
+    return path
 
 
 @dataclass(frozen=True)
-class TrainedModel:
+class SavedBackbone:
     """Which weights file, and the ``get_model`` call that fits it."""
 
     weights: Path
@@ -85,8 +104,8 @@ def _merge(info_path: Path, saved: tuple[str, dict[str, object]], network: str |
     return saved_network, {**saved_options, **options}
 
 
-def resolve_model(path: str | Path, network: str | None = None,
-                  options: Mapping[str, object] | None = None) -> TrainedModel:
+def find_saved_backbone(path: str | Path, network: str | None = None,
+                  options: Mapping[str, object] | None = None) -> SavedBackbone:
     """The weights file and network that ``path`` names (a run folder or a .pth; see the module doc)."""
     path = Path(path)
     options = dict(options or {})
@@ -108,17 +127,17 @@ def resolve_model(path: str | Path, network: str | None = None,
         hint = f" (it fits {suggestion})" if suggestion else ""
         raise ConfigError(f"{weights} is a bare backbone without a {MODEL_INFO_NAME} beside it; pass --network NAME "
                           f"and the options it was trained with as --network-kw KEY=VALUE{hint}")
-    return TrainedModel(weights=weights, network=network, options=options)
+    return SavedBackbone(weights=weights, network=network, options=options)
 
 
-def load_trained(path: str | Path, network: str | None = None, options: Mapping[str, object] | None = None,
-                 device: str | torch.device = "cpu") -> tuple[nn.Module, TrainedModel]:
+def load_saved_backbone(path: str | Path, network: str | None = None, options: Mapping[str, object] | None = None,
+                 device: str | torch.device = "cpu") -> tuple[nn.Module, SavedBackbone]:
     """The backbone ``path`` names, weights loaded strictly, in eval mode on ``device``, and what it is."""
-    model = resolve_model(path, network, options)
-    return load_backbone(model.network, model.weights, device, **model.options), model
+    saved = find_saved_backbone(path, network, options)
+    return load_backbone(saved.network, saved.weights, device, **saved.options), saved
 
 
-def add_model_arguments(parser: argparse.ArgumentParser,
+def add_backbone_arguments(parser: argparse.ArgumentParser,
                         model_group: argparse._MutuallyExclusiveGroup | None = None) -> None:
     """``--model`` (alias ``--weights``), ``--network``, ``--network-kw``: the same in every tool.
 
@@ -132,6 +151,7 @@ def add_model_arguments(parser: argparse.ArgumentParser,
                         help="get_model options a bare .pth was trained with, e.g. width_mult=0.25 num_features=256")
 
 
-def load_from_args(args: argparse.Namespace, device: str | torch.device = "cpu") -> tuple[nn.Module, TrainedModel]:
-    """``load_trained`` for the arguments ``add_model_arguments`` added."""
-    return load_trained(args.model, args.network, parse_network_kw(args.network_kw), device)
+def load_backbone_from_args(args: argparse.Namespace,
+                            device: str | torch.device = "cpu") -> tuple[nn.Module, SavedBackbone]:
+    """``load_saved_backbone`` for the arguments ``add_backbone_arguments`` added."""
+    return load_saved_backbone(args.model, args.network, parse_network_kw(args.network_kw), device)

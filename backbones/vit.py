@@ -15,8 +15,8 @@ from torch.utils.checkpoint import checkpoint
 
 from backbones.base import FaceBackbone, at_least_float32, scaled_width
 from utils.errors import ConfigError
+from utils.image import IMAGE_SIZE
 
-IMAGE_SIZE = 112
 PATCH_SIZE = 9
 NUM_HEADS = 8
 

@@ -24,6 +24,11 @@ import tempfile
 import time
 from pathlib import Path
 
+import train
+from checkpoint import checkpointer
+from training.memory_plan import memory_plan
+from utils.config import load_config
+
 ROOT = Path(__file__).resolve().parent.parent
 SETTINGS = ["rec=synthetic", "network=r18", "network_kwargs={'width_mult': 0.0625}", "embedding_size=512",
             "num_views=2", "batch_size=32", "num_workers=0", "optimizer=sgd", "frequent=1000", "verbose=100000",
@@ -47,9 +52,6 @@ def _status(field: str) -> int:
 
 def worker(report_dir: str, argv: list[str]) -> int:
     """Inside one torchrun process: train.main with the save and load timed, then this process's figures."""
-    import train
-    from utils import checkpoint
-
     baseline = _status("VmRSS")
     seconds = {"save": 0.0, "load": 0.0}
 
@@ -62,8 +64,8 @@ def worker(report_dir: str, argv: list[str]) -> int:
                 seconds[name] += time.perf_counter() - start
         return run
 
-    checkpoint.save_state = timed("save", checkpoint.save_state)
-    checkpoint.restore_state = timed("load", checkpoint.restore_state)
+    checkpointer.save_state = timed("save", checkpointer.save_state)
+    checkpointer.restore_state = timed("load", checkpointer.restore_state)
     status = train.main(argv)
     rank = int(os.environ.get("RANK", "0"))
     Path(report_dir, f"rank{rank}.json").write_text(json.dumps(
@@ -86,9 +88,6 @@ def run(classes: int, processes: int, output: Path, *extra: str) -> list[dict]:
 
 
 def planned(classes: int, processes: int) -> int:
-    from utils.config import load_config
-    from utils.memory_plan import memory_plan
-
     cfg = load_config(ROOT / "configs" / "synthetic_pair.py", [f"num_classes={classes}", *SETTINGS])
     return memory_plan(cfg, classes, processes)["total"]
 

@@ -6,8 +6,8 @@
 
 Modes, each a full optimizer step (normalise, backbone, PartialFC, backward, clip, SGD, LR step)
 on random uint8 images already on the device (no decoding):
-  (a) one view,  B records = B images                  train.py's train_step
-  (b) two views, B records = 2B images, one pass        train.py's train_step
+  (a) one view,  B records = B images                  training.step.train_step
+  (b) two views, B records = 2B images, one pass        training.step.train_step
   (c) two views, B records = 2B images, two passes      train_step, the backbone called once per view
 The modes run interleaved in rounds and each reports its median step time, so a machine shared
 with other work (as this 2-core CPU is) slows all of them alike. Target: (b) <= 2.0x (a), (b) < (c).
@@ -24,7 +24,8 @@ from pathlib import Path
 
 import torch
 
-from train import build_training, train_step
+from training.state import build_training_state
+from training.step import train_step
 from utils.config import load_config
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -70,14 +71,14 @@ def make_mode(args, mode: str, device: torch.device):
         f"network={args.network}", f"network_kwargs={{'width_mult': {args.width_mult}}}",
         f"embedding_size={args.embedding_size}", f"num_views={views}", f"fp16={args.fp16}",
         f"batch_size={args.batch_size}", "num_epoch=1000"])
-    model = build_training(cfg, args.classes, device, steps_per_epoch=1000)
+    state = build_training_state(cfg, args.classes, device, steps_per_epoch=1000)
     generator = torch.Generator().manual_seed(0)
     images = torch.randint(0, 256, (args.batch_size, views, 3, 112, 112), dtype=torch.uint8, generator=generator)
     labels = torch.randint(0, args.classes, (args.batch_size,), generator=generator)
     batch = [(images.to(device), labels.to(device))]
     if mode == "c":
-        model.ddp_backbone = PerViewPasses(model.backbone, views)
-    return lambda: train_step(model, batch, cfg)
+        state.ddp_backbone = PerViewPasses(state.backbone, views)
+    return lambda: train_step(state, batch, cfg)
 
 
 def timed(step, steps: int, device: torch.device) -> float:

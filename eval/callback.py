@@ -8,8 +8,10 @@ from collections.abc import Sequence
 from torch import nn
 
 from eval.verification import VerificationSet, load_bin, test
-from utils.distributed import is_main
-from utils.errors import ConfigError, agreed
+from utils.distributed import agreed, is_main
+from utils.errors import ConfigError
+from utils.image import IMAGE_SIZE
+from utils.metrics import Metrics
 
 logger = logging.getLogger(__name__)
 
@@ -35,19 +37,20 @@ def check_val_targets(targets: Sequence[str], rec_prefix: str) -> None:
 
 
 class VerificationCallback:
-    """Every ``frequent`` steps, accuracy on each ``.bin`` set, logged as upstream logs it.
+    """Every ``every`` steps (config key ``verbose``), accuracy on each ``.bin`` set, logged as upstream logs it
+    and written to ``metrics`` (TensorBoard, W&B) when given.
 
     Only the main rank loads and evaluates; on the others every call does nothing.
     """
 
-    def __init__(self, frequent: int, val_targets: Sequence[str], rec_prefix: str,
-                 image_size: tuple[int, int] = (112, 112), batch_size: int = 64, summary_writer=None) -> None:
-        if frequent < 1:
-            raise ConfigError(f"verbose {frequent} is not a positive number of steps; set verbose (the verification "
-                              "interval) to 1 or more")
-        self.frequent = frequent
+    def __init__(self, every: int, val_targets: Sequence[str], rec_prefix: str,
+                 image_size: tuple[int, int] = (IMAGE_SIZE, IMAGE_SIZE), batch_size: int = 64,
+                 metrics: Metrics | None = None) -> None:
+        if every < 1:
+            raise ValueError(f"every={every}: verification needs a positive interval of steps")
+        self.every = every
         self.batch_size = batch_size
-        self.summary_writer = summary_writer
+        self.metrics = metrics
         self.sets: dict[str, VerificationSet] = {}
         self.highest: dict[str, float] = {}
         self.last_step = 0
@@ -59,9 +62,9 @@ class VerificationCallback:
                 self.highest[name] = 0.0
 
     def __call__(self, global_step: int, backbone: nn.Module) -> dict[str, float] | None:
-        """``{name: Accuracy-Flip}`` when ``global_step`` is a positive multiple of ``frequent``, else None."""
+        """``{name: Accuracy-Flip}`` when ``global_step`` is a positive multiple of ``every``, else None."""
         self.last_step = global_step
-        if global_step > 0 and global_step % self.frequent == 0 and is_main():
+        if global_step > 0 and global_step % self.every == 0 and is_main():
             return self.evaluate_now(backbone, global_step)
         return None
 
@@ -78,8 +81,8 @@ class VerificationCallback:
             logger.info("[%s][%d]XNorm: %f", name, step, xnorm)
             logger.info("[%s][%d]Accuracy-Flip: %1.5f+-%1.5f", name, step, accuracy, std)
             logger.info("[%s][%d]Accuracy-Highest: %1.5f", name, step, self.highest[name])
-            if self.summary_writer is not None:
-                self.summary_writer.add_scalar(name, accuracy, step)
-                self.summary_writer.add_scalar(f"xnorm/{name}", xnorm, step)
+            if self.metrics is not None:
+                self.metrics.add_scalar(name, accuracy, step)
+                self.metrics.add_scalar(f"xnorm/{name}", xnorm, step)
             results[name] = accuracy
         return results

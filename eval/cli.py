@@ -10,13 +10,12 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from backbones.trained import add_model_arguments as add_trained_model_arguments
-from backbones.trained import load_from_args
+from backbones.trained import add_backbone_arguments, load_backbone_from_args
 from utils.errors import ConfigError
 
 
 @dataclass(frozen=True)
-class EvalModel:
+class EvaluatedNetwork:
     """The network to run, the file its results are written next to, and its name in tables and plots."""
 
     module: nn.Module
@@ -24,27 +23,27 @@ class EvalModel:
     name: str
 
 
-def add_model_arguments(parser: argparse.ArgumentParser) -> None:
+def add_network_arguments(parser: argparse.ArgumentParser) -> None:
     """``--model PATH`` (``--weights``) with ``--network``/``--network-kw``, or ``--onnx FILE``."""
     source = parser.add_mutually_exclusive_group(required=True)
     # --onnx first: argparse shows a group as (--onnx | --model) only when its options are adjacent.
     source.add_argument("--onnx", type=Path, metavar="FILE",
                         help="an ONNX face model instead of --model, e.g. insightface's released ones (input: "
                              "batch x 3 x 112 x 112 RGB in [-1, 1]); run by onnxruntime on the CPU")
-    add_trained_model_arguments(parser, source)
+    add_backbone_arguments(parser, source)
 
 
-def build_model(args: argparse.Namespace) -> EvalModel:
+def open_network(args: argparse.Namespace) -> EvaluatedNetwork:
     """The model the arguments name; PyTorch weights go to the GPU when there is one."""
     if args.onnx is not None:
         if args.network is not None or args.network_kw:
             raise ConfigError("--network and --network-kw describe PyTorch weights, not an --onnx model; drop them")
-        from eval.onnx_model import OnnxBackbone  # here: onnx and onnxruntime take a second to import
+        from eval.onnx_model import OnnxBackbone  # noqa: PLC0415 (onnx and onnxruntime: a second to import)
 
-        return EvalModel(OnnxBackbone(args.onnx), args.onnx, args.onnx.stem)
+        return EvaluatedNetwork(OnnxBackbone(args.onnx), args.onnx, args.onnx.stem)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    module, trained = load_from_args(args, device)
-    return EvalModel(module, trained.weights, trained.network)
+    module, trained = load_backbone_from_args(args, device)
+    return EvaluatedNetwork(module, trained.weights, trained.network)
 
 
 def check_positive(value: int, option: str) -> None:

@@ -54,7 +54,7 @@ def embed_batches(backbone: nn.Module, batches: Iterable[torch.Tensor]) -> np.nd
     return np.concatenate(outputs).astype(np.float64)
 
 
-def embed(backbone: nn.Module, images: torch.Tensor, batch_size: int, stream: TextIO | None = None,
+def embed_images(backbone: nn.Module, images: torch.Tensor, batch_size: int, stream: TextIO | None = None,
           description: str = "embedding") -> np.ndarray:
     """Embeddings ``(N, D)`` of uint8 images ``(N, 3, H, W)``, ``batch_size`` at a time.
 

@@ -34,10 +34,12 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 from eval.alignment import align_face
-from eval.cli import add_model_arguments, build_model, check_positive, output_prefix
+from eval.cli import add_network_arguments, check_positive, open_network, output_prefix
 from eval.embedding import embed_batches, eval_mode, unwrap
 from eval.roc import roc_points, save_roc_plot, tar_at_far
-from utils.errors import ConfigError, DataError, exit_on_user_error
+from utils.cli import exit_on_user_error
+from utils.errors import ConfigError, DataError
+from utils.image import IMAGE_SIZE
 from utils.progress import progress
 
 IJB_FARS = (1e-6, 1e-5, 1e-4, 1e-3, 1e-2, 1e-1)
@@ -165,12 +167,12 @@ class AlignedFaces(Dataset):
             with Image.open(path) as image:
                 rgb = np.array(image.convert("RGB"))
         except (OSError, ValueError, Image.DecompressionBombError) as error:
-            return torch.zeros(3, 112, 112, dtype=torch.uint8), (
+            return torch.zeros(3, IMAGE_SIZE, IMAGE_SIZE, dtype=torch.uint8), (
                 f"face image {path} cannot be decoded ({error}); replace it with the file from the IJB release")
         try:
             return align_face(torch.from_numpy(rgb).permute(2, 0, 1), self.landmarks[index]), ""
         except ValueError as error:
-            return torch.zeros(3, 112, 112, dtype=torch.uint8), (
+            return torch.zeros(3, IMAGE_SIZE, IMAGE_SIZE, dtype=torch.uint8), (
                 f"face image {path} cannot be aligned ({error}); fix its landmarks in the meta file")
 
 
@@ -228,7 +230,7 @@ def template_features(features: np.ndarray, templates: np.ndarray,
     return template_ids, pooled / np.maximum(np.linalg.norm(pooled, axis=1, keepdims=True), 1e-12)
 
 
-def pair_scores(template_ids: np.ndarray, features: np.ndarray, pairs: np.ndarray,
+def template_pair_scores(template_ids: np.ndarray, features: np.ndarray, pairs: np.ndarray,
                 chunk: int = 65536) -> np.ndarray:
     """Cosine similarity of each template pair (rows of ``features`` are unit vectors).
 
@@ -262,7 +264,7 @@ def format_tar_table(rows: Mapping[str, Mapping[float, float]]) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    add_model_arguments(parser)
+    add_network_arguments(parser)
     parser.add_argument("--root", required=True, help="IJB folder holding meta/ and loose_crop/")
     parser.add_argument("--target", default="IJBC", help="IJBC or IJBB: the meta file prefix")
     parser.add_argument("--batch-size", type=int, default=128)
@@ -279,18 +281,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.workers < 0:
             raise ConfigError(f"--workers {args.workers} is negative; pass 0 (decode in this process) or more")
         meta = read_meta(args.root, args.target)
-        model = build_model(args)
-        prefix = output_prefix(model.path)
+        network = open_network(args)
+        prefix = output_prefix(network.path)
         print(f"{args.target}: {len(meta.image_paths)} faces, {np.unique(meta.templates).size} templates, "
               f"{len(meta.labels)} pairs")
-        embeddings = embed_faces(model.module, AlignedFaces(meta.image_paths, meta.landmarks), args.batch_size,
+        embeddings = embed_faces(network.module, AlignedFaces(meta.image_paths, meta.landmarks), args.batch_size,
                                  args.workers, flip=not args.no_flip, stream=sys.stderr)
         features = face_features(embeddings, meta.detector_scores, args.normalize_faces,
                                  use_detector_score=not args.no_detector_score)
         template_ids, templates = template_features(features, meta.templates, meta.medias)
-        scores = pair_scores(template_ids, templates, meta.pairs)
+        scores = template_pair_scores(template_ids, templates, meta.pairs)
 
-        method = f"{model.name}-{args.target}"
+        method = f"{network.name}-{args.target}"
         print(format_tar_table({method: tar_table(scores, meta.labels)}))
         scores_path = f"{prefix}_{args.target.lower()}_scores.npy"
         np.save(scores_path, scores)

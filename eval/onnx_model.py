@@ -18,8 +18,9 @@ import torch
 from torch import nn
 
 from utils.errors import WeightsError
+from utils.image import IMAGE_SIZE
 
-FACE_SHAPE = (3, 112, 112)
+FACE_SHAPE = (3, IMAGE_SIZE, IMAGE_SIZE)
 
 
 def takes_raw_pixels(graph: onnx.GraphProto) -> bool:

@@ -27,10 +27,12 @@ import torch
 from PIL import Image
 from torch import nn
 
-from eval.cli import add_model_arguments, build_model, check_positive, output_prefix
-from eval.embedding import embed
+from eval.cli import add_network_arguments, check_positive, open_network, output_prefix
+from eval.embedding import embed_images
 from eval.roc import roc_points, save_roc_plot, tar_at_far
-from utils.errors import ConfigError, DataError, exit_on_user_error
+from utils.cli import exit_on_user_error
+from utils.errors import ConfigError, DataError
+from utils.image import IMAGE_SIZE
 
 logger = logging.getLogger(__name__)
 
@@ -80,7 +82,7 @@ def _decode(entry, image_size: tuple[int, int]) -> np.ndarray:
     return np.array(rgb)  # a writable copy: torch refuses to wrap read-only buffers
 
 
-def load_bin(path: str | os.PathLike, image_size: tuple[int, int] = (112, 112)) -> VerificationSet:
+def load_bin(path: str | os.PathLike, image_size: tuple[int, int] = (IMAGE_SIZE, IMAGE_SIZE)) -> VerificationSet:
     """``([original, h-flipped], issame)``: uint8 tensors ``(2N, 3, H, W)`` and N booleans.
 
     Images of another size are resized to ``image_size``. Stays uint8 to keep memory at a quarter
@@ -119,9 +121,8 @@ def _fold_splits(num_pairs: int, nrof_folds: int) -> list[tuple[np.ndarray, np.n
     Fewer pairs than folds: one fold per pair; a single pair is its own train and test set (upstream's
     LFold for one split).
     """
-    # Imported here: scikit-learn takes a second or two to import, and every training process imports
-    # this module (through eval.callback) whether it verifies or not.
-    from sklearn.model_selection import KFold
+    # scikit-learn takes ~2 s to import, and every training process imports this module (eval.callback).
+    from sklearn.model_selection import KFold  # noqa: PLC0415
 
     indices = np.arange(num_pairs)
     folds = min(nrof_folds, num_pairs)
@@ -223,7 +224,7 @@ def test(data_set: VerificationSet, backbone: nn.Module, batch_size: int, nfolds
     where a command line shows the embedding progress of ``name``.
     """
     images, issame = data_set
-    embeddings_list = [embed(backbone, view, batch_size, stream, f"[{name}] embedding {which} images")
+    embeddings_list = [embed_images(backbone, view, batch_size, stream, f"[{name}] embedding {which} images")
                        for view, which in zip(images, ("original", "flipped"))]
     xnorm = float(np.mean(np.linalg.norm(np.concatenate(embeddings_list), axis=1)))
     accuracy1 = evaluate(_l2_normalize(embeddings_list[0]), issame, nfolds)[2]
@@ -232,7 +233,7 @@ def test(data_set: VerificationSet, backbone: nn.Module, batch_size: int, nfolds
             xnorm, embeddings_list)
 
 
-def pair_scores(fused: np.ndarray) -> np.ndarray:
+def pair_similarities(fused: np.ndarray) -> np.ndarray:
     """Cosine similarity of pairs ``(fused[2i], fused[2i+1])`` of unit embeddings."""
     return np.sum(fused[0::2] * fused[1::2], axis=1)
 
@@ -257,7 +258,7 @@ def _labels(path: Path, issame: Sequence[bool]) -> np.ndarray:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    add_model_arguments(parser)
+    add_network_arguments(parser)
     parser.add_argument("--bins", nargs="+", required=True, type=Path, help=".bin verification sets to evaluate")
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--nfolds", type=int, default=10)
@@ -267,17 +268,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         check_positive(args.batch_size, "--batch-size")
         check_positive(args.nfolds, "--nfolds")
         names = _set_names(args.bins)
-        model = build_model(args)
-        prefix = output_prefix(model.path)
+        network = open_network(args)
+        prefix = output_prefix(network.path)
         curves = {}
         for path, name in zip(args.bins, names):
             data_set = load_bin(path)
             labels = _labels(path, data_set[1])
-            acc1, std1, acc2, std2, xnorm, embeddings_list = test(data_set, model.module, args.batch_size, args.nfolds,
-                                                                  sys.stderr, name)
+            acc1, std1, acc2, std2, xnorm, embeddings_list = test(data_set, network.module, args.batch_size,
+                                                                  args.nfolds, sys.stderr, name)
             fused = flip_fused(embeddings_list)
             val, val_std, far = evaluate(fused, data_set[1], args.nfolds)[3:]
-            scores = pair_scores(fused)
+            scores = pair_similarities(fused)
             print(f"[{name}]XNorm: {xnorm:f}")
             print(f"[{name}]Accuracy: {acc1:1.5f}+-{std1:1.5f}")
             print(f"[{name}]Accuracy-Flip: {acc2:1.5f}+-{std2:1.5f}")
@@ -290,7 +291,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             fpr, tpr, _ = roc_points(scores, labels)
             curves[name] = (fpr, tpr)
         plot_path = f"{prefix}_verification_roc.png"
-        save_roc_plot(curves, plot_path, title=f"ROC of {model.path.name}")
+        save_roc_plot(curves, plot_path, title=f"ROC of {network.path.name}")
         print(f"ROC plot: {plot_path}")
     return 0
 

@@ -1,4 +1,4 @@
 """Face data for pairface: RecordIO without mxnet, V-view datasets, loaders, packing, synthetic faces.
 
-``dataset.py`` re-exports the public names: import them from there.
+``dataset.py`` names what train.py and the tools use; tests and benchmarks import the modules here.
 """

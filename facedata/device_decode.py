@@ -8,30 +8,12 @@ number of workers and from any resume point.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
-
 import torch
 
-from facedata.dali_aug import ViewAugment, dali_augment
-from facedata.images import IMAGE_SIZE, decode_jpegs
-
-if TYPE_CHECKING:
-    from facedata.faces import FaceDataset
-
-
-@dataclass(frozen=True)
-class Encoded:
-    """One sample as the workers hand it over when the training process decodes."""
-
-    index: int                          # the sample asked for: load(index, epoch) rebuilds it on the CPU
-    epoch: int
-    label: int
-    pieces: list[bytes | torch.Tensor]  # JPEG bytes, or the decoded (3, H, W) image of another format
-    piece_indices: list[int]            # the sample each piece is the image of
-    flips: list[bool]
-    augments: list[ViewAugment] | None
-    skipped: int = 0
+from facedata.dali_aug import dali_augment
+from facedata.faces import Encoded, FaceDataset
+from facedata.images import decode_jpegs
+from utils.image import IMAGE_SIZE
 
 
 def decode_batch(samples: list[Encoded], dataset: FaceDataset, device: torch.device

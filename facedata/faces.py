@@ -3,24 +3,34 @@ from __future__ import annotations
 
 import logging
 import os
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from functools import partial
-from typing import Literal
 
 import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from facedata.augment import SampleRandom, assemble, coins, jitter
+from facedata.augment import SampleRandom, assemble, coins
 from facedata.dali_aug import ViewAugment, dali_augment, draw_augments
-from facedata.device_decode import Encoded
-from facedata.errors import DataError
 from facedata.images import BadImageError, decode, is_jpeg, split_views
 from facedata.sources import FolderSource, RecSource, Source, SyntheticSource
+from facedata.view_sources import VIEW_SOURCES
+from utils.errors import DataError
 
 log = logging.getLogger(__name__)
 
-ViewSource = Literal["record", "identity", "augment"]  # the config loader checks the user's choice
+@dataclass(frozen=True)
+class Encoded:
+    """One sample as the workers hand it over when the training process decodes (facedata/device_decode.py)."""
+
+    index: int                          # the sample asked for: load(index, epoch) rebuilds it on the CPU
+    epoch: int
+    label: int
+    pieces: list[bytes | torch.Tensor]  # JPEG bytes, or the decoded (3, H, W) image of another format
+    piece_indices: list[int]            # the sample each piece is the image of
+    flips: list[bool]
+    augments: list[ViewAugment] | None
+    skipped: int = 0
 
 
 class FaceDataset(Dataset):
@@ -31,10 +41,10 @@ class FaceDataset(Dataset):
     the same sample with its images left encoded, for decoding in the training process.
     """
 
-    def __init__(self, source: Source, num_views: int, view_source: ViewSource, num_classes: int, flip: bool,
+    def __init__(self, source: Source, num_views: int, view_source: str, num_classes: int, flip: bool,
                  skip_bad_records: bool, seed: int, dali_aug: bool = False) -> None:
         self.source = source
-        self.num_views, self.view_source, self.num_classes = num_views, view_source, num_classes
+        self.num_views, self.view_source, self.num_classes = num_views, VIEW_SOURCES[view_source], num_classes
         self.flip, self.skip_bad_records, self.seed, self.dali_aug = flip, skip_bad_records, seed, dali_aug
         self.skipped = 0
 
@@ -62,18 +72,16 @@ class FaceDataset(Dataset):
         """Why this dataset's samples cannot be handed over encoded, or None when they can."""
         if not isinstance(self.source, (RecSource, FolderSource)):
             return "the synthetic speed mode decodes nothing"
-        if self.view_source == "augment":
-            return "view_source='augment' jitters decoded pixels in the data workers"
-        return None
+        return self.view_source.gpu_decode_refusal
 
     def cut(self, image: torch.Tensor, index: int) -> list[torch.Tensor]:
         """The views sample ``index``'s decoded image holds (all V for view_source 'record', else one),
         on the image's device; DataError naming the record when its shape does not fit."""
-        if self.view_source == "record":
-            return split_views(image, self.num_views, partial(self.source.describe, index))
-        fix = (f"view_source={self.view_source!r} takes one view per record; use view_source='record' "
-               "for records that hold several views side by side")
-        return split_views(image, 1, partial(self.source.describe, index), fix)
+        count = self.view_source.views_per_image(self.num_views)
+        fix = None if count == self.num_views else (
+            f"view_source={self.view_source.name!r} takes one view per record; use view_source='record' for "
+            "records that hold several views side by side")
+        return split_views(image, count, partial(self.source.describe, index), fix)
 
     def _first_good(self, index: int, epoch: int, make):
         """(``make(candidate, epoch)``, records skipped) for the first candidate from ``index`` on whose
@@ -97,15 +105,12 @@ class FaceDataset(Dataset):
         rng = SampleRandom(self.seed, epoch, index)
         image, label = self.source.load(index)
         self._check_label(index, label)
-        if self.view_source == "augment":
-            view = self.cut(image, index)[0]
-            views = [jitter(view, rng) for _ in range(self.num_views)]
-        else:
-            views = self.cut(image, index)
-            for other in self._others(index, rng):
-                other_image, other_label = self.source.load(other)
-                self._check_same_identity(index, label, other, other_label)
-                views += self.cut(other_image, other)
+        views = self.cut(image, index)
+        for other in self._others(index, rng):
+            other_image, other_label = self.source.load(other)
+            self._check_same_identity(index, label, other, other_label)
+            views += self.cut(other_image, other)
+        views = self.view_source.finish(views, self.num_views, rng)
         flips, augments = self._finishing_draws(rng)
         images = assemble(views, flips)
         return (images if augments is None else dali_augment(images, augments)), label
@@ -145,24 +150,16 @@ class FaceDataset(Dataset):
                             "with the labels, re-pack the dataset with tools/pack_rec.py")
 
     def _others(self, index: int, rng: SampleRandom) -> list[int]:
-        """The samples of the other views (view_source 'identity'), none otherwise."""
-        return self._draw_others(index, rng) if self.view_source == "identity" else []
-
-    def _draw_others(self, index: int, rng: SampleRandom) -> list[int]:
-        """The other views' samples: other images of the identity (the anchor itself when alone)."""
-        members = self.source.identities.members(index)
-        others = members[members != index]
-        if len(others) == 0:
-            return [index] * (self.num_views - 1)
-        return [int(others[i]) for i in rng.picks(len(others), self.num_views - 1)]
+        """The samples whose images give the other views (view_source 'identity'), none otherwise."""
+        return self.view_source.other_samples(self.source, index, self.num_views, rng)
 
 
-def _source_for(path: str, num_views: int, view_source: ViewSource, num_classes: int | None, seed: int,
+def _source_for(path: str, num_views: int, view_source: str, num_classes: int | None, seed: int,
                 num_samples: int | None) -> Source:
     if path == "synthetic":
         if num_classes is None:
             raise DataError("the synthetic speed mode needs num_classes; set num_classes in the config")
-        return SyntheticSource(num_classes, num_views if view_source == "record" else 1, seed,
+        return SyntheticSource(num_classes, VIEW_SOURCES[view_source].views_per_image(num_views), seed,
                                num_samples or SyntheticSource.DEFAULT_LENGTH)
     if path.endswith(".rec"):
         return RecSource(path[:-len(".rec")] + ".idx", path)
@@ -175,7 +172,7 @@ def _source_for(path: str, num_views: int, view_source: ViewSource, num_classes:
     return FolderSource(path)
 
 
-def build_dataset(path: str, num_views: int = 1, view_source: ViewSource = "record", num_classes: int | None = None,
+def build_dataset(path: str, num_views: int = 1, view_source: str = "record", num_classes: int | None = None,
                   flip: bool = True, skip_bad_records: bool = False, seed: int = 0, dali_aug: bool = False,
                   num_samples: int | None = None) -> FaceDataset:
     """A dataset of ``num_views`` views per sample from a ``.rec`` folder, an image folder or "synthetic".
@@ -186,7 +183,7 @@ def build_dataset(path: str, num_views: int = 1, view_source: ViewSource = "reco
     and the length of the synthetic speed mode.
     """
     if not isinstance(num_views, int) or num_views < 1:
-        raise DataError(f"num_views must be a positive integer, got {num_views!r}; set it to 1 for plain datasets")
+        raise ValueError(f"num_views must be a positive integer, got {num_views!r}")
     path = os.fspath(path)
     source = _source_for(path, num_views, view_source, num_classes, seed, num_samples)
     if num_samples is not None and len(source) != num_samples:

@@ -6,9 +6,8 @@ from collections.abc import Callable
 import torch
 from torchvision.io import ImageReadMode, decode_image
 
-from facedata.errors import DataError
-
-IMAGE_SIZE = 112
+from utils.errors import DataError
+from utils.image import IMAGE_SIZE
 
 
 class BadImageError(DataError):
@@ -64,5 +63,6 @@ def split_views(image: torch.Tensor, num_views: int, where: Callable[[], str], f
                         f"({height}x{num_views * height}); {fix}")
     if height != IMAGE_SIZE:
         raise DataError(f"{where()} holds {height}x{height} views but training needs {IMAGE_SIZE}x{IMAGE_SIZE}; "
-                        "re-pack with tools/pack_rec.py, which resizes or pads to 112x112")
+                        "re-pack with tools/pack_rec.py, which resizes or pads to "
+                        f"{IMAGE_SIZE}x{IMAGE_SIZE}")
     return [image[:, :, v * height:(v + 1) * height] for v in range(num_views)]

@@ -17,9 +17,9 @@ import torch
 from torch.utils.data import DataLoader, Dataset, default_collate
 
 from facedata.device_decode import decode_batch
-from facedata.errors import DataError
 from facedata.faces import FaceDataset
 from facedata.staging import SideStream, one_ahead
+from utils.errors import DataError
 
 log = logging.getLogger(__name__)
 

@@ -8,9 +8,9 @@ from collections.abc import Sequence
 import numpy as np
 from PIL import Image
 
-from facedata.errors import DataError
-from facedata.images import IMAGE_SIZE
 from facedata.recordio import IRHeader, RecordWriter, encode_parts, pack
+from utils.errors import DataError
+from utils.image import IMAGE_SIZE
 
 FIT_MODES = ("resize", "pad")
 FORMATS = ("jpeg", "png")

@@ -17,7 +17,7 @@ from functools import cached_property
 
 import numpy as np
 
-from facedata.errors import DataError
+from utils.errors import DataError
 
 MAGIC = 0xCED7230A
 _MAGIC_BYTES = struct.pack("<I", MAGIC)

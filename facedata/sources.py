@@ -15,9 +15,10 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from facedata.errors import DataError
-from facedata.images import IMAGE_SIZE, decode
+from facedata.images import decode
 from facedata.recordio import RecordReader, header_label, unpack
+from utils.errors import DataError
+from utils.image import IMAGE_SIZE
 
 log = logging.getLogger(__name__)
 

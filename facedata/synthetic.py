@@ -14,8 +14,8 @@ import math
 
 import numpy as np
 
-from facedata.images import IMAGE_SIZE
 from facedata.packing import encode, side_by_side
+from utils.image import IMAGE_SIZE
 
 # Pixel-centre coordinates in [-1, 1] shared by every image.
 _AXIS = (np.arange(IMAGE_SIZE, dtype=np.float32) + 0.5) / IMAGE_SIZE * 2 - 1

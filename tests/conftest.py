@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from dataset import InsightfaceWriter, encode, render_faces, side_by_side
+from facedata.packing import InsightfaceWriter, encode, side_by_side
+from facedata.synthetic import render_faces
 from tools import make_synthetic
 
 

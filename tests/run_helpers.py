@@ -23,12 +23,13 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 import torch
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 import train
 from backbones import get_model
-from utils.run_dir import LOCK_NAME
-from utils.training_state import POINTER_NAME
+from checkpoint.run_dir import LOCK_NAME
+from checkpoint.sharded import POINTER_NAME
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIG = "configs/synthetic_pair.py"
@@ -75,10 +76,12 @@ def run_here(data: Path, output: Path, *overrides: str, resume: bool = False, co
     return status, stderr.getvalue()
 
 
-def _command(nproc: int) -> list[str]:
+def _command(nproc: int, nan_steps: str | None) -> list[str]:
+    """The launch of train.py, or of train.py under tests.nan_injection (rank 0's loss NaN at `nan_steps`)."""
+    script = ["train.py"] if nan_steps is None else ["-m", "tests.nan_injection", nan_steps]
     if not nproc:
-        return [sys.executable, "train.py"]
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc), "train.py"]
+        return [sys.executable, *script]
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc), *script]
 
 
 def _environment(env: Mapping[str, str] | None) -> dict[str, str]:
@@ -86,18 +89,20 @@ def _environment(env: Mapping[str, str] | None) -> dict[str, str]:
 
 
 def start_cli(data: Path, output: Path, *overrides: str, nproc: int = 2, resume: bool = False,
-              base: Sequence[str] = QUIET, env: Mapping[str, str] | None = None) -> subprocess.Popen:
+              base: Sequence[str] = QUIET, env: Mapping[str, str] | None = None,
+              nan_steps: str | None = None) -> subprocess.Popen:
     """`torchrun --nproc_per_node <nproc> train.py ...` (`python train.py ...` for nproc 0), started, not
     awaited: starting costs seconds of imports, so tests start independent runs side by side."""
-    command = _command(nproc) + arguments(data, output, *overrides, resume=resume, base=base)
+    command = _command(nproc, nan_steps) + arguments(data, output, *overrides, resume=resume, base=base)
     return subprocess.Popen(command, cwd=ROOT, env=_environment(env), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True)
 
 
 def run_cli(data: Path, output: Path, *overrides: str, nproc: int = 0, resume: bool = False,
-            base: Sequence[str] = QUIET, env: Mapping[str, str] | None = None) -> subprocess.CompletedProcess:
+            base: Sequence[str] = QUIET, env: Mapping[str, str] | None = None,
+            nan_steps: str | None = None) -> subprocess.CompletedProcess:
     """The command line, run to its end (`python train.py` for nproc 0, else torchrun)."""
-    command = _command(nproc) + arguments(data, output, *overrides, resume=resume, base=base)
+    command = _command(nproc, nan_steps) + arguments(data, output, *overrides, resume=resume, base=base)
     return subprocess.run(command, cwd=ROOT, env=_environment(env), capture_output=True, text=True, timeout=400)
 
 
@@ -195,8 +200,6 @@ def load_backbone_strict(path: Path, info: dict | None = None) -> torch.nn.Modul
 def scalars(output: Path, tag: str) -> dict[int, float]:
     """step -> value of a TensorBoard scalar over every event file of the run (resumes add files; a
     step logged again replaces the old value, as TensorBoard shows it)."""
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
     events = EventAccumulator(str(output / "tensorboard"))
     events.Reload()
     return {event.step: event.value for event in events.Scalars(tag)}

@@ -22,15 +22,14 @@ import torch
 from torch.optim.lr_scheduler import _LRScheduler
 
 from backbones import get_model
+from checkpoint.arcface import restore_arcface
+from checkpoint.run_dir import find_resume_source, resolve_resume
 from losses import CombinedMarginLoss
 from partial_fc import PartialFC
 from tests.distributed_helpers import run_world
 from tests.run_helpers import INFO, QUIET, load_run, run_cli, run_here, same_tensors, scalars
 from tools import convert_checkpoint
-from utils.arcface_checkpoint import restore_arcface
-from utils.checkpoint import find_resume_source
 from utils.errors import CheckpointError, RunDirError
-from utils.run_dir import resolve_resume
 
 NUM_CLASSES, DIM, LR = 21, 32, 0.1
 INFO21 = {**INFO, "num_classes": NUM_CLASSES}

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 import train
+from tests.run_helpers import run_here
 from utils.config import load_config
 from utils.errors import ConfigError
 
@@ -201,8 +202,6 @@ def test_the_dry_run_reads_no_data_and_writes_nothing(tmp_path, capsys, monkeypa
 
 
 def test_num_image_is_checked_against_the_data(data, tmp_path, capsys):
-    from tests.run_helpers import run_here
-
     status, stderr = run_here(data, tmp_path / "run", "num_image=41")
     assert status == 1
     assert stderr.strip() == (f"error: {data} holds 40 samples but num_image=41; set num_image = 40 (or None) in "

@@ -8,19 +8,19 @@ import numpy as np
 import pytest
 import torch
 
-from dataset import (
-    SampleRandom,
+from facedata.augment import SampleRandom
+from facedata.dali_aug import (
     ViewAugment,
-    build_dataset,
-    build_loader,
     dali_augment,
     draw_augments,
     gaussian_blur,
     grey,
     hue_saturation,
     low_resolution,
-    render_faces,
 )
+from facedata.faces import build_dataset
+from facedata.loader import build_loader
+from facedata.synthetic import render_faces
 
 # DALI's hsv.h matrices, typed from upstream (not imported from the code under test).
 DALI_RGB_TO_YIQ = np.array([[0.299, 0.587, 0.114], [0.596, -0.274, -0.321], [0.211, -0.523, 0.311]])

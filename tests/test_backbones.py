@@ -22,6 +22,7 @@ from torch import nn
 
 from backbones import NETWORKS, fuse_batchnorm, get_model, read_face_image, read_state_dict, suggest_network
 from backbones.iresnet import IBasicBlock, IResNet
+from backbones.trained import load_saved_backbone, save_backbone
 from backbones.vit import Attention
 from tests.distributed_helpers import run_world
 from utils.errors import ConfigError, UserError
@@ -32,6 +33,7 @@ UPSTREAM = {
     for file in ("backbone_state_dicts.json", "backbone_state_dicts_more.json")
     for name, entry in json.loads((FIXTURES / "upstream" / file).read_text()).items()
 }
+UPSTREAM_NAMES = sorted(UPSTREAM)  # arcface_torch's networks; NETWORKS may hold more of our own
 GOLDEN = FIXTURES / "golden" / "embeddings.pt"
 SMALL = 0.125  # width_mult for the CPU-sized copies of each network
 # Too deep to run at SMALL width on 2 cores within the time budget: tested at 1/64 instead.
@@ -146,11 +148,11 @@ def meta_state_dict(name: str) -> dict[str, torch.Tensor]:
 # --- upstream compatibility ------------------------------------------------------------------
 
 
-def test_every_network_is_one_upstream_has():
-    assert set(NETWORKS) == set(UPSTREAM)
+def test_every_network_of_arcface_torch_is_offered():
+    assert set(UPSTREAM) <= set(NETWORKS)
 
 
-@pytest.mark.parametrize("name", NETWORKS)
+@pytest.mark.parametrize("name", UPSTREAM_NAMES)
 def test_state_dict_names_shapes_dtypes_and_parameter_count_equal_upstream(name):
     model = meta_model(name)
     ours = [[key, list(value.shape), str(value.dtype).removeprefix("torch.")]
@@ -177,9 +179,11 @@ def test_r2060_recomputes_stages_2_and_3_in_upstreams_segments():
 def test_embeddings_equal_arcface_torchs_own(name, mode):
     """arcface_torch's code, given the golden weights and images, produced fixtures/golden (see its
     README); ours must give the same embeddings up to float32 rounding. The convnets run the same
-    operations in the same order (bit-equal here); the ViT's fused attention kernel sums in another
-    order. Train mode uses batch statistics, and for the ViT the token masking and drop path drawn
-    after torch.manual_seed(GOLDEN_TRAIN_SEED) in upstream's order; there the last BN normalises each
+    operations in the same order (bit-equal on the machine that made the fixtures; on another CPU, e.g.
+    AVX2 instead of AVX-512, oneDNN blocks the convolution sums differently: up to 4.5e-5 measured for
+    r18); the ViT's fused attention kernel sums in another order. Train mode uses batch statistics, and
+    for the ViT the token masking and drop path drawn after torch.manual_seed(GOLDEN_TRAIN_SEED) in
+    upstream's order; there the last BN normalises each
     feature over only 3 images, some spread by < 0.01, which magnifies rounding ~100x (measured:
     7e-5), while a wrong mask or drop path moves embeddings by ~4."""
     expected = torch.load(GOLDEN, weights_only=True)[f"{name}/{mode}"]
@@ -189,11 +193,11 @@ def test_embeddings_equal_arcface_torchs_own(name, mode):
     torch.manual_seed(GOLDEN_TRAIN_SEED)
     with torch.no_grad():
         out = model(golden_images())
-    atol = 1e-5 if mode == "eval" else 1e-3
+    atol = 1e-4 if mode == "eval" else 1e-3
     torch.testing.assert_close(out, expected, rtol=1e-4, atol=atol)
 
 
-@pytest.mark.parametrize("name", NETWORKS)
+@pytest.mark.parametrize("name", UPSTREAM_NAMES)
 def test_full_size_network_loads_upstream_shaped_weights_strictly(name):
     """Full-size networks: strict loading, and a full-size forward gives (2, 512). The big ones run
     on the meta device (shapes only, no arithmetic) to stay within CPU time."""
@@ -218,7 +222,8 @@ def test_weights_of_a_full_size_network_are_recognised(name):
     """The first network in NETWORKS whose upstream state_dict is identical (vit_t_dp005_mask0 is
     vit_t's shape), at width 1 even where another network scaled up would fit too (vit_b x1.5 has
     vit_l's shapes). r2060 takes the iresnets' path (test_export_inference) and seconds to build."""
-    same = next(other for other in NETWORKS if UPSTREAM[other]["state_dict"] == UPSTREAM[name]["state_dict"])
+    same = next(other for other in NETWORKS
+                if other in UPSTREAM and UPSTREAM[other]["state_dict"] == UPSTREAM[name]["state_dict"])
     assert suggest_network(meta_state_dict(name)) == f"network {same}, width_mult=1, num_features=512"
 
 
@@ -227,6 +232,34 @@ def test_strict_loading_rejects_a_state_dict_with_one_key_missing():
     del state["features.layers.3.running_var"]
     with pytest.raises(RuntimeError, match="features.layers.3.running_var"):
         get_model("mbf").load_state_dict(state, strict=True)
+
+
+# --- the contract every network keeps, arcface_torch's or not ----------------------------------
+
+
+@pytest.mark.parametrize("name", NETWORKS)
+def test_builds_on_the_meta_device_for_the_memory_plan(name):
+    """The memory plan counts parameters of the full-size network without allocating them."""
+    model = meta_model(name)
+    assert all(tensor.is_meta for tensor in model.state_dict().values())
+    assert sum(p.numel() for p in model.parameters()) > 0
+
+
+@pytest.mark.parametrize("name", NETWORKS)
+def test_backbone_pth_and_model_json_name_the_network_again(name, tmp_path):
+    """What training writes (save_backbone) is what every tool loads (load_saved_backbone): the same
+    tensors, and the same embeddings."""
+    width = TINY.get(name, SMALL)
+    torch.manual_seed(0)
+    model = get_model(name, num_features=64, width_mult=width)
+    architecture = {"network": name, "network_kwargs": {"width_mult": width}, "embedding_size": 64, "num_classes": 3}
+    save_backbone(model, tmp_path, architecture)
+    loaded, saved = load_saved_backbone(tmp_path)
+    assert (saved.network, saved.options) == (name, {"width_mult": width, "num_features": 64})
+    assert all(torch.equal(value, loaded.state_dict()[key]) for key, value in model.state_dict().items())
+    if name not in TINY:  # r2060's 1030 blocks take seconds to run
+        with torch.no_grad():
+            assert torch.equal(model.eval()(images(2)), loaded(images(2)))
 
 
 # --- forward / backward ----------------------------------------------------------------------

@@ -16,9 +16,9 @@ from pathlib import Path
 
 import pytest
 
+from checkpoint.run_dir import lock_run_dir
 from tests.run_helpers import assert_nothing_lost, file_states, load_run, run_child, run_here
 from tests.test_train_errors import only_line
-from utils.run_dir import lock_run_dir
 
 
 @pytest.fixture(scope="module")

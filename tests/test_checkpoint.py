@@ -17,14 +17,15 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from checkpoint.legacy import LEGACY_FORMAT, LEGACY_NAME, restore_legacy
+from checkpoint.run_dir import find_resume_source
+from checkpoint.sharded import POINTER_NAME, restore_state, save_state
 from losses import CombinedMarginLoss
 from partial_fc import PartialFC
 from tests.distributed_helpers import run_world
 from utils.atomic import atomic_save
-from utils.checkpoint import find_resume_source
 from utils.errors import CheckpointError
 from utils.lr_scheduler import build_scheduler
-from utils.training_state import LEGACY_FORMAT, LEGACY_NAME, POINTER_NAME, restore_legacy, restore_state, save_state
 
 NUM_CLASSES, DIM = 7, 3
 INFO = {"network": "toy", "network_kwargs": {}, "embedding_size": DIM, "num_classes": NUM_CLASSES}

@@ -12,7 +12,9 @@ import torch
 from PIL import Image
 from torchvision.io import decode_jpeg
 
-from dataset import DataError, RecordReader, RecordWriter, build_dataset, pack, unpack
+from facedata.faces import build_dataset
+from facedata.recordio import RecordReader, RecordWriter, pack, unpack
+from utils.errors import DataError
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures", "recordio")
 MANIFEST = json.load(open(os.path.join(FIXTURES, "expected.json")))["files"]
@@ -253,7 +255,7 @@ def test_missing_idx_and_missing_path(tmp_path):
 
 
 def test_bad_settings_are_named():
-    with pytest.raises(DataError, match="num_views must be a positive integer"):
+    with pytest.raises(ValueError, match="num_views must be a positive integer"):
         build_dataset(PAIRS, num_views=0)
     with pytest.raises(DataError, match=r"pairs\.rec record key 1 is 112x224 \(HxW\), not 1 square view\(s\) .*"
                                         r"view_source='identity' takes one view per record"):

@@ -23,7 +23,7 @@ from PIL import Image
 from torch import nn
 
 from backbones import FaceImageError, WeightsError, get_model, load_backbone, read_face_image
-from backbones.trained import TrainedModel, load_trained, resolve_model
+from backbones.trained import SavedBackbone, find_saved_backbone, load_saved_backbone
 from tools import export_onnx, inference
 from utils.errors import ConfigError
 
@@ -121,34 +121,34 @@ def test_weights_of_another_width_name_the_mismatch_and_the_right_width(r18_weig
 
 def test_a_run_folder_or_a_pth_beside_model_json_names_its_network(r18_weights, r18_run):
     path, model = r18_weights
-    want = TrainedModel(r18_run / "backbone.pth", "r18", {"width_mult": 0.25, "num_features": 512})
-    assert resolve_model(r18_run) == resolve_model(r18_run / "backbone.pth") == want
+    want = SavedBackbone(r18_run / "backbone.pth", "r18", {"width_mult": 0.25, "num_features": 512})
+    assert find_saved_backbone(r18_run) == find_saved_backbone(r18_run / "backbone.pth") == want
     # Options the run folder already states may be repeated; the network may be named again.
-    assert resolve_model(r18_run, "r18", {"width_mult": 0.25}) == want
-    loaded, described = load_trained(r18_run)
+    assert find_saved_backbone(r18_run, "r18", {"width_mult": 0.25}) == want
+    loaded, described = load_saved_backbone(r18_run)
     assert described == want and not loaded.training
     assert described.describe() == f"r18 (width_mult=0.25, num_features=512) from {r18_run / 'backbone.pth'}"
     assert all(torch.equal(loaded.state_dict()[k], v) for k, v in model.state_dict().items())
-    assert resolve_model(path, "r18", {"width_mult": 0.25}) == TrainedModel(path, "r18", {"width_mult": 0.25})
+    assert find_saved_backbone(path, "r18", {"width_mult": 0.25}) == SavedBackbone(path, "r18", {"width_mult": 0.25})
 
 
 def test_a_model_path_that_names_no_model_is_one_sentence(r18_weights, r18_run, tmp_path):
     path, _ = r18_weights
     with pytest.raises(ConfigError, match=r"bare backbone without a model.json .*it fits network r18, width_mult=0.25"):
-        resolve_model(path)
+        find_saved_backbone(path)
     with pytest.raises(WeightsError, match="holds no backbone.pth; pass a run folder"):
-        resolve_model(tmp_path)
+        find_saved_backbone(tmp_path)
     with pytest.raises(WeightsError, match="absent does not exist"):
-        resolve_model(tmp_path / "absent")
+        find_saved_backbone(tmp_path / "absent")
     with pytest.raises(ConfigError, match="--network r50 contradicts .*model.json, which says r18"):
-        resolve_model(r18_run, "r50")
+        find_saved_backbone(r18_run, "r50")
     (tmp_path / "backbone.pth").write_bytes(path.read_bytes())
     (tmp_path / "model.json").write_text("{not json")
     with pytest.raises(WeightsError, match="model.json cannot be read as JSON"):
-        resolve_model(tmp_path)
+        find_saved_backbone(tmp_path)
     (tmp_path / "model.json").write_text('{"lr": 0.1}')
     with pytest.raises(WeightsError, match="model.json does not name a network"):
-        resolve_model(tmp_path)
+        find_saved_backbone(tmp_path)
 
 
 def test_weights_of_another_network_name_the_network_they_fit(r18_weights, tmp_path):

@@ -15,15 +15,17 @@ import pytest
 import torch
 import torch.distributed as dist
 
-import train
 from losses import CombinedMarginLoss
 from partial_fc import PartialFC
 from tests.run_helpers import run_here
+from training.state import TrainingState, build_optimizer
+from training.step import _back_off, train_step
 from utils import device as device_module
 from utils.config import load_config
 from utils.device import choose_device, configure_numerics, cuda_unavailable_reason
-from utils.distributed import init_distributed, local_process
+from utils.distributed import init_distributed
 from utils.errors import ConfigError, DataError
+from utils.launcher import local_process
 from utils.lr_scheduler import build_scheduler
 
 
@@ -135,7 +137,7 @@ def test_deterministic_sets_what_it_says(numerics, monkeypatch):
 
 def _scaler_after(steps: list[str]) -> torch.amp.GradScaler:
     """A CPU GradScaler after steps that are "good", "overflow" (an infinite gradient the scaler finds
-    itself) or "agreed" (finite here, skipped because another rank's loss was not: train._back_off)."""
+    itself) or "agreed" (finite here, skipped because another rank's loss was not: training.step._back_off)."""
     weight = torch.nn.Parameter(torch.ones(3))
     optimizer = torch.optim.SGD([weight], lr=0.1)
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10, growth_interval=3)
@@ -145,7 +147,7 @@ def _scaler_after(steps: list[str]) -> torch.amp.GradScaler:
             weight.grad[0] = float("inf")
         scaler.unscale_(optimizer)
         if kind == "agreed":
-            train._back_off(scaler)
+            _back_off(scaler)
         else:
             scaler.step(optimizer)
             scaler.update()
@@ -178,13 +180,13 @@ def test_train_step_turns_a_deferred_bad_label_into_its_data_error(tmp_path):
     cfg = load_config(tmp_path / "c.py", ["embedding_size=8"])
     backbone = torch.nn.Sequential(torch.nn.AvgPool2d(8), torch.nn.Flatten(), torch.nn.Linear(3 * 14 * 14, 8))
     pfc = PartialFC(CombinedMarginLoss(), 8, 5, defer_label_check=True)
-    optimizer = train.build_optimizer(cfg, backbone, pfc)
-    model = train.Model(backbone=backbone, ddp_backbone=backbone, pfc=pfc, optimizer=optimizer,
-                        scheduler=build_scheduler(optimizer, 0, 10),
-                        scaler=torch.amp.GradScaler("cpu", enabled=False), precision=None)
+    optimizer = build_optimizer(cfg, backbone, pfc)
+    state = TrainingState(backbone=backbone, ddp_backbone=backbone, pfc=pfc, optimizer=optimizer,
+                          scheduler=build_scheduler(optimizer, 0, 10),
+                          scaler=torch.amp.GradScaler("cpu", enabled=False), precision=None)
     images = torch.zeros((2, 1, 3, 112, 112), dtype=torch.uint8)
     with pytest.raises(DataError, match=r"label 5 .* is outside \[0, 5\)"):
-        train.train_step(model, [(images, torch.tensor([1, 5]))], cfg)
+        train_step(state, [(images, torch.tensor([1, 5]))], cfg)
 
 
 def test_half_precision_backward_stays_finite_for_small_centres():

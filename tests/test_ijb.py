@@ -18,10 +18,10 @@ from eval.ijb import (
     embed_faces,
     face_features,
     format_tar_table,
-    pair_scores,
     read_meta,
     tar_table,
     template_features,
+    template_pair_scores,
 )
 from tests.test_verification import TinyNet
 from utils.errors import DataError
@@ -106,7 +106,7 @@ def test_template_pooling_averages_within_media_and_sums_media():
     assert ids.tolist() == [3, 7, 9]
     # 3: (0, 5) -> (0, 1). 7: mean(1,0; 3,0) + (0,2) = (2, 2). 9: (4,0) + mean(0,1; 0,3) = (4, 2).
     np.testing.assert_allclose(pooled, [[0, 1], [2 / np.sqrt(8), 2 / np.sqrt(8)], [4 / np.sqrt(20), 2 / np.sqrt(20)]])
-    scores = pair_scores(ids, pooled, np.array([[7, 9], [3, 9], [7, 7]]), chunk=2)
+    scores = template_pair_scores(ids, pooled, np.array([[7, 9], [3, 9], [7, 7]]), chunk=2)
     np.testing.assert_allclose(scores, [(8 + 4) / np.sqrt(8 * 20), 2 / np.sqrt(20), 1.0])
 
     weighted = face_features(features, np.array([1, 1, 1, 1, 0.5, 2, 2]))
@@ -206,7 +206,7 @@ def test_miniature_ijb_end_to_end(tmp_path):
     detector = np.array([f[4] for f in FACES])
     features = face_features(embeddings, meta.detector_scores)
     ids, templates = template_features(features, meta.templates, meta.medias)
-    scores = pair_scores(ids, templates, meta.pairs)
+    scores = template_pair_scores(ids, templates, meta.pairs)
     reference = upstream_template_scores(want * detector[:, None], meta.templates, meta.medias,
                                          [(a, b) for a, b, _ in PAIRS])
     np.testing.assert_allclose(scores, reference, rtol=1e-4, atol=1e-5)

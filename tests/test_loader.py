@@ -7,19 +7,13 @@ import pytest
 import torch
 from torch.utils.data import DistributedSampler
 
-from dataset import (
-    DataError,
-    FaceLoader,
-    RecordReader,
-    RecordWriter,
-    build_dataset,
-    build_loader,
-    encode,
-    one_ahead,
-    pack,
-    render_faces,
-    unpack,
-)
+from facedata.faces import build_dataset
+from facedata.loader import FaceLoader, build_loader
+from facedata.packing import encode
+from facedata.recordio import RecordReader, RecordWriter, pack, unpack
+from facedata.staging import one_ahead
+from facedata.synthetic import render_faces
+from utils.errors import DataError
 
 NUM_SAMPLES = 30
 
@@ -284,8 +278,6 @@ def test_without_drop_last_the_last_batch_is_whatever_is_left(pair_rec, batch_si
 
 
 def test_one_batch_is_enough_and_none_is_an_error(pair_rec):
-    from dataset import DataError  # imported here: this section is appended to a file another change edits
-
     ds = build_dataset(pair_rec, num_views=2)
     assert len(build_loader(ds, 30, num_workers=0)) == 1
     with pytest.raises(DataError, match="give rank 0 of 1 no batch of 31"):
@@ -307,8 +299,6 @@ def test_batch_size_one_and_the_last_rank_are_valid(pair_rec):
 def test_a_bad_record_stops_the_loader_with_its_data_error(tmp_path, pair_rec, workers):
     """Without skip_bad_records the record's own one-sentence error reaches the training process, also
     from a worker process (not the worker's traceback)."""
-    from dataset import DataError
-
     reader = RecordReader(f"{pair_rec}/train.idx", f"{pair_rec}/train.rec")
     with RecordWriter(str(tmp_path / "train.idx"), str(tmp_path / "train.rec")) as writer:
         for key in reader.keys:

@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
+from checkpoint.sharded import POINTER_NAME
 from tests.run_helpers import INFO, ROOT, arguments, load_run, run_cli
-from utils.training_state import POINTER_NAME
 
 OVERRIDES = ("save_every_steps=1", "num_epoch=100")  # a save after every step; never ends on its own
 pytestmark = pytest.mark.slow  # six training processes on two cores

@@ -1,5 +1,5 @@
-"""The non-finite loss guard, through the real CLI with its test-only switch PAIRFACE_DEBUG_NAN_STEPS
-(rank 0's loss becomes NaN at those steps): a skipped step changes no weight and no optimizer state
+"""The non-finite loss guard, through the real CLI under tests.nan_injection (rank 0's loss becomes NaN
+at the steps it is given): a skipped step changes no weight and no optimizer state
 on any rank, is logged with its counters; too many in a row stop the run with one sentence and a
 non-zero exit, leaving the last good checkpoint byte for byte (and mtime) as it was; fp16's routine
 overflow skips are not counted."""
@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from tests.nan_injection import nan_at_steps
 from tests.run_helpers import (
     FP16_INFO,
     FP16_ON_CPU,
@@ -19,7 +20,6 @@ from tests.run_helpers import (
     start_cli,
 )
 from tests.test_train_errors import only_line
-from train import DEBUG_NAN_STEPS_VARIABLE
 
 
 def test_a_nonfinite_loss_on_rank_0_skips_the_step_on_both_ranks(data, tmp_path):
@@ -27,7 +27,7 @@ def test_a_nonfinite_loss_on_rank_0_skips_the_step_on_both_ranks(data, tmp_path)
     momentum of the run that stopped after step 2; only the counters and the LR schedule moved on."""
     before, skipped = tmp_path / "two_steps", tmp_path / "nan_at_3"
     runs = [start_cli(data, before, "max_steps=2"),
-            start_cli(data, skipped, "max_steps=3", env={DEBUG_NAN_STEPS_VARIABLE: "3"})]
+            start_cli(data, skipped, "max_steps=3", nan_steps="3")]
     for run in runs:
         finish(run)
     good, guarded = load_run(before), load_run(skipped)
@@ -41,16 +41,15 @@ def test_a_nonfinite_loss_on_rank_0_skips_the_step_on_both_ranks(data, tmp_path)
     assert sorted(scalars(skipped, "loss")) == [1, 2]  # no loss line for the skipped step
 
 
-def test_too_many_in_a_row_stop_the_run_and_leave_the_last_checkpoint_untouched(data, tmp_path, monkeypatch):
+def test_too_many_in_a_row_stop_the_run_and_leave_the_last_checkpoint_untouched(data, tmp_path):
     """A checkpoint after every step would overwrite the last good one inside the streak: it must not."""
     output = tmp_path / "run"
     assert run_here(data, output, "max_steps=4", "save_every_steps=1") == (0, "")
     saved = (".json", ".pth", ".distcp", ".metadata")
     good = {name: state for name, state in file_states(output).items() if name.endswith(saved)}
-    monkeypatch.setenv(DEBUG_NAN_STEPS_VARIABLE, "5,6,7")
-    status, stderr = run_here(data, output, "max_steps=20", "save_every_steps=1", "max_nonfinite_steps=3",
-                              resume=True)
-    monkeypatch.delenv(DEBUG_NAN_STEPS_VARIABLE)
+    with nan_at_steps({5, 6, 7}):
+        status, stderr = run_here(data, output, "max_steps=20", "save_every_steps=1", "max_nonfinite_steps=3",
+                                  resume=True)
     assert status == 1
     assert only_line(stderr) == (
         f"error: stopped at global step 7: 3 non-finite losses in a row (max_nonfinite_steps=3); the last good "

@@ -10,7 +10,8 @@ import torch
 from PIL import Image
 from torchvision.io import decode_jpeg
 
-from dataset import RecordReader, build_dataset, unpack
+from facedata.faces import build_dataset
+from facedata.recordio import RecordReader, unpack
 from tools import make_synthetic, pack_rec
 
 # (size, PIL mode, file suffix) per image: mixed sizes, grayscale, alpha and palette images.

@@ -10,10 +10,14 @@ process; two run through `torchrun --nproc_per_node 2 train.py`.
 from __future__ import annotations
 
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 
+from checkpoint.sharded import POINTER_NAME, restore_state, save_state
+from losses import CombinedMarginLoss
+from partial_fc import PartialFC
 from tests.run_helpers import (
     FP16_INFO,
     FP16_ON_CPU,
@@ -26,6 +30,7 @@ from tests.run_helpers import (
     scalars,
 )
 from tools import make_synthetic
+from utils.lr_scheduler import build_scheduler
 
 # 1 process, 40 records, batch 4: 10 steps per epoch (5 with gradient_acc=2); each case names its data set.
 ONE_PROCESS = {
@@ -97,13 +102,6 @@ def test_resume_from_a_run_folder_or_a_checkpoint_file_into_a_new_output_folder(
 def test_grad_scaler_state_round_trips_through_a_checkpoint(tmp_path, device):
     """A scaler that grew twice and backed off once (growth tracker mid-interval) comes back from the
     checkpoint as it was, and then scales the next steps as the original does."""
-    from types import SimpleNamespace
-
-    from losses import CombinedMarginLoss
-    from partial_fc import PartialFC
-    from utils.lr_scheduler import build_scheduler
-    from utils.training_state import POINTER_NAME, restore_state, save_state
-
     def make():
         torch.manual_seed(0)
         backbone, pfc = torch.nn.Linear(3, 4).to(device), PartialFC(CombinedMarginLoss(), 4, 5).to(device)

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from backbones import get_model
 from tests.run_helpers import digest, load_run, run_cli, run_here
@@ -19,9 +20,10 @@ LOG_LINE = re.compile(r"Speed [\d.]+ samples/sec [\d.]+ images/sec   Loss [\d.]+
                       r"LR [\d.]+   Epoch: \d+   Global Step: (\d+)   Required: \d+ (seconds|minutes|hours)")
 
 
-def train(data: Path, output: Path, *overrides: str, nproc: int = 0, resume: bool = False, env=None):
+def train(data: Path, output: Path, *overrides: str, nproc: int = 0, resume: bool = False, env=None,
+          nan_steps: str | None = None):
     """train.py with these tests' settings (every other step logged, verification at step 4)."""
-    return run_cli(data, output, *overrides, nproc=nproc, resume=resume, base=TINY, env=env)
+    return run_cli(data, output, *overrides, nproc=nproc, resume=resume, base=TINY, env=env, nan_steps=nan_steps)
 
 
 def steps_logged(text: str) -> list[int]:
@@ -60,8 +62,6 @@ def test_two_process_run_logs_verifies_and_checkpoints(two_process_run, data):
 
 
 def test_two_process_run_writes_tensorboard_scalars(two_process_run):
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
     output, _ = two_process_run
     events = EventAccumulator(str(output / "tensorboard"))
     events.Reload()

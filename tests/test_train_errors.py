@@ -12,10 +12,9 @@ import torch
 from torch.utils.data import DistributedSampler
 
 import train
-from dataset import RecordReader, RecordWriter, pack, unpack
+from facedata.recordio import RecordReader, RecordWriter, pack, unpack
 from tests.run_helpers import load_run, run_here, start_cli
 from tests.test_train import train as run_train
-from train import DEBUG_NAN_STEPS_VARIABLE
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -64,7 +63,7 @@ def test_nonfinite_losses_skip_steps_and_too_many_in_a_row_stop_the_run(data, tm
     """40 records, batch 4: 10 steps per epoch, a checkpoint at step 10. NaN at step 2 is skipped and
     training goes on; NaN at 12 and 13 (max 2 in a row) stops it with the step-10 checkpoint intact."""
     output = tmp_path / "run"
-    result = run_train(data, output, "max_nonfinite_steps=2", "verbose=100", env={DEBUG_NAN_STEPS_VARIABLE: "2,12,13"})
+    result = run_train(data, output, "max_nonfinite_steps=2", "verbose=100", nan_steps="2,12,13")
     assert result.returncode == 1
     assert only_line(result.stderr) == (
         f"error: stopped at global step 13: 2 non-finite losses in a row (max_nonfinite_steps=2); the last good "

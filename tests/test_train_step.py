@@ -1,4 +1,4 @@
-"""train.py's optimizer step against a dense float64 computation written out here: views taken
+"""training.step.train_step, the optimizer step, against a dense float64 computation written out here: views taken
 from each record, CosFace softmax over all centres, gradient accumulation, clipping, SGD with
 weight decay and momentum, one LR step per optimizer step."""
 from __future__ import annotations
@@ -12,7 +12,8 @@ from torch import nn
 
 from losses import CombinedMarginLoss
 from partial_fc import PartialFC
-from train import Model, StepOutcome, build_optimizer, train_step
+from training.state import TrainingState, build_optimizer
+from training.step import StepOutcome, train_step
 from utils.config import load_config
 from utils.lr_scheduler import build_scheduler
 
@@ -20,21 +21,21 @@ B, V, D, C, S, M3 = 4, 2, 8, 5, 32.0, 0.35
 LR, WD, MOMENTUM = 0.2, 5e-4, 0.9
 
 
-def make_model(cfg, backbone: nn.Module | None = None) -> Model:
+def make_state(cfg, backbone: nn.Module | None = None) -> TrainingState:
     torch.manual_seed(3)
     if backbone is None:
         backbone = nn.Sequential(nn.AvgPool2d(8), nn.Flatten(), nn.Linear(3 * 14 * 14, D))  # no BatchNorm: exact
     pfc = PartialFC(CombinedMarginLoss(S, 1.0, 0.0, M3), D, C)
     optimizer = build_optimizer(cfg, backbone, pfc)
-    return Model(backbone=backbone, ddp_backbone=backbone, pfc=pfc, optimizer=optimizer,
-                 scheduler=build_scheduler(optimizer, 0, 10), scaler=torch.amp.GradScaler("cpu", enabled=False),
+    return TrainingState(backbone=backbone, ddp_backbone=backbone, pfc=pfc, optimizer=optimizer,
+                         scheduler=build_scheduler(optimizer, 0, 10), scaler=torch.amp.GradScaler("cpu", enabled=False),
                  precision=None)
 
 
-def dense_reference(model: Model, images: torch.Tensor, labels: torch.Tensor, max_norm: float):
+def dense_reference(state: TrainingState, images: torch.Tensor, labels: torch.Tensor, max_norm: float):
     """Backbone and centres after one SGD step, in float64, from the formulas alone."""
-    backbone = copy.deepcopy(model.backbone).double()
-    centres = model.pfc.weight.detach().double().clone().requires_grad_(True)
+    backbone = copy.deepcopy(state.backbone).double()
+    centres = state.pfc.weight.detach().double().clone().requires_grad_(True)
     loss = 0.0
     for v in range(V):  # view v of record b is images[b, v]
         x = (images[:, v].double() / 255 - 0.5) / 0.5
@@ -57,36 +58,37 @@ def test_one_step_equals_the_dense_float64_step(tmp_path, accumulate, max_norm):
     (tmp_path / "c.py").write_text("")
     cfg = load_config(tmp_path / "c.py", [f"lr={LR}", f"weight_decay={WD}", f"momentum={MOMENTUM}",
                                           f"gradient_acc={accumulate}", f"max_grad_norm={max_norm}"])
-    model = make_model(cfg)
+    state = make_state(cfg)
     generator = torch.Generator().manual_seed(0)
     images = torch.randint(0, 256, (B, V, 3, 112, 112), dtype=torch.uint8, generator=generator)
     labels = torch.tensor([0, 3, 3, 1])
-    reference_backbone, reference_centres, reference_loss = dense_reference(model, images, labels, max_norm)
+    reference_backbone, reference_centres, reference_loss = dense_reference(state, images, labels, max_norm)
 
     size = B // accumulate
     micro = [(images[i:i + size], labels[i:i + size]) for i in range(0, B, size)]
-    losses, outcome = train_step(model, micro, cfg)
+    losses, outcome = train_step(state, micro, cfg)
 
     assert outcome == StepOutcome.TAKEN
     assert losses[0].item() == pytest.approx(reference_loss, rel=1e-5)
-    for mine, theirs in zip(model.backbone.parameters(), reference_backbone.parameters()):
+    for mine, theirs in zip(state.backbone.parameters(), reference_backbone.parameters()):
         torch.testing.assert_close(mine.detach().double(), theirs.detach(), rtol=1e-4, atol=1e-6)
-    torch.testing.assert_close(model.pfc.weight.detach().double(), reference_centres, rtol=1e-4, atol=1e-6)
-    assert model.scheduler.last_epoch == 1  # one LR step per optimizer step, however many micro-batches
-    assert all(p.grad is None for p in model.backbone.parameters())
+    torch.testing.assert_close(state.pfc.weight.detach().double(), reference_centres, rtol=1e-4, atol=1e-6)
+    assert state.scheduler.last_epoch == 1  # one LR step per optimizer step, however many micro-batches
+    assert all(p.grad is None for p in state.backbone.parameters())
 
 
 def test_a_nonfinite_loss_leaves_weights_and_optimizer_untouched(tmp_path):
     (tmp_path / "c.py").write_text("")
     cfg = load_config(tmp_path / "c.py", [f"lr={LR}"])
-    model = make_model(cfg)
-    before = [p.detach().clone() for p in [*model.backbone.parameters(), model.pfc.weight]]
+    state = make_state(cfg)
+    before = [p.detach().clone() for p in [*state.backbone.parameters(), state.pfc.weight]]
     images = torch.zeros((B, V, 3, 112, 112), dtype=torch.uint8)
-    losses, outcome = train_step(model, [(images, torch.tensor([0, 1, 2, 3]))], cfg, inject_nan=True)
+    state.pfc.register_forward_hook(lambda module, inputs, output: (output[0] + float("nan"), output[1]))
+    losses, outcome = train_step(state, [(images, torch.tensor([0, 1, 2, 3]))], cfg)
     assert outcome == StepOutcome.LOSS_NONFINITE and torch.isnan(losses[0])
-    after = [*model.backbone.parameters(), model.pfc.weight]
+    after = [*state.backbone.parameters(), state.pfc.weight]
     assert all(torch.equal(a, b) for a, b in zip(before, after))
-    assert model.optimizer.state_dict()["state"] == {}  # no momentum was started from a bad gradient
+    assert state.optimizer.state_dict()["state"] == {}  # no momentum was started from a bad gradient
 
 
 class Float64(nn.Module):
@@ -96,13 +98,13 @@ class Float64(nn.Module):
         return x.double()
 
 
-def make_float64_model(cfg) -> Model:
-    model = make_model(cfg)
-    model.backbone = model.ddp_backbone = nn.Sequential(Float64(), *model.backbone).double()
-    model.pfc.double()
-    model.optimizer = build_optimizer(cfg, model.backbone, model.pfc)
-    model.scheduler = build_scheduler(model.optimizer, 0, 10)
-    return model
+def make_float64_state(cfg) -> TrainingState:
+    state = make_state(cfg)
+    state.backbone = state.ddp_backbone = nn.Sequential(Float64(), *state.backbone).double()
+    state.pfc.double()
+    state.optimizer = build_optimizer(cfg, state.backbone, state.pfc)
+    state.scheduler = build_scheduler(state.optimizer, 0, 10)
+    return state
 
 
 def dense_updates(backbone: nn.Module, centres: torch.Tensor, batches, max_norm: float, momentum: float = MOMENTUM,
@@ -152,14 +154,14 @@ def test_two_steps_update_the_weights_as_dense_sgd_with_momentum_and_weight_deca
     (tmp_path / "c.py").write_text("")
     cfg = load_config(tmp_path / "c.py", [f"lr={LR}", f"weight_decay={WD}", f"momentum={MOMENTUM}",
                                           f"gradient_acc={accumulate}", f"max_grad_norm={max_norm}"])
-    model = make_float64_model(cfg)
+    state = make_float64_state(cfg)
     batches = [black_and_white_batch(seed) for seed in (1, 2)]
-    expected = dense_updates(model.backbone, model.pfc.weight, batches, max_norm)
+    expected = dense_updates(state.backbone, state.pfc.weight, batches, max_norm)
     size = B // accumulate
     for step, (images, labels) in enumerate(batches):
-        params = [*model.backbone.parameters(), model.pfc.weight]
+        params = [*state.backbone.parameters(), state.pfc.weight]
         before = [p.detach().clone() for p in params]
-        _, outcome = train_step(model, [(images[i:i + size], labels[i:i + size]) for i in range(0, B, size)], cfg)
+        _, outcome = train_step(state, [(images[i:i + size], labels[i:i + size]) for i in range(0, B, size)], cfg)
         assert outcome == StepOutcome.TAKEN
         for p, old, want in zip(params, before, expected[step], strict=True):
             # the change is a difference of two weights: its rounding is that of the weight (~50 ulps allowed)
@@ -168,7 +170,7 @@ def test_two_steps_update_the_weights_as_dense_sgd_with_momentum_and_weight_deca
 
     # The comparison can tell: without momentum, or without weight decay on either group, the changes differ.
     for changed in (dict(momentum=0.0), dict(centre_decay=0.0), dict(backbone_decay=0.0)):
-        other = dense_updates(make_float64_model(cfg).backbone, make_float64_model(cfg).pfc.weight, batches, max_norm,
+        other = dense_updates(make_float64_state(cfg).backbone, make_float64_state(cfg).pfc.weight, batches, max_norm,
                               **changed)
         worst = max(float(((a - b).abs() / b.abs().max()).max()) for step_a, step_b in zip(other, expected)
                     for a, b in zip(step_a, step_b))
@@ -180,15 +182,15 @@ def test_one_backbone_pass_over_all_views_sets_batchnorm_statistics(tmp_path):
     step are those of one forward over all of them (a pass per view would update them twice)."""
     (tmp_path / "c.py").write_text("")
     cfg = load_config(tmp_path / "c.py", [f"lr={LR}"])
-    model = make_model(cfg, nn.Sequential(nn.AvgPool2d(8), nn.BatchNorm2d(3), nn.Flatten(), nn.Linear(3 * 14 * 14, D)))
-    reference = copy.deepcopy(model.backbone).train()
+    state = make_state(cfg, nn.Sequential(nn.AvgPool2d(8), nn.BatchNorm2d(3), nn.Flatten(), nn.Linear(3 * 14 * 14, D)))
+    reference = copy.deepcopy(state.backbone).train()
     generator = torch.Generator().manual_seed(5)
     images = torch.randint(0, 256, (B, V, 3, 112, 112), dtype=torch.uint8, generator=generator)
     with torch.no_grad():
         reference((images.double() / 255 - 0.5).div(0.5).float().reshape(B * V, 3, 112, 112))
-    _, outcome = train_step(model, [(images, torch.tensor([0, 3, 3, 1]))], cfg)
+    _, outcome = train_step(state, [(images, torch.tensor([0, 3, 3, 1]))], cfg)
     assert outcome == StepOutcome.TAKEN
-    bn, expected = model.backbone[1], reference[1]
+    bn, expected = state.backbone[1], reference[1]
     assert int(bn.num_batches_tracked) == 1
     torch.testing.assert_close(bn.running_mean, expected.running_mean, rtol=1e-6, atol=1e-7)
     torch.testing.assert_close(bn.running_var, expected.running_var, rtol=1e-6, atol=1e-7)

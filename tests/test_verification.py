@@ -18,7 +18,10 @@ import numpy as np
 import pytest
 import torch
 from PIL import Image
+from sklearn.model_selection import KFold
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from torch import nn
+from torch.utils.tensorboard import SummaryWriter
 
 from eval.callback import VerificationCallback
 from eval.roc import roc_points, tar_at_far
@@ -66,8 +69,6 @@ def _reference_threshold_at_far(far, thresholds, target):
 
 
 def reference_evaluate(embeddings, issame, nrof_folds=10):
-    from sklearn.model_selection import KFold  # imported here: spawned test workers need not load it
-
     issame = np.asarray(issame)
     dist = np.sum((embeddings[0::2] - embeddings[1::2]) ** 2, axis=1)
     folds = list(KFold(n_splits=nrof_folds, shuffle=False).split(np.arange(issame.size)))
@@ -290,13 +291,10 @@ UPSTREAM_LINES = [
 
 
 def test_callback_logs_upstream_lines_writes_tensorboard_and_restores_modes(tmp_path, caplog):
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-    from torch.utils.tensorboard import SummaryWriter
-
     shutil.copy(VERIFY_BIN, tmp_path / "lfw.bin")
     writer = SummaryWriter(str(tmp_path / "tb"))
-    callback = VerificationCallback(frequent=3, val_targets=["lfw", VERIFY_NP_BIN], rec_prefix=str(tmp_path),
-                                    batch_size=7, summary_writer=writer)
+    callback = VerificationCallback(every=3, val_targets=["lfw", VERIFY_NP_BIN], rec_prefix=str(tmp_path),
+                                    batch_size=7, metrics=writer)
     model = TinyNet().train()
     caplog.set_level(logging.INFO, logger="eval.callback")
 
@@ -326,17 +324,17 @@ def test_callback_logs_upstream_lines_writes_tensorboard_and_restores_modes(tmp_
 
 def test_callback_rejects_a_missing_target_naming_the_key_and_path(tmp_path):
     with pytest.raises(ConfigError, match=r"val_targets entry 'agedb_30'.*agedb_30\.bin"):
-        VerificationCallback(frequent=1, val_targets=["agedb_30"], rec_prefix=str(tmp_path))
+        VerificationCallback(every=1, val_targets=["agedb_30"], rec_prefix=str(tmp_path))
 
 
 def _callback_in_world(rank, world_size, rec_prefix):
     try:
-        VerificationCallback(frequent=2, val_targets=["lfw", "missing"], rec_prefix=rec_prefix)
+        VerificationCallback(every=2, val_targets=["lfw", "missing"], rec_prefix=rec_prefix)
         missing_error = None
     except ConfigError as error:
         missing_error = str(error)
     model = nn.parallel.DistributedDataParallel(TinyNet())
-    callback = VerificationCallback(frequent=2, val_targets=["lfw"], rec_prefix=rec_prefix, batch_size=16)
+    callback = VerificationCallback(every=2, val_targets=["lfw"], rec_prefix=rec_prefix, batch_size=16)
     result = callback(4, model)
     torch.distributed.barrier()  # the non-main rank must not be stuck waiting for the main one
     return missing_error, result, sorted(callback.sets), model.training

@@ -21,7 +21,7 @@ FULL, LAST = 1, 4
 def wandb_records(path: Path):
     """The protobuf Records of a .wandb file: a 7-byte file header, then LevelDB log records
     (crc32c, length, type) in 32 KiB blocks, a record split over blocks as FIRST/MIDDLE/LAST pieces."""
-    from wandb.proto import wandb_internal_pb2
+    from wandb.proto import wandb_internal_pb2  # noqa: PLC0415 (wandb is an optional extra)
 
     raw, position, pieces = path.read_bytes(), 7, b""
     while position + 7 <= len(raw):

@@ -34,24 +34,18 @@ from typing import TextIO
 import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
+from backbones.trained import save_backbone
+from checkpoint.arcface import MARKERS, MODEL_FILE, V2_FILE, marker_for, rank_files, read_layout, restore_arcface
+from checkpoint.restored import is_centre_rows
+from checkpoint.sharded import POINTER_NAME, read_pointer, save_state
 from partial_fc import class_range
-from train import build_training, model_info
-from utils.arcface_checkpoint import (
-    MARKERS,
-    MODEL_FILE,
-    V2_FILE,
-    marker_for,
-    rank_files,
-    read_layout,
-    restore_arcface,
-)
+from training.state import StepCounter, architecture, build_training_state
 from utils.atomic import atomic_save
-from utils.checkpoint import Progress, save_backbone
+from utils.cli import exit_on_user_error
 from utils.config import load_config
-from utils.errors import CheckpointError, ConfigError, RunDirError, exit_on_user_error
+from utils.errors import CheckpointError, ConfigError, RunDirError
 from utils.lr_scheduler import POLY_POWER, jump_to_step, poly_factor
 from utils.progress import progress
-from utils.training_state import POINTER_NAME, read_pointer, save_state
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -147,7 +141,8 @@ def to_arcface_torch(src: Path, dst: Path, world_size: int, steps_per_epoch: int
         start, count = class_range(num_classes, rank, world_size)
         state = dict(optimizer_state)
         if centre_index in optimizer_state:
-            state[centre_index] = {name: value[start:start + count].clone() if _is_rows(value, num_classes) else value
+            state[centre_index] = {name: value[start:start + count].clone()
+                                   if is_centre_rows(value, *centres.shape) else value
                                    for name, value in optimizer_state[centre_index].items()}
         atomic_save({"epoch": epoch, "global_step": step, "state_dict_backbone": backbone,
                      "state_dict_softmax_fc": {"weight": centres[start:start + count].clone()},
@@ -184,10 +179,6 @@ def _read_whole(src: Path, scratch_parent: Path) -> dict:
         return torch.load(whole_path, map_location="cpu", weights_only=False, mmap=True)
 
 
-def _is_rows(value, num_classes: int) -> bool:
-    return torch.is_tensor(value) and value.dim() == 2 and value.shape[0] == num_classes
-
-
 # --- arcface_torch -> pairface --------------------------------------------------------------------
 
 def to_pairface(src: Path, dst: Path, cfg, stream: TextIO | None = None) -> list[str]:
@@ -203,14 +194,14 @@ def to_pairface(src: Path, dst: Path, cfg, stream: TextIO | None = None) -> list
     # one process would count them: arcface_torch's W ranks' batches per epoch, W times as many, in
     # optimizer steps. A resume on any number of processes renumbers from there.
     steps = max(1, round(layout.steps_per_epoch * layout.world_size / cfg.gradient_acc))
-    saved = Progress(global_step=round(layout.global_step * steps / layout.steps_per_epoch), steps_per_epoch=steps)
-    model = build_training(cfg, num_classes, torch.device("cpu"), steps)
-    info = model_info(cfg, num_classes)
-    restored = restore_arcface(marker, info, model, stream)
-    jump_to_step(model.scheduler, saved.global_step)
-    save_state(dst, model, saved.saved(), restored.first_rank_state["loader"], info,
+    saved = StepCounter(global_step=round(layout.global_step * steps / layout.steps_per_epoch), steps_per_epoch=steps)
+    state = build_training_state(cfg, num_classes, torch.device("cpu"), steps)
+    shapes = architecture(cfg, num_classes)
+    restored = restore_arcface(marker, shapes, state, stream)
+    jump_to_step(state.scheduler, saved.global_step)
+    save_state(dst, state, saved.saved(), restored.first_rank_state["loader"], shapes,
                {**vars(cfg), "output": str(dst)})
-    save_backbone(model.backbone, dst, info)
+    save_backbone(state.backbone, dst, shapes)
     return [f"wrote {dst}: a pairface run at global step {saved.global_step} (epoch {saved.epoch}, "
             f"{saved.steps_per_epoch} steps per epoch counted for one process) from arcface_torch's {layout.kind} "
             f"files of {layout.world_size} ranks at its global step {layout.global_step}"]

@@ -15,7 +15,7 @@ import sys
 import time
 from pathlib import Path
 
-from backbones.trained import load_trained
+from backbones.trained import load_saved_backbone
 from eval.verification import load_bin, test
 from tools import make_synthetic
 from utils.config import load_config
@@ -53,7 +53,7 @@ def main() -> int:
         return 1
     minutes = (time.time() - start) / 60
 
-    backbone, _ = load_trained(output)
+    backbone, _ = load_saved_backbone(output)
     val = data / make_synthetic.VAL_NAME
     _, _, accuracy, std, _, _ = test(load_bin(str(val)), backbone, batch_size=64)
     verdict = "meets" if accuracy >= TARGET else "is below"

@@ -19,8 +19,9 @@ import numpy as np
 import torch
 from torch import nn
 
-from backbones.trained import add_model_arguments, load_from_args
-from utils.errors import ConfigError, exit_on_user_error
+from backbones.trained import add_backbone_arguments, load_backbone_from_args
+from utils.cli import exit_on_user_error
+from utils.errors import ConfigError
 
 INPUT_NAME = "data"
 OUTPUT_NAME = "embedding"
@@ -46,7 +47,7 @@ def export_onnx(model: nn.Module, path: Path) -> None:
 
 def onnxruntime_difference(model: nn.Module, path: Path, batch: int, seed: int = 0) -> tuple[float, float, int]:
     """(largest |onnxruntime - PyTorch|, largest |PyTorch|, embedding size) over one random batch in [-1, 1]."""
-    import onnxruntime
+    import onnxruntime  # noqa: PLC0415 (a second to import; only the check after the export needs it)
 
     images = torch.rand(batch, 3, 112, 112, generator=torch.Generator().manual_seed(seed)) * 2 - 1
     session = onnxruntime.InferenceSession(str(path), providers=["CPUExecutionProvider"])
@@ -58,7 +59,7 @@ def onnxruntime_difference(model: nn.Module, path: Path, batch: int, seed: int =
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    add_model_arguments(parser)
+    add_backbone_arguments(parser)
     parser.add_argument("--output", type=Path, help="ONNX file to write (default: model.onnx next to the weights)")
     parser.add_argument("--force", action="store_true", help="overwrite --output if it exists")
     parser.add_argument("--check-batch", type=int, default=3,
@@ -74,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.output and not args.output.parent.is_dir():
             raise ConfigError(f"--output {args.output} is in a folder that does not exist; create "
                               f"{args.output.parent} first or choose another path")
-        model, trained = load_from_args(args)
+        model, trained = load_backbone_from_args(args)
         output = args.output or trained.weights.parent / "model.onnx"
         if output.exists() and not args.force:
             raise ConfigError(f"{output} already exists; pass --force to overwrite it or --output another path")

@@ -21,15 +21,16 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from backbones import embed, read_face_image
-from backbones.trained import add_model_arguments, load_from_args
-from utils.errors import ConfigError, exit_on_user_error
+from backbones import read_face_image, unit_embeddings
+from backbones.trained import add_backbone_arguments, load_backbone_from_args
+from utils.cli import exit_on_user_error
+from utils.errors import ConfigError
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("images", nargs="+", type=Path, help="one or two aligned face images")
-    add_model_arguments(parser)
+    add_backbone_arguments(parser)
     parser.add_argument("--save", type=Path, help="write the embedding(s) to this .npy file")
     return parser.parse_args(argv)
 
@@ -61,8 +62,8 @@ def main(argv: list[str] | None = None) -> int:
     with exit_on_user_error():
         check_args(args)
         images = torch.stack([read_face_image(path) for path in args.images])
-        model, _ = load_from_args(args)
-        report(embed(model, images).numpy(), args.save)
+        model, _ = load_backbone_from_args(args)
+        report(unit_embeddings(model, images).numpy(), args.save)
     return 0
 
 

@@ -35,7 +35,8 @@ import numpy as np
 from PIL import Image
 
 from dataset import scan_identities
-from utils.errors import ConfigError, DataError, exit_on_user_error
+from utils.cli import exit_on_user_error
+from utils.errors import ConfigError, DataError
 from utils.progress import progress
 
 FACE_SIZE = 112

@@ -19,7 +19,8 @@ from multiprocessing import Pool
 import numpy as np
 
 from dataset import InsightfaceWriter, check_output, encode, identity_records, verification_pairs
-from utils.errors import ConfigError, exit_on_user_error
+from utils.cli import exit_on_user_error
+from utils.errors import ConfigError
 from utils.progress import progress
 
 VAL_NAME = "synthetic_val.bin"

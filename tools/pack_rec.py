@@ -18,8 +18,9 @@ import time
 from functools import partial
 from multiprocessing import Pool
 
-from dataset import DataError, InsightfaceWriter, check_output, pack_identity, scan_identities
-from utils.errors import ConfigError, exit_on_user_error
+from dataset import InsightfaceWriter, check_output, pack_identity, scan_identities
+from utils.cli import exit_on_user_error
+from utils.errors import ConfigError, DataError
 from utils.progress import progress
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ast
 import difflib
+import math
 import os
 import runpy
 import types
@@ -170,9 +171,7 @@ def _check_values(values: dict) -> None:
             raise ConfigError(f"config key {key!r} must be at least 1, not {values[key]}")
     if values["fp16"] and values["bf16"]:
         raise ConfigError("config keys 'fp16' and 'bf16' are both True; choose one (--set bf16=False)")
-    if len(values["margin_list"]) != 3:
-        raise ConfigError("config key 'margin_list' must hold three numbers (m1, m2, m3), "
-                          f"not {values['margin_list']!r}")
+    _check_margins(values["margin_list"], values["margin_scale"])
     if not 0.0 < values["sample_rate"] <= 1.0:
         raise ConfigError(f"config key 'sample_rate' must be in (0, 1], not {values['sample_rate']}")
     weights = values["view_weights"]
@@ -183,6 +182,21 @@ def _check_values(values: dict) -> None:
     if values["warmup_epoch"] > values["num_epoch"]:
         raise ConfigError(f"config key 'warmup_epoch' ({values['warmup_epoch']}) exceeds num_epoch "
                           f"({values['num_epoch']})")
+
+
+def _check_margins(margin_list: tuple[float, ...], scale: float) -> None:
+    """The target logit s*(cos(m1*theta + m2) - m3) must exist and favour the target: s > 0, m1 > 0, m2 in [0, pi)."""
+    if len(margin_list) != 3:
+        raise ConfigError(f"config key 'margin_list' must hold three numbers (m1, m2, m3), not {margin_list!r}")
+    m1, m2, _ = margin_list
+    if scale <= 0:
+        raise ConfigError(f"config key 'margin_scale' must be positive, not {scale}; arcface_torch uses 64")
+    if m1 <= 0:
+        raise ConfigError(f"config key 'margin_list' has m1={m1}; the multiplicative margin must be positive "
+                          "(1.0 turns it off), e.g. margin_list=(1.0, 0.5, 0.0)")
+    if not 0.0 <= m2 < math.pi:
+        raise ConfigError(f"config key 'margin_list' has m2={m2}; the additive angular margin must lie in [0, pi) "
+                          "(ArcFace: 0.5), e.g. margin_list=(1.0, 0.5, 0.0)")
 
 
 def check_data_path(cfg: SimpleNamespace) -> None:

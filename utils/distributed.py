@@ -13,6 +13,9 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from utils.errors import UserError
+from utils.launcher import local_process
+
 
 def is_initialized() -> bool:
     return dist.is_available() and dist.is_initialized()
@@ -30,28 +33,9 @@ def is_main() -> bool:
     return rank() == 0
 
 
-def launched_rank() -> int:
-    """This process's rank as the launcher (torchrun) announced it: valid before the process group exists."""
-    return int(os.environ.get("RANK", "0"))
-
-
 def barrier() -> None:
     if is_initialized():
         dist.barrier()
-
-
-def local_process() -> tuple[int, int]:
-    """(this process's index on its node, processes on the node) from torchrun's LOCAL_RANK and
-    LOCAL_WORLD_SIZE, or SLURM's SLURM_LOCALID and SLURM_NTASKS_PER_NODE under srun."""
-    for index, count in (("LOCAL_RANK", "LOCAL_WORLD_SIZE"), ("SLURM_LOCALID", "SLURM_NTASKS_PER_NODE")):
-        if index in os.environ:
-            return int(os.environ[index]), int(os.environ.get(count, "1").split("(")[0])
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        from utils.errors import ConfigError  # here, not at the top: utils.errors builds on this module
-
-        raise ConfigError("WORLD_SIZE > 1 but neither LOCAL_RANK (torchrun) nor SLURM_LOCALID (srun) says which "
-                          "GPU is this process's; start training with torchrun or srun")
-    return 0, 1
 
 
 def nodes() -> int:
@@ -120,3 +104,19 @@ def gather_objects(obj) -> list | None:
     dist.gather_object(obj, out, dst=0)
     return out
 
+
+
+def agreed(decide, share: bool = True):
+    """Run `decide()` on rank 0 and raise its user error on every rank, so that no process is left
+    waiting at a collective for one that stopped. Returns the result on every rank (`share`), or
+    on rank 0 only (None elsewhere) for results that cannot travel, such as an open file."""
+    outcome, error = None, None
+    if is_main():
+        try:
+            outcome = decide()
+        except UserError as raised:
+            error = raised
+    error = broadcast_object(error)
+    if error is not None:
+        raise error
+    return broadcast_object(outcome) if share else outcome

@@ -1,7 +1,10 @@
-"""The one pixel normalisation shared by training, evaluation and inference."""
+"""The face image every network sees: its size, and the one pixel normalisation shared by training,
+evaluation and inference."""
 from __future__ import annotations
 
 import torch
+
+IMAGE_SIZE = 112  # aligned face crops are IMAGE_SIZE x IMAGE_SIZE; a V-view record is IMAGE_SIZE x V*IMAGE_SIZE
 
 
 def normalize(images: torch.Tensor) -> torch.Tensor:

@@ -12,6 +12,7 @@ from collections.abc import Callable, Iterator
 import torch
 
 from utils.distributed import is_main, rank
+from utils.metrics import Metrics
 
 LOG_NAME = "training.log"
 LOG_FORMAT = "Training: %(asctime)s-%(message)s"
@@ -47,7 +48,7 @@ def format_duration(seconds: float) -> str:
 
 
 class SpeedLogger:
-    """Every `frequent` steps: one log line and TensorBoard scalars (rank 0 only).
+    """Every `frequent` steps: one log line and its scalars in `metrics` (TensorBoard, W&B; rank 0 only).
 
     Speed counts training time only: time spent inside `paused()` (verification, checkpoints) is
     left out, so a verification pass does not show up as a slow step as it does upstream. Losses
@@ -56,12 +57,12 @@ class SpeedLogger:
     """
 
     def __init__(self, frequent: int, total_steps: int, global_batch: int, num_views: int,
-                 summary_writer=None, start_step: int = 0) -> None:
+                 metrics: Metrics | None = None, start_step: int = 0) -> None:
         self.frequent = frequent
         self.total_steps = total_steps
         self.global_batch = global_batch
         self.num_views = num_views
-        self.writer = summary_writer
+        self.metrics = metrics
         self._loss_sum: torch.Tensor | float = 0.0  # [loss, loss of view 1..V] summed over the steps seen
         self._loss_count = 0
         self._first_step = start_step
@@ -104,12 +105,12 @@ class SpeedLogger:
             line += f"Fp16 Grad Scale: {grad_scale():.0f}   "
         line += f"Required: {format_duration(max(eta, 0.0))}"
         logging.info(line)
-        if self.writer is not None:
-            self.writer.add_scalar("loss", loss, global_step)
+        if self.metrics is not None:
+            self.metrics.add_scalar("loss", loss, global_step)
             for i, value in enumerate(view_losses):
-                self.writer.add_scalar(f"loss_view{i + 1}", value, global_step)
-            self.writer.add_scalar("learning_rate", lr, global_step)
-            self.writer.add_scalar("samples_per_sec", samples_per_sec, global_step)
+                self.metrics.add_scalar(f"loss_view{i + 1}", value, global_step)
+            self.metrics.add_scalar("learning_rate", lr, global_step)
+            self.metrics.add_scalar("samples_per_sec", samples_per_sec, global_step)
         self._loss_sum, self._loss_count = 0.0, 0
         self._last_step = global_step
         self._window_seconds = 0.0

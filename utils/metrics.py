@@ -12,6 +12,8 @@ from datetime import datetime
 from pathlib import Path
 from types import SimpleNamespace
 
+from torch.utils.tensorboard import SummaryWriter
+
 from utils.distributed import is_main, rank
 from utils.errors import ConfigError
 
@@ -33,7 +35,7 @@ class Metrics:
     def log_artifact(self, path: Path, name: str) -> None:
         """Upload a weights file as a W&B model artifact (with save_artifacts; nothing otherwise)."""
         if self.wandb_run is not None and self.wandb_run.config.get("save_artifacts"):
-            import wandb
+            import wandb  # noqa: PLC0415 (optional extra: only runs that log to W&B need it)
 
             artifact = wandb.Artifact(f"{self.wandb_run.name}_{name}", type="model")
             artifact.add_file(str(path))
@@ -51,8 +53,6 @@ def open_metrics(cfg: SimpleNamespace) -> Metrics:
     """This process's sinks: TensorBoard on rank 0; W&B on rank 0, or on every rank with wandb_log_all."""
     tensorboard = None
     if is_main():
-        from torch.utils.tensorboard import SummaryWriter  # imported late: tensorboard is slow to import
-
         tensorboard = SummaryWriter(log_dir=os.path.join(cfg.output, "tensorboard"))
     wandb_run = _wandb_run(cfg) if cfg.using_wandb and (is_main() or cfg.wandb_log_all) else None
     return Metrics(tensorboard, wandb_run)
@@ -60,7 +60,7 @@ def open_metrics(cfg: SimpleNamespace) -> Metrics:
 
 def _wandb_run(cfg: SimpleNamespace):
     try:
-        import wandb
+        import wandb  # noqa: PLC0415 (optional extra: only runs that log to W&B need it)
     except ImportError:
         raise ConfigError("using_wandb=True needs the wandb package; install it with `pip install wandb`, or set "
                           "using_wandb=False") from None

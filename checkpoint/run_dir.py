@@ -1,5 +1,5 @@
 """The run folder: created for a new run, reopened for a resume, never overwritten by accident,
-and held by one training process at a time."""
+and held by one training process at a time; and what a resume starts from."""
 from __future__ import annotations
 
 import fcntl
@@ -7,10 +7,16 @@ import os
 from pathlib import Path
 from typing import IO
 
-from utils.checkpoint import WEIGHTS_NAMES, find_resume_source
-from utils.errors import RunDirError
+from backbones.trained import BACKBONE_NAME
+from checkpoint.arcface import MARKERS, MODEL_FILE, marker_for
+from checkpoint.legacy import LEGACY_FORMAT, LEGACY_NAME, read_legacy
+from checkpoint.sharded import POINTER_NAME
+from utils.errors import CheckpointError, RunDirError
 
 LOCK_NAME = ".lock"
+# What makes a folder a run worth guarding, in the order a resume prefers them: arcface_torch's rank
+# files before its backbone alone (model.pt is all train_v2.py writes by default).
+WEIGHTS_NAMES = (POINTER_NAME, LEGACY_NAME, *MARKERS, BACKBONE_NAME, MODEL_FILE)
 
 
 def resolve_resume(output: str, resume: bool | str) -> tuple[str, Path] | None:
@@ -28,6 +34,29 @@ def resolve_resume(output: str, resume: bool | str) -> tuple[str, Path] | None:
         raise RunDirError(f"output folder {output} already holds a run ({', '.join(held[:3])}); pass --resume to "
                           "continue it, or choose a new folder with --set output=<folder>")
     return source
+
+
+def find_resume_source(location: str | os.PathLike) -> tuple[str, Path]:
+    """(kind, file) to resume from a run folder or a file: kind "checkpoint" (checkpoint.json),
+    "legacy" (an earlier version's checkpoint.pt), "arcface_torch" (rank 0's file of an arcface_torch
+    save, standing for every rank's) or "backbone" (a bare backbone .pth). CheckpointError if there is none."""
+    location = Path(location)
+    if location.is_file() and marker_for(location) is not None:  # one rank's file: the save it belongs to
+        return "arcface_torch", marker_for(location)
+    if location.is_dir():
+        found = [location / name for name in WEIGHTS_NAMES if (location / name).is_file()]
+        if not found:
+            raise CheckpointError(f"nothing to resume in {location}: it holds neither {POINTER_NAME} nor "
+                                  f"{BACKBONE_NAME}; start a new run without --resume, or point resume at a checkpoint")
+        location = found[0]
+    elif not location.is_file():
+        raise CheckpointError(f"resume source {location} does not exist; point resume at a run folder, "
+                              f"a {POINTER_NAME} or a backbone .pth file")
+    if location.suffix == ".json":
+        return "checkpoint", location
+    if location.name in MARKERS:
+        return "arcface_torch", location
+    return ("legacy" if read_legacy(location).get("format") == LEGACY_FORMAT else "backbone"), location
 
 
 def _run_files(folder: Path) -> list[str]:

@@ -28,12 +28,14 @@ from typing import TextIO
 import torch
 
 from backbones import suggest_network
-from partial_fc import class_range
-from utils.distributed import is_main
-from utils.errors import CheckpointError, agreed
+from checkpoint.restored import Restored
+from partial_fc import PartialFC, class_range
+from training.state import TrainingState
+from utils.distributed import agreed, is_main
+from utils.errors import CheckpointError
 from utils.lr_scheduler import POLY_POWER
 from utils.progress import progress
-from utils.training_state import Restored
+from utils.torch_files import load_torch_file
 
 TRAIN_V2, LAYOUT_2021 = "train_v2", "2021"
 V2_FILE = "checkpoint_gpu_{}.pt"
@@ -234,11 +236,9 @@ def _rows(value, path: Path, what: str) -> torch.Tensor:
 
 
 def _load(path: Path):
-    try:
-        return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-    except Exception as error:  # truncated, not a torch file, foreign pickles: all "unreadable"
-        raise CheckpointError(f"cannot read {path} ({type(error).__name__}); it is damaged or not an arcface_torch "
-                              "checkpoint: copy it again from the run that wrote it") from None
+    return load_torch_file(path, lambda reason: CheckpointError(
+        f"cannot read {path} ({reason}); it is damaged or not an arcface_torch checkpoint: copy it again from the "
+        "run that wrote it"), mmap=True)
 
 
 def _optimizer_name(groups: list[dict]) -> str:
@@ -247,17 +247,17 @@ def _optimizer_name(groups: list[dict]) -> str:
 
 # --- fitting the run ------------------------------------------------------------------------------
 
-def check_fits(layout: Layout, model_info: dict, model) -> None:
+def check_fits(layout: Layout, architecture: dict, state: TrainingState) -> None:
     """CheckpointError unless the files fit this run's embedding size, class count, network and optimizer."""
     where = layout.folder / layout.pattern.format(0)
-    if layout.embedding_size != model_info["embedding_size"]:
+    if layout.embedding_size != architecture["embedding_size"]:
         raise CheckpointError(f"{where} holds {layout.embedding_size}-dimensional class centres, this run's "
-                              f"embedding_size is {model_info['embedding_size']}; set "
+                              f"embedding_size is {architecture['embedding_size']}; set "
                               f"embedding_size={layout.embedding_size} (or resume with the config that trained it)")
-    if layout.num_classes != model_info["num_classes"]:
-        raise CheckpointError(_class_count_problem(layout, model_info["num_classes"]))
-    _check_backbone(layout.backbone_file(), _backbone_state(layout), model_info, model.backbone)
-    ours = _optimizer_name(model.optimizer.param_groups)
+    if layout.num_classes != architecture["num_classes"]:
+        raise CheckpointError(_class_count_problem(layout, architecture["num_classes"]))
+    _check_backbone(layout.backbone_file(), _backbone_state(layout), architecture, state.backbone)
+    ours = _optimizer_name(state.optimizer.param_groups)
     if layout.optimizer != ours:
         raise CheckpointError(f"{where} holds {layout.optimizer} state, this run uses {ours}; set "
                               f"optimizer={layout.optimizer.lower()!r} to continue it (optimizer state does not carry "
@@ -279,18 +279,18 @@ def _class_count_problem(layout: Layout, num_classes: int) -> str:
 
 
 def _backbone_state(layout: Layout) -> dict[str, torch.Tensor]:
-    state = _load(layout.backbone_file())
-    return state["state_dict_backbone"] if layout.kind == TRAIN_V2 else state
+    saved = _load(layout.backbone_file())
+    return saved["state_dict_backbone"] if layout.kind == TRAIN_V2 else saved
 
 
-def _check_backbone(where: Path, state: dict, model_info: dict, backbone: torch.nn.Module) -> None:
+def _check_backbone(where: Path, state: dict, architecture: dict, backbone: torch.nn.Module) -> None:
     expected = backbone.state_dict()
     differences = ([key for key in expected if key not in state] + [key for key in state if key not in expected]
                    + [key for key in expected if key in state and state[key].shape != expected[key].shape])
     if differences:
         suggestion = suggest_network(state)
-        ours = ", ".join([f"network {model_info['network']}",
-                          *(f"{key}={value}" for key, value in model_info["network_kwargs"].items())])
+        ours = ", ".join([f"network {architecture['network']}",
+                          *(f"{key}={value}" for key, value in architecture["network_kwargs"].items())])
         fix = f"it fits {suggestion}: resume with those settings" if suggestion else \
             "resume with the network it was trained with"
         raise CheckpointError(f"{where} holds a backbone that does not fit {ours} ({len(differences)} keys differ, "
@@ -299,29 +299,31 @@ def _check_backbone(where: Path, state: dict, model_info: dict, backbone: torch.
 
 # --- loading --------------------------------------------------------------------------------------
 
-def restore_arcface(marker: Path, model_info: dict, model, stream: TextIO | None = None) -> Restored:
-    """Load the arcface_torch checkpoint `marker` stands for into `model` (train.Model): the backbone and
+def restore_arcface(marker: Path, architecture: dict, state: TrainingState, stream: TextIO | None = None) -> Restored:
+    """Load the arcface_torch checkpoint `marker` stands for into `state`: the backbone and
     its optimizer state from rank 0's file, this rank's centre rows and their optimizer state from the
     files that hold them. Collective: rank 0 checks the files first and every rank raises its error.
     `stream` gets a progress line per file read (command lines pass one)."""
-    layout = agreed(lambda: _checked(marker, model_info, model))
+    layout = agreed(lambda: _checked(marker, architecture, state))
     first = _load(layout.backbone_file())
-    model.backbone.load_state_dict(first["state_dict_backbone"] if layout.kind == TRAIN_V2 else first, strict=True)
-    centre_state = _read_rows(layout, model.pfc, stream)
-    state = {}
+    state.backbone.load_state_dict(first["state_dict_backbone"] if layout.kind == TRAIN_V2 else first, strict=True)
+    centre_state = _read_rows(layout, state.pfc, stream)
+    optimizer_state = {}
     if layout.kind == TRAIN_V2:
         saved = first["state_optimizer"]
         # The backbone's parameter state as it is, copied: the file is not kept mapped during training.
-        state = {ours: _cloned(saved["state"][theirs])
-                 for ours, theirs in enumerate(saved["param_groups"][0]["params"]) if theirs in saved["state"]}
+        backbone_params = saved["param_groups"][0]["params"]
+        optimizer_state = {ours: _cloned(saved["state"][theirs])
+                           for ours, theirs in enumerate(backbone_params) if theirs in saved["state"]}
         scalars = {name: value for name, value in _cloned(saved["state"].get(layout.centre_index, {})).items()
                    if torch.is_tensor(value) and not value.dim()}  # AdamW's step: one count for all rows
         centre_state = {**scalars, **centre_state}
     if centre_state:
-        state[len(model.optimizer.param_groups[0]["params"])] = centre_state
+        optimizer_state[len(state.optimizer.param_groups[0]["params"])] = centre_state
     # This run's param groups stay: its config says lr, momentum and weight decay; what the files said
     # goes back as Restored.config, and the resume logs where the two differ.
-    model.optimizer.load_state_dict({"state": state, "param_groups": model.optimizer.state_dict()["param_groups"]})
+    state.optimizer.load_state_dict({"state": optimizer_state,
+                                     "param_groups": state.optimizer.state_dict()["param_groups"]})
     _log_import(layout, centre_state)
     return Restored(progress={"global_step": layout.global_step, "steps_per_epoch": layout.steps_per_epoch,
                               "nonfinite_total": 0},
@@ -333,13 +335,13 @@ def _cloned(state: dict) -> dict:
     return {name: value.clone() if torch.is_tensor(value) else value for name, value in state.items()}
 
 
-def _checked(marker: Path, model_info: dict, model) -> Layout:
+def _checked(marker: Path, architecture: dict, state: TrainingState) -> Layout:
     layout = read_layout(marker)
-    check_fits(layout, model_info, model)
+    check_fits(layout, architecture, state)
     return layout
 
 
-def _read_rows(layout: Layout, pfc, stream: TextIO | None) -> dict[str, torch.Tensor]:
+def _read_rows(layout: Layout, pfc: PartialFC, stream: TextIO | None) -> dict[str, torch.Tensor]:
     """Copy this rank's centre rows into pfc.weight and return their optimizer state, each read from the
     files that hold them: one file open at a time, no matrix beyond this rank's rows."""
     pieces = layout.pieces(pfc.class_start, pfc.num_local)
@@ -347,9 +349,9 @@ def _read_rows(layout: Layout, pfc, stream: TextIO | None) -> dict[str, torch.Te
     at = 0
     with torch.no_grad():
         for source, first, rows in progress(pieces, len(pieces), "reading class centres", stream):
-            weight, state = layout.read_shard(source)
+            weight, shard_state = layout.read_shard(source)
             pfc.weight[at:at + rows].copy_(weight[first:first + rows])
-            for name, value in state.items():
+            for name, value in shard_state.items():
                 if torch.is_tensor(value) and value.dim():
                     target = targets.setdefault(name, torch.empty(pfc.weight.shape, dtype=value.dtype,
                                                                   device=pfc.weight.device))

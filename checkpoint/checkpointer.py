@@ -1,0 +1,124 @@
+"""When a run saves, and how it resumes: the training loop's one contact with checkpoints.
+
+A run folder holds:
+- the training state (`checkpoint.json` naming a `checkpoint-<step>/` folder: checkpoint/sharded.py),
+  resumable exactly on the same world size and on any other;
+- `backbone.pth` and `model.json` (backbones/trained.py): the plain backbone state_dict, as
+  arcface_torch saves it, and the network it belongs to.
+
+A run also resumes from a folder arcface_torch wrote (checkpoint/arcface.py), from an earlier
+version's `checkpoint.pt` (checkpoint/legacy.py) or from a bare backbone .pth, on any world size.
+
+Every file is written atomically (utils/atomic.py): a crash at any moment costs no earlier save.
+"""
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Mapping
+from pathlib import Path
+
+from backbones import load_backbone
+from backbones.trained import BACKBONE_NAME, save_backbone
+from checkpoint.arcface import restore_arcface
+from checkpoint.legacy import restore_legacy
+from checkpoint.restored import Restored
+from checkpoint.rng import set_rng_state
+from checkpoint.sharded import POINTER_NAME, restore_state, save_state
+from dataset import FaceLoader
+from training.state import StepCounter, TrainingState
+from utils.distributed import world
+from utils.lr_scheduler import jump_to_step
+
+log = logging.getLogger(__name__)
+
+
+class Checkpointer:
+    """The training loop's one contact with checkpoints: the resume at the start, then every save.
+
+    A save is due every `save_every_steps` steps, at each epoch end and at the end of the run; one
+    that falls inside a streak of non-finite losses waits for the next step taken, so the last good
+    checkpoint stays as it was (the end of the run saves in any case).
+    """
+
+    def __init__(self, output: str, state: TrainingState, loader: FaceLoader, architecture: Mapping,
+                 config: Mapping, *, save_every_steps: int = 0, save_all_states: bool = True) -> None:
+        self.output, self.state, self.loader = output, state, loader
+        self.architecture, self.config = dict(architecture), dict(config)
+        self.save_every_steps, self.save_all_states = save_every_steps, save_all_states
+        self._saved_at = -1
+        self._waiting = False  # a save fell inside a non-finite streak
+
+    def resume(self, source: tuple[str, Path], counter: StepCounter) -> None:
+        """Load `source` ((kind, file) from find_resume_source) into the run and `counter`."""
+        kind, path = source
+        if kind == "backbone":
+            self._start_from_backbone(path)
+            return
+        restore = {"checkpoint": restore_state, "legacy": restore_legacy, "arcface_torch": restore_arcface}[kind]
+        restored = restore(path, self.architecture, self.state)
+        saved = restored.progress
+        counter.nonfinite_total = saved["nonfinite_total"]
+        if saved["steps_per_epoch"] == counter.steps_per_epoch and restored.rank_state is not None:
+            counter.global_step = saved["global_step"]
+            self.loader.load_state_dict(restored.rank_state["loader"])
+            set_rng_state(restored.rank_state["rng"])
+        elif saved["global_step"]:  # step 0 (arcface_torch's 2021 layout) is step 0 however an epoch is cut
+            self._renumber(restored, counter)
+        log.info("resumed from %s at global step %d (epoch %d), lr %.6f", path, counter.global_step, counter.epoch,
+                 self.state.optimizer.param_groups[0]["lr"])
+        _log_config_changes(restored.config, self.config)
+
+    def _renumber(self, restored: Restored, counter: StepCounter) -> None:
+        """Another world size, batch size or accumulation: keep the fraction of training done, so the LR
+        schedule and the epoch go on where they were (the exact sample order cannot)."""
+        saved = restored.progress
+        counter.global_step = round(saved["global_step"] * counter.steps_per_epoch / saved["steps_per_epoch"])
+        jump_to_step(self.state.scheduler, counter.global_step)
+        self.loader.load_state_dict(restored.first_rank_state["loader"])
+        log.warning("resuming a run of %d process(es) and %d steps per epoch with %d and %d: step %d becomes step "
+                    "%d; the data order of this epoch differs from the original run", restored.world_size,
+                    saved["steps_per_epoch"], world(), counter.steps_per_epoch, saved["global_step"],
+                    counter.global_step)
+
+    def _start_from_backbone(self, path: Path) -> None:
+        architecture = self.architecture
+        weights = load_backbone(architecture["network"], path, num_features=architecture["embedding_size"],
+                                **architecture["network_kwargs"])
+        self.state.backbone.load_state_dict(weights.state_dict())
+        log.info("initialised the backbone from %s (a bare backbone: class centres, optimizer and schedule "
+                 "start fresh)", path)
+
+    def after_step(self, counter: StepCounter, final: bool = False) -> bool:
+        """Save if a save is due after this step (`final`: the last step of the run); whether it saved."""
+        step = counter.global_step
+        every = self.save_every_steps
+        due = self._waiting or final or step % counter.steps_per_epoch == 0 or (every and step % every == 0)
+        if not due or step == self._saved_at:
+            return False
+        self._waiting = counter.nonfinite_in_a_row > 0 and not final
+        if not self._waiting:
+            self.save(counter)
+        return not self._waiting
+
+    def save(self, counter: StepCounter) -> None:
+        if self.save_all_states:
+            folder = save_state(self.output, self.state, counter.saved(), self.loader.state_dict(),
+                                self.architecture, self.config)
+            log.info("saved %s at global step %d", folder, counter.global_step)
+        save_backbone(self.state.backbone, self.output, self.architecture)
+        self._saved_at = counter.global_step
+
+    def last_good(self) -> str:
+        """What a stopped run leaves to continue from, for its error message."""
+        for name, advice in ((POINTER_NAME, " (continue with --resume)"), (BACKBONE_NAME, "")):
+            if os.path.exists(os.path.join(self.output, name)):
+                return f"the last good {name} in {self.output} is untouched{advice}"
+        return "no checkpoint had been written yet"
+
+
+def _log_config_changes(saved: Mapping, current: Mapping) -> None:
+    changed = [f"{key}: {saved[key]!r} -> {current[key]!r}" for key in sorted(current)
+               if key in saved and saved[key] != current[key] and key != "resume"]
+    if changed:
+        log.info("config differs from the checkpoint's: %s", "; ".join(changed))

@@ -1,0 +1,42 @@
+"""What every checkpoint format hands back to the run, and the checks they share."""
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from utils.errors import CheckpointError
+
+
+@dataclass
+class Restored:
+    """What a checkpoint tells the loop beyond the state it put in place."""
+
+    progress: dict
+    world_size: int
+    config: dict
+    rank_state: dict | None  # this rank's loader state and random streams; None when the world size changed
+    first_rank_state: dict   # rank 0's, whose loader state stands in on another world size
+
+
+def check_architecture(saved: Mapping, architecture: Mapping, where: Path) -> None:
+    """CheckpointError unless the checkpoint at `where` was written for this run's network and classes."""
+    differences = [f"{key} {saved.get(key)!r} there, {value!r} here" for key, value in architecture.items()
+                   if saved.get(key) != value]
+    if differences:
+        raise CheckpointError(f"{where} was written for another model ({'; '.join(differences)}); resume with the "
+                              "config that wrote it, or start a new output folder")
+
+
+def optimizer_index(optimizer: torch.optim.Optimizer, param: nn.Parameter) -> int:
+    """The number optimizer.state_dict() gives `param` (parameters counted in group order)."""
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    return next(i for i, p in enumerate(params) if p is param)
+
+
+def is_centre_rows(value, rows: int, embedding_size: int) -> bool:
+    """Whether an optimizer state entry is shaped like `rows` class centres (momentum, Adam's moments)."""
+    return torch.is_tensor(value) and tuple(value.shape) == (rows, embedding_size)

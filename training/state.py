@@ -1,0 +1,128 @@
+"""The training state: everything an optimizer step changes, built from a configuration alone.
+
+`TrainingState` holds the backbone (and its DistributedDataParallel wrapper), the class centres
+(`PartialFC`), one optimizer over both, the LR schedule and the grad scaler; `StepCounter` says where
+the run stands. Both are what a checkpoint saves and a resume puts back.
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+
+import torch
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from backbones import get_model
+from losses import CombinedMarginLoss
+from partial_fc import PartialFC
+from utils.distributed import world
+from utils.lr_scheduler import build_scheduler
+
+
+@dataclass
+class TrainingState:
+    """Everything a step changes: the networks, their optimizer, schedule and grad scaler."""
+
+    backbone: nn.Module            # the plain backbone (checkpoints, verification)
+    ddp_backbone: nn.Module        # what the step calls: the backbone wrapped in DDP when world > 1
+    pfc: PartialFC
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    scaler: torch.amp.GradScaler
+    precision: torch.dtype | None  # the autocast type of the step (float16, bfloat16), None for float32
+    bn_buffers: list[torch.Tensor] = field(default_factory=list)  # room to keep BatchNorm statistics in
+
+    def autocast(self, device_type: str) -> contextlib.AbstractContextManager:
+        if self.precision is None:
+            return contextlib.nullcontext()
+        return torch.autocast(device_type, dtype=self.precision)
+
+    def keep_bn_buffers(self) -> None:
+        """BatchNorm statistics move in the forward pass, before the loss is known: kept to be put back
+        when the step is skipped, so that a non-finite batch leaves the backbone exactly as it was."""
+        buffers = list(self.backbone.buffers())
+        if len(self.bn_buffers) != len(buffers):
+            self.bn_buffers = [torch.empty_like(buffer) for buffer in buffers]
+        _copy_all(self.bn_buffers, buffers)
+
+    def restore_bn_buffers(self) -> None:
+        _copy_all(list(self.backbone.buffers()), self.bn_buffers)
+
+
+@dataclass
+class StepCounter:
+    """Where a run stands: optimizer steps taken (skipped ones included) and non-finite losses met."""
+
+    global_step: int = 0
+    steps_per_epoch: int = 1
+    nonfinite_in_a_row: int = 0
+    nonfinite_total: int = 0
+
+    @property
+    def epoch(self) -> int:
+        return self.global_step // self.steps_per_epoch
+
+    def saved(self) -> dict:
+        return {"global_step": self.global_step, "epoch": self.epoch, "steps_per_epoch": self.steps_per_epoch,
+                "nonfinite_total": self.nonfinite_total}
+
+
+def _copy_all(targets: list[torch.Tensor], sources: list[torch.Tensor]) -> None:
+    """One fused copy of every tensor (a backbone may have no buffers at all)."""
+    if targets:
+        torch._foreach_copy_(targets, sources)
+
+
+def precision(cfg: SimpleNamespace) -> torch.dtype | None:
+    """The one precision switch: arcface_torch's `fp16` (with a GradScaler), or `bf16`."""
+    return torch.float16 if cfg.fp16 else torch.bfloat16 if cfg.bf16 else None
+
+
+def architecture(cfg: SimpleNamespace, num_classes: int) -> dict:
+    """What the saved weights are shaped for: a checkpoint must match it to be resumed by this run, and
+    model.json records it beside backbone.pth."""
+    return {"network": cfg.network, "network_kwargs": dict(cfg.network_kwargs),
+            "embedding_size": cfg.embedding_size, "num_classes": num_classes}
+
+
+def build_networks(cfg: SimpleNamespace, num_classes: int, device: torch.device) -> tuple[nn.Module, PartialFC]:
+    """Backbone and class centres, initialised from cfg.seed alone (the same on any world size)."""
+    torch.manual_seed(cfg.seed)
+    backbone = get_model(cfg.network, num_features=cfg.embedding_size, dropout=cfg.dropout,
+                         **cfg.network_kwargs).to(device)
+    margin = CombinedMarginLoss(cfg.margin_scale, *cfg.margin_list, cfg.interclass_filtering_threshold,
+                                straight_through=cfg.straight_through_margin)
+    # On a GPU the label check would make every step wait for the device: deferred to a NaN loss instead.
+    pfc = PartialFC(margin, cfg.embedding_size, num_classes, cfg.sample_rate, view_weights=cfg.view_weights,
+                    seed=cfg.seed, defer_label_check=device.type == "cuda").to(device)
+    return backbone, pfc
+
+
+def build_optimizer(cfg: SimpleNamespace, backbone: nn.Module, pfc: PartialFC) -> torch.optim.Optimizer:
+    """One optimizer, two parameter groups (backbone, centres), the same lr and weight decay (upstream).
+    Fused: one kernel updates each group in place, where the default one would allocate a centre-sized
+    temporary for the weight decay term."""
+    groups = [{"params": list(backbone.parameters())}, {"params": list(pfc.parameters())}]
+    if cfg.optimizer == "sgd":
+        return torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay, fused=True)
+    return torch.optim.AdamW(groups, lr=cfg.lr, weight_decay=cfg.weight_decay, fused=True)
+
+
+def build_training_state(cfg: SimpleNamespace, num_classes: int, device: torch.device,
+                         steps_per_epoch: int) -> TrainingState:
+    """Everything a step needs, single-process (`wrap_in_ddp` makes it distributed)."""
+    backbone, pfc = build_networks(cfg, num_classes, device)
+    optimizer = build_optimizer(cfg, backbone, pfc)
+    scheduler = build_scheduler(optimizer, steps_per_epoch * cfg.warmup_epoch, steps_per_epoch * cfg.num_epoch)
+    scaler = torch.amp.GradScaler(device.type, enabled=cfg.fp16, growth_interval=100)
+    return TrainingState(backbone=backbone, ddp_backbone=backbone, pfc=pfc, optimizer=optimizer,
+                         scheduler=scheduler, scaler=scaler, precision=precision(cfg))
+
+
+def wrap_in_ddp(state: TrainingState, device: torch.device) -> None:
+    if world() > 1:
+        device_ids = [device.index] if device.type == "cuda" else None
+        state.ddp_backbone = DistributedDataParallel(state.backbone, device_ids=device_ids,
+                                                     forward_sync_buffers=False)
