@@ -93,7 +93,8 @@ def test_load_backbone_accepts_ddp_prefixes_and_training_checkpoints(r18_weights
     torch.save({"state_dict_backbone": state, "global_step": 10}, tmp_path / "checkpoint_gpu_0.pt")
     for name in ("ddp.pth", "checkpoint_gpu_0.pt"):
         loaded = load_backbone("r18", tmp_path / name, width_mult=0.25)
-        assert all(torch.equal(loaded.state_dict()[k], v) for k, v in state.items())
+        reloaded = loaded.state_dict()
+        assert all(torch.equal(reloaded[k], v) for k, v in state.items())
 
 
 def test_missing_weights_file_is_named(tmp_path):
@@ -128,7 +129,8 @@ def test_a_run_folder_or_a_pth_beside_model_json_names_its_network(r18_weights, 
     loaded, described = load_saved_backbone(r18_run)
     assert described == want and not loaded.training
     assert described.describe() == f"r18 (width_mult=0.25, num_features=512) from {r18_run / 'backbone.pth'}"
-    assert all(torch.equal(loaded.state_dict()[k], v) for k, v in model.state_dict().items())
+    reloaded = loaded.state_dict()
+    assert all(torch.equal(reloaded[k], v) for k, v in model.state_dict().items())
     assert find_saved_backbone(path, "r18", {"width_mult": 0.25}) == SavedBackbone(path, "r18", {"width_mult": 0.25})
 
 
