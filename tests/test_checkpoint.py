@@ -19,7 +19,8 @@ import torch
 
 from checkpoint.legacy import LEGACY_FORMAT, LEGACY_NAME, restore_legacy
 from checkpoint.run_dir import find_resume_source
-from checkpoint.sharded import POINTER_NAME, restore_state, save_state
+from checkpoint.pointer import POINTER_NAME
+from checkpoint.sharded import restore_state, save_state
 from losses import CombinedMarginLoss
 from partial_fc import PartialFC
 from tests.distributed_helpers import run_world
@@ -123,10 +124,12 @@ def test_written_by_four_resumes_on_one_two_and_three_bit_for_bit(written_by_fou
 
 
 def test_each_rank_writes_only_its_own_rows(written_by_four):
-    """Four files, one per rank, the centre rows of rank r only in rank r's file."""
+    """Four files, one per rank, the centre rows of rank r only in rank r's file; beside them rank 0's
+    backbone, the state as JSON and the manifest."""
     root, _ = written_by_four
     folder = root / "sgd" / json.loads((root / "sgd" / POINTER_NAME).read_text())["directory"]
-    assert sorted(p.name for p in folder.iterdir()) == [".metadata"] + [f"__{r}_0.distcp" for r in range(4)]
+    assert sorted(p.name for p in folder.iterdir()) == [".metadata"] + [f"__{r}_0.distcp" for r in range(4)] + [
+        "backbone.pth", "manifest.json", "model.json", "state.json"]
     metadata = torch.distributed.checkpoint.FileSystemReader(folder).read_metadata()
     chunks = metadata.state_dict_metadata["centres"].chunks
     assert sorted((tuple(c.offsets), tuple(c.sizes)) for c in chunks) == [

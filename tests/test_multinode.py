@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from checkpoint.sharded import POINTER_NAME
+from checkpoint.pointer import POINTER_NAME
 from tests.run_helpers import INFO, ROOT, arguments, load_run, run_cli
 
 OVERRIDES = ("save_every_steps=1", "num_epoch=100")  # a save after every step; never ends on its own
