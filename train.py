@@ -155,7 +155,8 @@ def _train_in_folder(cfg: SimpleNamespace, device: torch.device, source) -> dict
     _check_memory(cfg, dataset.num_classes, device)
     state = build_training_state(cfg, dataset.num_classes, device, counter.steps_per_epoch)
     checkpointer = Checkpointer(cfg.output, state, loader, architecture(cfg, dataset.num_classes), vars(cfg),
-                                save_every_steps=cfg.save_every_steps, save_all_states=cfg.save_all_states)
+                                save_every_steps=cfg.save_every_steps, save_all_states=cfg.save_all_states,
+                                async_save=cfg.async_save)
     torch.manual_seed(cfg.seed + 1 + rank())  # per-rank streams for centre sampling and dropout
     if source:
         checkpointer.resume(source, counter)  # replaces those streams with the saved ones
@@ -167,6 +168,9 @@ def _train_in_folder(cfg: SimpleNamespace, device: torch.device, source) -> dict
     metrics = open_metrics(cfg)
     try:
         results = _loop(cfg, state, loader, counter, checkpointer, stop, metrics)
+    except BaseException:
+        checkpointer.settle()
+        raise
     finally:
         metrics.close()  # flushes the last scalars, also when the run stops on an error
     log.info("training finished at global step %d: %s", counter.global_step,
@@ -216,9 +220,11 @@ def _loop(cfg, state: TrainingState, loader: FaceLoader, counter: StepCounter, c
         with speed.paused():
             accuracy = verification(counter.global_step, state.backbone)
             final = counter.global_step == stop
-            if checkpointer.after_step(counter, final) and is_main():
-                name = "Final" if final else f"step{counter.global_step}"
-                metrics.log_artifact(Path(cfg.output) / BACKBONE_NAME, name)
+            if checkpointer.after_step(counter, final) and cfg.save_artifacts and cfg.using_wandb:
+                checkpointer.wait_for_save()  # the artifact is the published backbone.pth
+                if is_main():
+                    name = "Final" if final else f"step{counter.global_step}"
+                    metrics.log_artifact(Path(cfg.output) / BACKBONE_NAME, name)
         if accuracy is not None:
             results, verified_at = accuracy, counter.global_step
     if verified_at != counter.global_step:

@@ -15,7 +15,6 @@ import json
 import logging
 import multiprocessing
 import os
-import pickle
 import subprocess
 import sys
 import tempfile
@@ -174,20 +173,22 @@ def assert_nothing_lost(before: dict[str, tuple[str, int, int]], folder: Path) -
 
 def load_run(output: Path, info: dict | None = None) -> dict:
     """The checkpoint `output/checkpoint.json` names, assembled whole in this process by torch's own
-    DCP-to-torch.save converter: {"model", "config", "world_size", "progress", "backbone",
+    DCP-to-torch.save converter and plain json: {"model", "config", "world_size", "progress", "backbone",
     "class_centres" (all rows), "optimizer" (state with all centre rows, param_groups), "scheduler",
     "grad_scaler", "per_rank": [{"rng", "loader"} of each rank]}. Asserts the model is `info`."""
     pointer = json.loads((output / POINTER_NAME).read_text())
+    folder = output / pointer["directory"]
     with tempfile.TemporaryDirectory() as tmp:
-        dcp_to_torch_save(output / pointer["directory"], f"{tmp}/whole.pt")
-        whole = torch.load(f"{tmp}/whole.pt", weights_only=False)
-    run = pickle.loads(whole["run"])
+        dcp_to_torch_save(folder, f"{tmp}/whole.pt")
+        whole = torch.load(f"{tmp}/whole.pt", weights_only=True)
+    saved = json.loads((folder / "state.json").read_text())
+    run = saved["run"]
     assert pointer["model"] == run["model"] == (info or INFO), (pointer["model"], run["model"])
     return {**{key: run[key] for key in ("model", "config", "world_size", "progress", "scheduler", "grad_scaler")},
-            "backbone": whole["backbone"], "class_centres": whole["centres"],
+            "backbone": torch.load(folder / "backbone.pth", weights_only=True), "class_centres": whole["centres"],
             "optimizer": {"state": {int(index): state for index, state in whole.get("optimizer", {}).items()},
                           "param_groups": run["param_groups"]},
-            "per_rank": [pickle.loads(whole[f"rank/{r}"]) for r in range(run["world_size"])]}
+            "per_rank": saved["ranks"]}
 
 
 def load_backbone_strict(path: Path, info: dict | None = None) -> torch.nn.Module:
@@ -231,6 +232,6 @@ def assert_same_run(split: Path, whole: Path, info: dict | None = None) -> None:
         assert mine["loader"] == theirs["loader"]
         # torch's generator draws the sampled centres and dropout masks. Python's and numpy's global
         # generators are seeded by nobody (training draws nothing from them): they differ between any two runs.
-        assert torch.equal(mine["rng"]["torch"], theirs["rng"]["torch"])
+        assert mine["rng"]["torch"] == theirs["rng"]["torch"]
     assert same_tensors(load_backbone_strict(split / "backbone.pth", info).state_dict(),
                         load_backbone_strict(whole / "backbone.pth", info).state_dict())
