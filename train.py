@@ -31,7 +31,7 @@ from training.memory_plan import describe, device_bytes, memory_plan, processes_
 from training.state import StepCounter, TrainingState, architecture, build_training_state, wrap_in_ddp
 from training.step import StepOutcome, train_step
 from utils.cli import report
-from utils.config import check_data_path, load_config
+from utils.config import check_data_path, load_config, planned_world_size
 from utils.device import choose_device, configure_numerics, describe_device
 from utils.distributed import agreed, backend, cleanup, init_distributed, is_main, lost_peer, nodes, rank, world
 from utils.errors import ConfigError, TrainingError, UserError
@@ -60,8 +60,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     try:
         cfg = load_config(args.config, args.set + (["resume=True"] if args.resume else []))
+        planned = planned_world_size(args.dry_run, args.world_size, args.json, os.environ)
         if args.dry_run:
-            print(dry_run_report(cfg, args.world_size or int(os.environ.get("WORLD_SIZE", "1")), args.json))
+            print(dry_run_report(cfg, planned, args.json))
             return 0
         check_data_path(cfg)
         check_val_targets(cfg.val_targets, cfg.rec)  # before any model is built (minutes for a large one)

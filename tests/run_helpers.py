@@ -27,8 +27,8 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 import train
 from backbones import get_model
-from checkpoint.run_dir import LOCK_NAME
 from checkpoint.pointer import POINTER_NAME
+from checkpoint.run_dir import LOCK_NAME
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIG = "configs/synthetic_pair.py"

@@ -18,8 +18,8 @@ import pytest
 import torch
 
 from checkpoint.legacy import LEGACY_FORMAT, LEGACY_NAME, restore_legacy
-from checkpoint.run_dir import find_resume_source
 from checkpoint.pointer import POINTER_NAME
+from checkpoint.run_dir import find_resume_source
 from checkpoint.sharded import restore_state, save_state
 from losses import CombinedMarginLoss
 from partial_fc import PartialFC

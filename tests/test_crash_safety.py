@@ -24,8 +24,8 @@ from pathlib import Path
 import pytest
 
 from backbones.trained import BACKBONE_NAME
-from checkpoint.run_dir import find_resume_source
 from checkpoint.pointer import POINTER_NAME
+from checkpoint.run_dir import find_resume_source
 from tests.run_helpers import assert_same_run, load_backbone_strict, load_run, run_child, run_here, start_child
 
 OVERRIDES = ["save_every_steps=1", "num_epoch=100"]  # a save after every step; never ends on its own
