@@ -69,6 +69,9 @@ class Checkpointer:
         if kind == "backbone":
             self._start_from_backbone(path)
             return
+        if kind == "checkpoint" and path.is_dir() and not (path.parent / POINTER_NAME).is_file():
+            log.warning("%s holds no %s: resuming from %s, its newest complete checkpoint folder, once every file "
+                        "matches its checksum", path.parent, POINTER_NAME, path)
         restore = {"checkpoint": restore_state, "legacy": restore_legacy, "arcface_torch": restore_arcface}[kind]
         restored = restore(path, self.architecture, self.state)
         saved = restored.progress

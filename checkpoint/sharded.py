@@ -313,6 +313,8 @@ def restore_state(source: Path, architecture: Mapping, state: TrainingState) -> 
                        "start a new run") from None
     try:
         return _apply(verified, template, state)
+    except CheckpointError:
+        raise
     except (KeyError, TypeError, ValueError, IndexError, RuntimeError) as error:
         # every file matched its checksum, so these were written so, not damaged since
         reason = f"{type(error).__name__}: {(str(error).splitlines() or [''])[0]}"
@@ -333,7 +335,8 @@ def _checked(source: Path, architecture: Mapping) -> Verified:
 def _apply(verified: Verified, loaded: dict, state: TrainingState) -> Restored:
     """Put the loaded tensors and state.json's values in place."""
     run, ranks = verified.content["run"], verified.content["ranks"]
-    backbone = load_torch_file(verified.folder / BACKBONE_NAME, lambda reason: damaged(verified.folder, reason))
+    backbone = load_torch_file(verified.folder / BACKBONE_NAME,
+                               lambda reason: damaged(verified.folder, f"{BACKBONE_NAME}: {reason}"))
     state.backbone.load_state_dict(backbone, strict=True)
     optimizer_state = {int(index): dict(values) for index, values in loaded["optimizer"].items()}
     for index, values in run.get("optimizer_values", {}).items():
@@ -382,7 +385,8 @@ def read_whole(folder: Path) -> tuple[dict, dict]:
             dcp.load(template, storage_reader=SafeReader(folder), planner=TensorsOnlyPlanner(), no_dist=True)
     except CheckpointException as error:
         raise _failure("cannot read", folder, error, f"{_DAMAGED}: convert another run folder") from None
-    template["backbone"] = load_torch_file(folder / BACKBONE_NAME, lambda reason: damaged(folder, reason))
+    template["backbone"] = load_torch_file(folder / BACKBONE_NAME,
+                                           lambda reason: damaged(folder, f"{BACKBONE_NAME}: {reason}"))
     return template, verified.content
 
 
@@ -409,6 +413,6 @@ def _failure(what: str, folder: Path, error: CheckpointException, advice: str) -
     system = os_error_behind(cause)
     if system is not None and system.strerror:
         detail = system.strerror + (f": {system.filename}" if system.filename else "")
-    else:
-        detail = f"{type(cause).__name__}: {(str(cause).splitlines() or [''])[0]}"
+    else:  # torch's own text runs to paragraphs: its first sentence says what failed
+        detail = f"{type(cause).__name__}: {(str(cause).splitlines() or [''])[0].split('. ')[0]}"
     return CheckpointError(f"{what} checkpoint {folder} (rank {failed_rank}: {detail}); {advice}")

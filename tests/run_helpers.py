@@ -75,9 +75,10 @@ def run_here(data: Path, output: Path, *overrides: str, resume: bool = False, co
     return status, stderr.getvalue()
 
 
-def _command(nproc: int, nan_steps: str | None) -> list[str]:
-    """The launch of train.py, or of train.py under tests.nan_injection (rank 0's loss NaN at `nan_steps`)."""
-    script = ["train.py"] if nan_steps is None else ["-m", "tests.nan_injection", nan_steps]
+def _command(nproc: int, nan_steps: str | None, injection: Sequence[str] = ()) -> list[str]:
+    """The launch of train.py, of train.py under tests.nan_injection (rank 0's loss NaN at `nan_steps`), or
+    under another fault injection module (`injection`: "-m", module and its arguments)."""
+    script = list(injection) or (["train.py"] if nan_steps is None else ["-m", "tests.nan_injection", nan_steps])
     if not nproc:
         return [sys.executable, *script]
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc), *script]
@@ -99,9 +100,9 @@ def start_cli(data: Path, output: Path, *overrides: str, nproc: int = 2, resume:
 
 def run_cli(data: Path, output: Path, *overrides: str, nproc: int = 0, resume: bool = False,
             base: Sequence[str] = QUIET, env: Mapping[str, str] | None = None,
-            nan_steps: str | None = None) -> subprocess.CompletedProcess:
+            nan_steps: str | None = None, injection: Sequence[str] = ()) -> subprocess.CompletedProcess:
     """The command line, run to its end (`python train.py` for nproc 0, else torchrun)."""
-    command = _command(nproc, nan_steps) + arguments(data, output, *overrides, resume=resume, base=base)
+    command = _command(nproc, nan_steps, injection) + arguments(data, output, *overrides, resume=resume, base=base)
     return subprocess.run(command, cwd=ROOT, env=_environment(env), capture_output=True, text=True, timeout=400)
 
 
