@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
 from pathlib import Path
 from types import SimpleNamespace
 
+import crc32c
 import pytest
 import torch
 
@@ -255,3 +257,40 @@ def test_a_failed_write_keeps_the_previous_file(tmp_path):
     assert "could not write" in result.stdout and "previous backbone.pth is untouched" in result.stdout
     assert torch.load(path) == {"generation": 1}
     assert os.listdir(tmp_path) == ["backbone.pth"]
+
+
+def _rewrite_pointer(pointer: Path, **changes) -> None:
+    """checkpoint.json with `changes` (None: the field removed) and a checksum that matches them, as a hostile
+    or careless hand would write it; the checksum is computed here with crc32c and plain json."""
+    content = json.loads(pointer.read_text())
+    del content["crc32c"]
+    for key, value in changes.items():
+        if value is None:
+            del content[key]
+        else:
+            content[key] = value
+    content["crc32c"] = crc32c.crc32c(json.dumps(content, sort_keys=True).encode())
+    pointer.write_text(json.dumps(content))
+
+
+@pytest.mark.parametrize("changes, reason", [
+    ({"directory": "../elsewhere/checkpoint-000000002"}, "its directory '../elsewhere/checkpoint-000000002' is not a "
+                                                         "checkpoint folder beside it"),
+    ({"directory": "/tmp"}, "its directory '/tmp' is not a checkpoint folder beside it"),
+    ({"model": None}, "its 'model' is missing or not a dict"),
+    ({"world_size": None}, "its 'world_size' is missing or not a int"),
+    ({"global_step": "2"}, "its 'global_step' is missing or not a int"),
+])
+def test_a_pointer_that_leaves_the_run_folder_or_lacks_a_field_is_one_line(tmp_path, changes, reason):
+    """A copy of a good checkpoint waits where `../elsewhere` points: it must not be followed."""
+    run = tmp_path / "run"
+    model = make_model("sgd")
+    save_state(run, model, {"global_step": 2}, {}, INFO, {})
+    (tmp_path / "elsewhere").mkdir()
+    shutil.copytree(run / "checkpoint-000000002", tmp_path / "elsewhere" / "checkpoint-000000002")
+    _rewrite_pointer(run / POINTER_NAME, **changes)
+    with pytest.raises(CheckpointError) as raised:
+        restore_state(run / POINTER_NAME, INFO, make_model("sgd", seed=3))
+    assert str(raised.value) == (f"{run / POINTER_NAME} is damaged ({reason}); resume from one of the "
+                                 f"checkpoint-<step> folders beside it with --set resume={run}/checkpoint-<step>, or "
+                                 "start a new run")

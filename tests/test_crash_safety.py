@@ -207,6 +207,11 @@ def test_sigkill_at_random_moments_always_leaves_a_checkpoint_that_resumes(data,
         elif rounds % 2:
             kill_mid_save(child, output, step, rng)
         else:
+            # at a random moment, once something is published (on a busy machine the first save can take
+            # longer than the whole random interval)
+            deadline = time.monotonic() + 30
+            while step is None and not (output / POINTER_NAME).exists() and time.monotonic() < deadline:
+                time.sleep(0.01)
             time.sleep(rng.uniform(0.0, 1.5))
             os.kill(child.pid, signal.SIGKILL)
         child.join()
