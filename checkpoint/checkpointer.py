@@ -115,7 +115,7 @@ class Checkpointer:
             return False
         self._waiting = counter.nonfinite_in_a_row > 0 and not final
         if not self._waiting:
-            self.save(counter, wait=final)
+            self.save(counter, wait=final)  # the run's last save is published before the run ends
         return not self._waiting
 
     def save(self, counter: StepCounter, wait: bool = False) -> None:

@@ -8,6 +8,7 @@
 """
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Mapping
 from pathlib import Path
@@ -17,6 +18,7 @@ from utils.atomic import atomic_save, write_bytes
 from utils.errors import CheckpointError
 
 FORMAT = "pairface-checkpoint-3"
+EARLIER_FORMAT = "pairface-checkpoint-2"  # DCP folders with pickled run state: refused
 POINTER_NAME = "checkpoint.json"
 FOLDER_PREFIX = "checkpoint-"
 TMP_FOLDER_PREFIX = ".tmp-checkpoint-"
@@ -58,6 +60,11 @@ def read_pointer(pointer: Path) -> dict:
     try:
         saved = read_checked_json(pointer)
     except (OSError, IntegrityError) as error:
+        if _format_of(pointer) == EARLIER_FORMAT:
+            raise CheckpointError(f"{pointer} was written by an earlier pairface, whose checkpoint folders hold "
+                                  "pickles that this version never loads; resume it with that version, or start "
+                                  f"from its backbone: --set resume={pointer.parent}/backbone.pth --set "
+                                  "output=<a new folder>") from None
         raise _bad_pointer(pointer, str(error)) from None
     for key, kind in _POINTER_FIELDS.items():
         if not isinstance(saved.get(key), kind):
@@ -67,6 +74,14 @@ def read_pointer(pointer: Path) -> dict:
     if folder_step(saved["directory"]) is None:
         raise _bad_pointer(pointer, f"its directory {saved['directory']!r} is not a checkpoint folder beside it")
     return saved
+
+
+def _format_of(pointer: Path) -> str | None:
+    try:
+        content = json.loads(pointer.read_bytes())
+    except (OSError, ValueError, RecursionError):
+        return None
+    return content.get("format") if isinstance(content, dict) else None
 
 
 def _bad_pointer(pointer: Path, reason: str) -> CheckpointError:

@@ -107,6 +107,8 @@ def stage_state(state: TrainingState, progress: Mapping, loader_state: Mapping, 
                     tensors={"centres": _shard(pfc, copy("centres", pfc.weight)), "optimizer": optimizer_state},
                     rank_state={"rng": rng_state(), "loader": dict(loader_state)})
     if is_main():
+        # Rank 0's backbone: DDP keeps the weights equal on every rank, but each rank's BatchNorm
+        # statistics follow its own batches; the exported backbone.pth is rank 0's.
         staged.backbone = {key: copy(f"backbone.{key}", value).cpu() for key, value in
                            state.backbone.state_dict().items()}
         staged.run = {"model": dict(architecture), "config": dict(config), "world_size": world(),
@@ -186,8 +188,9 @@ def _complete_and_publish(output: Path, tmp: Path, target: Path, staged: Staged,
         raise _write_error(target, error) from None
     write_pointer(output, folder.name, staged.step, staged.run["world_size"], staged.architecture)
     _export(folder, output)
-    for old in [*output.glob(f"{FOLDER_PREFIX}*"), *output.glob(f"{TMP_FOLDER_PREFIX}*")]:
-        if old != folder and old.is_dir() and (folder_step(old.name) is not None or old.name.startswith(".tmp")):
+    older = [path for path in output.glob(f"{FOLDER_PREFIX}*") if folder_step(path.name) is not None]
+    for old in [*older, *output.glob(f"{TMP_FOLDER_PREFIX}*")]:
+        if old != folder:
             shutil.rmtree(old, ignore_errors=True)
     return folder
 
