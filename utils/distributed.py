@@ -33,9 +33,9 @@ def is_main() -> bool:
     return rank() == 0
 
 
-def barrier(group=None) -> None:
+def barrier() -> None:
     if is_initialized():
-        dist.barrier(group=group)
+        dist.barrier()
 
 
 def nodes() -> int:
@@ -136,12 +136,12 @@ def agreed(decide, share: bool = True, group=None):
     return broadcast_object(outcome, group=group) if share else outcome
 
 
-def raise_first(error: UserError | None, group=None) -> None:
+def raise_first(error: UserError | None) -> None:
     """Every rank passes its own outcome of some work (None: it went well); the error of the lowest rank
     that failed is raised on every rank. Collective."""
     if is_initialized():
         errors = [None] * world()
-        dist.all_gather_object(errors, error, group=group)
+        dist.all_gather_object(errors, error)
         error = next((e for e in errors if e is not None), None)
     if error is not None:
         raise error
