@@ -33,11 +33,6 @@ def is_main() -> bool:
     return rank() == 0
 
 
-def barrier() -> None:
-    if is_initialized():
-        dist.barrier()
-
-
 def nodes() -> int:
     """Machines in the job: torchrun's GROUP_WORLD_SIZE, else processes over processes per node."""
     if "GROUP_WORLD_SIZE" in os.environ:
