@@ -19,14 +19,19 @@ import crc32c
 import pytest
 import torch
 
+from checkpoint.background import HostStaging
 from checkpoint.legacy import LEGACY_FORMAT, LEGACY_NAME, restore_legacy
 from checkpoint.pointer import POINTER_NAME
 from checkpoint.run_dir import find_resume_source
-from checkpoint.sharded import restore_state, save_state
+from checkpoint.sharded import restore_state, save_state, stage_state
 from losses import CombinedMarginLoss
 from partial_fc import PartialFC
 from tests.distributed_helpers import run_world
+from training.memory_plan import memory_plan
+from training.state import build_training_state
+from training.step import train_step
 from utils.atomic import atomic_save
+from utils.config import load_config
 from utils.errors import CheckpointError
 from utils.lr_scheduler import build_scheduler
 
@@ -295,3 +300,23 @@ def test_a_pointer_that_leaves_the_run_folder_or_lacks_a_field_is_one_line(tmp_p
     assert str(raised.value) == (f"{run / POINTER_NAME} is damaged ({reason}); resume from one of the "
                                  f"checkpoint-<step> folders beside it with --set resume={run}/checkpoint-<step>, or "
                                  "start a new run")
+
+
+def test_the_memory_plan_counts_the_async_staging_copy():
+    """`host_checkpoint_staging` is what HostStaging holds after a real step's save (centres, backbone and the
+    momentum of both), but for two small differences of the plan's own items: BatchNorm statistics are left
+    out, and momentum is counted for arcface_torch's frozen `features.weight` too, which has none."""
+    cfg = load_config(ROOT / "configs" / "synthetic_pair.py", [
+        "rec=synthetic", "network=r18", "network_kwargs={'width_mult': 0.0625}", "embedding_size=16",
+        "num_views=1", "batch_size=2", "optimizer=sgd", "momentum=0.9"])
+    state = build_training_state(cfg, 10, torch.device("cpu"), steps_per_epoch=5)
+    images = torch.randint(0, 256, (2, 1, 3, 112, 112), dtype=torch.uint8)
+    train_step(state, [(images, torch.tensor([1, 7]))], cfg)
+    staging = HostStaging()
+    stage_state(state, {"global_step": 1}, {}, {}, {}, staging.copy)
+    buffers = {f"backbone.{name}" for name, _ in state.backbone.named_buffers()}
+    staged = sum(t.numel() * t.element_size() for name, t in staging._buffers.items() if name not in buffers)
+    frozen = sum(p.numel() * p.element_size() for p in state.backbone.parameters() if not p.requires_grad)
+    assert frozen and memory_plan(cfg, 10, 1)["host_checkpoint_staging"] == staged + frozen
+    assert memory_plan(load_config(ROOT / "configs" / "synthetic_pair.py", ["async_save=False"]), 10, 1)[
+        "host_checkpoint_staging"] == 0
