@@ -10,6 +10,7 @@ checksum, is what refuses it; the checksums are computed here with the crc32c pa
 from __future__ import annotations
 
 import json
+import os
 import pickle
 import shutil
 from pathlib import Path
@@ -133,3 +134,28 @@ def test_a_run_folder_without_its_pointer_resumes_from_its_newest_complete_folde
     assert f"{run} holds no checkpoint.json: resuming from {run / FOLDER}, its newest complete checkpoint" in log
     assert f"resumed from {run / FOLDER} at global step 4 " in log  # 2 processes' step 2 is step 4 of one
     assert json.loads((run / "checkpoint.json").read_text())["global_step"] == 5
+
+
+def linked_copy(trained: Path, target: Path) -> Path:
+    """A copy of the run whose backbone.pth and model.json are links to its folder's, as a save leaves them."""
+    run = Path(shutil.copytree(trained, target))
+    for name in ("backbone.pth", "model.json"):
+        (run / name).unlink()
+        os.link(run / FOLDER / name, run / name)
+    return run
+
+
+def test_the_run_folders_own_backbone_is_the_published_one(data, trained, tmp_path):
+    """backbone.pth and model.json beside checkpoint.json are the published folder's files (one inode): a byte
+    changed there is a byte changed in the checkpoint, refused; removed, they are not needed to resume and
+    the next save puts them back."""
+    changed = linked_copy(trained, tmp_path / "changed")
+    inject(changed, "backbone.pth", "flipped", tmp_path / MARKER, trained)
+    status, stderr = run_here(data, changed, "max_steps=5", resume=True)
+    assert status == 1 and f"{changed / FOLDER / 'backbone.pth'} does not match its checksum" in only_line(stderr)
+    run = linked_copy(trained, tmp_path / "run")
+    for name in ("backbone.pth", "model.json"):
+        (run / name).unlink()
+    assert run_here(data, run, "max_steps=5", resume=True) == (0, "")
+    assert os.path.samefile(run / "backbone.pth", run / "checkpoint-000000005" / "backbone.pth")
+    assert (run / "model.json").read_bytes() == (run / "checkpoint-000000005" / "model.json").read_bytes()
