@@ -31,7 +31,7 @@ from training.memory_plan import describe, device_bytes, memory_plan, processes_
 from training.state import StepCounter, TrainingState, architecture, build_training_state, wrap_in_ddp
 from training.step import StepOutcome, train_step
 from utils.cli import report
-from utils.config import check_data_path, load_config
+from utils.config import check_data_path, load_config, planned_world_size
 from utils.device import choose_device, configure_numerics, describe_device
 from utils.distributed import agreed, backend, cleanup, init_distributed, is_main, lost_peer, nodes, rank, world
 from utils.errors import ConfigError, TrainingError, UserError
@@ -60,8 +60,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     try:
         cfg = load_config(args.config, args.set + (["resume=True"] if args.resume else []))
+        planned = planned_world_size(args.dry_run, args.world_size, args.json, os.environ)
         if args.dry_run:
-            print(dry_run_report(cfg, args.world_size or int(os.environ.get("WORLD_SIZE", "1")), args.json))
+            print(dry_run_report(cfg, planned, args.json))
             return 0
         check_data_path(cfg)
         check_val_targets(cfg.val_targets, cfg.rec)  # before any model is built (minutes for a large one)
@@ -155,7 +156,8 @@ def _train_in_folder(cfg: SimpleNamespace, device: torch.device, source) -> dict
     _check_memory(cfg, dataset.num_classes, device)
     state = build_training_state(cfg, dataset.num_classes, device, counter.steps_per_epoch)
     checkpointer = Checkpointer(cfg.output, state, loader, architecture(cfg, dataset.num_classes), vars(cfg),
-                                save_every_steps=cfg.save_every_steps, save_all_states=cfg.save_all_states)
+                                save_every_steps=cfg.save_every_steps, save_all_states=cfg.save_all_states,
+                                async_save=cfg.async_save)
     torch.manual_seed(cfg.seed + 1 + rank())  # per-rank streams for centre sampling and dropout
     if source:
         checkpointer.resume(source, counter)  # replaces those streams with the saved ones
@@ -167,6 +169,9 @@ def _train_in_folder(cfg: SimpleNamespace, device: torch.device, source) -> dict
     metrics = open_metrics(cfg)
     try:
         results = _loop(cfg, state, loader, counter, checkpointer, stop, metrics)
+    except BaseException:
+        checkpointer.settle()
+        raise
     finally:
         metrics.close()  # flushes the last scalars, also when the run stops on an error
     log.info("training finished at global step %d: %s", counter.global_step,
@@ -216,9 +221,11 @@ def _loop(cfg, state: TrainingState, loader: FaceLoader, counter: StepCounter, c
         with speed.paused():
             accuracy = verification(counter.global_step, state.backbone)
             final = counter.global_step == stop
-            if checkpointer.after_step(counter, final) and is_main():
-                name = "Final" if final else f"step{counter.global_step}"
-                metrics.log_artifact(Path(cfg.output) / BACKBONE_NAME, name)
+            if checkpointer.after_step(counter, final) and cfg.save_artifacts and cfg.using_wandb:
+                checkpointer.wait_for_save()  # the artifact is the published backbone.pth
+                if is_main():
+                    name = "Final" if final else f"step{counter.global_step}"
+                    metrics.log_artifact(Path(cfg.output) / BACKBONE_NAME, name)
         if accuracy is not None:
             results, verified_at = accuracy, counter.global_step
     if verified_at != counter.global_step:

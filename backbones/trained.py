@@ -23,6 +23,7 @@ from torch import nn
 
 from backbones.weights import load_backbone, read_state_dict, suggest_network
 from utils.atomic import atomic_save, write_bytes
+from utils.config import check_network_options
 from utils.distributed import is_main
 from utils.errors import ConfigError, WeightsError
 
@@ -68,8 +69,9 @@ def parse_network_kw(items: Sequence[str]) -> dict[str, object]:
             raise ConfigError(f"--network-kw {item!r} is not KEY=VALUE; write e.g. --network-kw width_mult=0.25")
         try:
             options[key] = ast.literal_eval(text)
-        except (ValueError, SyntaxError):
+        except (ValueError, SyntaxError, MemoryError, RecursionError):
             options[key] = text  # a bare word such as a name
+    check_network_options(options, "--network-kw")
     return options
 
 
@@ -87,6 +89,10 @@ def _read_model_info(path: Path) -> tuple[str, dict[str, object]]:
     options = dict(info.get("network_kwargs", {}))
     if "embedding_size" in info:
         options["num_features"] = info["embedding_size"]
+    try:
+        check_network_options(options, str(path))
+    except ConfigError as error:
+        raise WeightsError(f"{error}; {fix}") from None
     return info["network"], options
 
 

@@ -13,8 +13,8 @@ arcface_torch wrote one set of files per rank of its run, in one of two layouts:
 Rank r of W held the classes partial_fc.class_range(C, r, W), the split PartialFC uses.
 
 Files are read memory-mapped: opening one reads its pickled structure, not its tensors, so rank 0
-checks every file cheaply and each rank then reads only the rows it holds. Like any .pt file they
-are pickles: import only checkpoints you trust.
+checks every file cheaply and each rank then reads only the rows it holds. They are read with torch's
+weights-only unpickler (utils/torch_files.py): a crafted file is refused, never run.
 """
 from __future__ import annotations
 

@@ -10,7 +10,8 @@ from typing import IO
 from backbones.trained import BACKBONE_NAME
 from checkpoint.arcface import MARKERS, MODEL_FILE, marker_for
 from checkpoint.legacy import LEGACY_FORMAT, LEGACY_NAME, read_legacy
-from checkpoint.sharded import POINTER_NAME
+from checkpoint.manifest import MANIFEST_NAME
+from checkpoint.pointer import FOLDER_PREFIX, POINTER_NAME, complete_folders, folder_step
 from utils.errors import CheckpointError, RunDirError
 
 LOCK_NAME = ".lock"
@@ -37,14 +38,24 @@ def resolve_resume(output: str, resume: bool | str) -> tuple[str, Path] | None:
 
 
 def find_resume_source(location: str | os.PathLike) -> tuple[str, Path]:
-    """(kind, file) to resume from a run folder or a file: kind "checkpoint" (checkpoint.json),
-    "legacy" (an earlier version's checkpoint.pt), "arcface_torch" (rank 0's file of an arcface_torch
-    save, standing for every rank's) or "backbone" (a bare backbone .pth). CheckpointError if there is none."""
+    """(kind, file) to resume from a run folder or a file: kind "checkpoint" (checkpoint.json, or a
+    checkpoint folder), "legacy" (an earlier version's checkpoint.pt), "arcface_torch" (rank 0's file
+    of an arcface_torch save, standing for every rank's) or "backbone" (a bare backbone .pth).
+    CheckpointError if there is none.
+
+    A run folder holding complete checkpoint folders but no checkpoint.json (it was deleted, or the
+    first save was killed between its rename and the pointer switch) resumes from the newest of them,
+    which the load verifies file by file like any other."""
     location = Path(location)
     if location.is_file() and marker_for(location) is not None:  # one rank's file: the save it belongs to
         return "arcface_torch", marker_for(location)
+    if location.is_dir() and folder_step(location.name) is not None and (location / MANIFEST_NAME).is_file():
+        return "checkpoint", location
     if location.is_dir():
         found = [location / name for name in WEIGHTS_NAMES if (location / name).is_file()]
+        complete = complete_folders(location)
+        if complete and (not found or found[0].name != POINTER_NAME):
+            return "checkpoint", complete[0]
         if not found:
             raise CheckpointError(f"nothing to resume in {location}: it holds neither {POINTER_NAME} nor "
                                   f"{BACKBONE_NAME}; start a new run without --resume, or point resume at a checkpoint")
@@ -66,7 +77,8 @@ def _run_files(folder: Path) -> list[str]:
     entries = sorted(entry.name for entry in folder.iterdir() if entry.name != LOCK_NAME)
     # Only saved weights make a run worth guarding: one that stopped before its first save (bad input,
     # a crash) left a log and TensorBoard files, which the next start appends to without loss.
-    return entries if any(name in entries for name in WEIGHTS_NAMES) else []
+    saved = any(name in WEIGHTS_NAMES or name.startswith(FOLDER_PREFIX) for name in entries)
+    return entries if saved else []
 
 
 def lock_run_dir(output: str) -> IO:
@@ -75,8 +87,12 @@ def lock_run_dir(output: str) -> IO:
     The lock is an flock: it vanishes with the process however it ends (even SIGKILL), so a
     crashed run never blocks its own resume.
     """
-    os.makedirs(output, exist_ok=True)
-    handle = open(Path(output) / LOCK_NAME, "a+")
+    try:
+        os.makedirs(output, exist_ok=True)
+        handle = open(Path(output) / LOCK_NAME, "a+")
+    except OSError as error:
+        raise RunDirError(f"cannot use output folder {output} ({error.strerror or error}: {error.filename}); "
+                          "choose a folder this process can write with --set output=<folder>") from None
     try:
         fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -85,6 +101,11 @@ def lock_run_dir(output: str) -> IO:
         handle.close()
         raise RunDirError(f"output folder {output} is in use by another training process ({owner}); wait for it "
                           "to finish or choose another folder with --set output=<folder>") from None
+    except OSError as error:  # e.g. a network filesystem without file locks
+        handle.close()
+        raise RunDirError(f"cannot lock output folder {output} ({error.strerror or error}); the run folder needs a "
+                          "filesystem with file locks (flock): choose another folder with --set output=<folder>") \
+            from None
     handle.seek(0)
     handle.truncate()
     handle.write(f"pid {os.getpid()} on {os.uname().nodename}\n")

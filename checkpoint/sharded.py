@@ -1,101 +1,218 @@
-"""The training state on disk: one torch.distributed.checkpoint (DCP) folder per save, published by a
-small pointer file.
+"""The training state on disk: one checkpoint folder per save, published by a small pointer file
+(checkpoint/pointer.py), nothing in it ever unpickled.
 
-In the run folder:
-- `checkpoint-<step>/`: a DCP checkpoint that every rank writes at once. The backbone is rank 0's
-  (every rank loads it); the class centres and their optimizer state are shards of the global
-  (num_classes, D) matrices: each rank writes and reads only its own rows, and a run on another world
-  size reads its rows from whichever files hold them. Beside them: the rest of the optimizer state,
-  schedule, grad scaler, progress, config and architecture ("run"), and each rank's loader state
-  and random streams ("rank/<r>"). No process ever holds all centres, on saving or on loading.
-- `checkpoint.json`: `{"format", "directory", "global_step", "world_size", "model"}`, naming the
-  folder that is the checkpoint. It is replaced atomically only after the new folder is complete on
-  every rank, so a crash at any moment leaves the previous checkpoint whole; older folders are
-  removed after the switch, and a half-written one is removed by the next save.
+A checkpoint folder holds:
+- a torch.distributed.checkpoint (DCP) checkpoint that every rank writes at once (`.metadata`,
+  `__<rank>_0.distcp`): the class centres and their optimizer state as shards of the global
+  (num_classes, D) matrices, each rank writing and reading only its own rows (a run on another world
+  size reads its rows from whichever files hold them), and the backbone's optimizer state. No process
+  ever holds all centres, on saving or on loading;
+- `backbone.pth` and `model.json`: rank 0's backbone (the one exported) and what it is;
+- `state.json`: the rest, as numbers: optimizer settings, schedule, grad scaler, progress, config,
+  and each rank's loader position and random streams;
+- `manifest.json`, written last: every other file's size and crc32c (checkpoint/manifest.py).
 
-DCP folders hold pickles: resume only from checkpoints you wrote yourself.
+A save writes `.tmp-checkpoint-<step>/` on every rank, checks and fsyncs it, renames it to its final
+name, switches `checkpoint.json` to it, links its backbone.pth and model.json into the run folder (the
+files tools read), and only then removes older folders: a crash or a full disk at any moment leaves
+the previous checkpoint published and whole. A load verifies every checksum before reading (each
+rank its share of the shards) and reads DCP's index through checkpoint/safe_dcp.py.
 """
 from __future__ import annotations
 
 import contextlib
 import json
-import pickle
+import logging
+import os
 import shutil
 import warnings
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 
+from backbones.trained import BACKBONE_NAME, MODEL_INFO_NAME
+from checkpoint.manifest import (
+    MANIFEST_NAME,
+    IntegrityError,
+    checked_json,
+    describe_files,
+    read_checked_json,
+    verify_file,
+)
+from checkpoint.pointer import (
+    FOLDER_PREFIX,
+    TMP_FOLDER_PREFIX,
+    complete_folders,
+    folder_step,
+    free_folder_name,
+    read_pointer,
+    write_pointer,
+)
 from checkpoint.restored import Restored, check_architecture, is_centre_rows, optimizer_index
 from checkpoint.rng import rng_state
+from checkpoint.safe_dcp import SHARD_FILE, MetadataError, SafeReader, TensorsOnlyPlanner, read_metadata
 from partial_fc import PartialFC
 from training.state import TrainingState
 from utils.atomic import atomic_save, fsync_dir, os_error_behind, write_bytes
-from utils.distributed import agreed, barrier, is_initialized, is_main, rank, world
+from utils.distributed import agreed, gather_objects, is_initialized, is_main, raise_first, rank, world
 from utils.errors import CheckpointError
+from utils.torch_files import load_torch_file
 
-FORMAT = "pairface-checkpoint-2"
-POINTER_NAME = "checkpoint.json"
-FOLDER_PREFIX = "checkpoint-"
+STATE_NAME = "state.json"
+METADATA_NAME = ".metadata"
+EXPORTED = (BACKBONE_NAME, MODEL_INFO_NAME)  # linked into the run folder once published
+_DAMAGED = "it is damaged or incomplete"
+
+log = logging.getLogger(__name__)
 
 
 # --- saving ---------------------------------------------------------------------------------------
 
+@dataclass
+class Staged:
+    """One save's content, taken at a step boundary: what the writing needs, nothing that a later step
+    changes (with `host_copy`, the tensors are copies the training no longer touches)."""
+
+    step: int
+    tensors: dict                  # for DCP: centre shards and the optimizer's tensors
+    rank_state: dict               # this rank's loader position and random streams
+    architecture: dict
+    backbone: dict | None = None   # rank 0: the backbone's state_dict, CPU tensors
+    run: dict = field(default_factory=dict)  # rank 0: everything else, as JSON
+
+
+def stage_state(state: TrainingState, progress: Mapping, loader_state: Mapping, architecture: Mapping,
+                config: Mapping, host_copy: Callable[[str, torch.Tensor], torch.Tensor] | None = None) -> Staged:
+    """The content of a save of `state` now. `host_copy(name, tensor)` copies each tensor to host memory
+    (for a save written while training goes on); without it the save refers to the live tensors."""
+    copy = host_copy or (lambda _, tensor: tensor.detach())
+    pfc = state.pfc
+    centres_at = optimizer_index(state.optimizer, pfc.weight)
+    optimizer_state: dict[str, dict] = {}
+    values: dict[str, dict] = {}  # the optimizer's non-tensor state (none in torch's SGD and AdamW): JSON
+    for index, per_param in state.optimizer.state_dict()["state"].items():
+        for name, value in per_param.items():
+            if not torch.is_tensor(value):
+                values.setdefault(str(index), {})[name] = value
+                continue
+            value = copy(f"optimizer.{index}.{name}", value)
+            optimizer_state.setdefault(str(index), {})[name] = \
+                _shard(pfc, value) if index == centres_at and _is_rows(value, pfc) else value
+    staged = Staged(step=progress["global_step"], architecture=dict(architecture),
+                    tensors={"centres": _shard(pfc, copy("centres", pfc.weight)), "optimizer": optimizer_state},
+                    rank_state={"rng": rng_state(), "loader": dict(loader_state)})
+    if is_main():
+        # Rank 0's backbone: DDP keeps the weights equal on every rank, but each rank's BatchNorm
+        # statistics follow its own batches; the exported backbone.pth is rank 0's.
+        staged.backbone = {key: copy(f"backbone.{key}", value).cpu() for key, value in
+                           state.backbone.state_dict().items()}
+        staged.run = {"model": dict(architecture), "config": dict(config), "world_size": world(),
+                      "progress": dict(progress), "param_groups": state.optimizer.state_dict()["param_groups"],
+                      "scheduler": state.scheduler.state_dict(), "grad_scaler": state.scaler.state_dict(),
+                      "optimizer_values": values}
+    return staged
+
+
 def save_state(output: str | Path, state: TrainingState, progress: Mapping, loader_state: Mapping,
                architecture: Mapping, config: Mapping) -> Path:
-    """Write `state` as `output/checkpoint-<step>/` and switch
-    `checkpoint.json` to it. Collective: every rank calls it. Returns the folder."""
+    """Write `state` and publish it now (write_state of stage_state). Collective; returns the folder."""
+    return write_state(output, stage_state(state, progress, loader_state, architecture, config))
+
+
+def write_state(output: str | Path, staged: Staged, group=None) -> Path:
+    """Write `staged` as a checkpoint folder of `output` and publish it. Collective over `group` (every
+    rank calls it, possibly in a background thread); a failure on any rank raises the same
+    CheckpointError on every rank, the previous checkpoint still published. Returns the folder."""
     output = Path(output)
-    folder = output / f"{FOLDER_PREFIX}{progress['global_step']:09d}"
-    if is_main():
-        shutil.rmtree(folder, ignore_errors=True)  # this step's save by a run killed while writing it
-    barrier()
-    content = _tensors(state)
-    content["run"] = pickle.dumps({
-        "model": dict(architecture), "config": dict(config), "world_size": world(), "progress": dict(progress),
-        "param_groups": state.optimizer.state_dict()["param_groups"], "scheduler": state.scheduler.state_dict(),
-        "grad_scaler": state.scaler.state_dict()})
-    content[f"rank/{rank()}"] = pickle.dumps({"rng": rng_state(), "loader": dict(loader_state)})
+    tmp = output / f"{TMP_FOLDER_PREFIX}{staged.step:09d}"
+    target = output / f"{FOLDER_PREFIX}{staged.step:09d}"
+    agreed(lambda: _fresh(tmp, target), group=group)
     try:
         with _quiet_when_alone():
-            dcp.save(content, checkpoint_id=folder, no_dist=not is_initialized())
+            dcp.save(staged.tensors, storage_writer=FileSystemWriter(tmp, sync_files=True), process_group=group,
+                     no_dist=not is_initialized())
     except CheckpointException as error:  # raised on every rank, whichever failed
-        if is_main():
-            shutil.rmtree(folder, ignore_errors=True)
-        raise _failure("could not write", folder, error, "the previous checkpoint is untouched: free disk space "
-                       "or choose another output folder") from None
-    pointer = {"format": FORMAT, "directory": folder.name, "global_step": progress["global_step"],
-               "world_size": world(), "model": dict(architecture)}
-    agreed(lambda: _publish(output, folder, pointer))
-    barrier()  # on return the checkpoint is published for every rank
+        agreed(lambda: shutil.rmtree(tmp, ignore_errors=True), group=group)
+        raise _failure("could not write", target, error, "the previous checkpoint is untouched: free disk space or "
+                       "choose another output folder") from None
+    shards = gather_objects(_own_shards(tmp), group=group)
+    ranks = gather_objects(staged.rank_state, group=group)
+    return agreed(lambda: _complete_and_publish(output, tmp, target, staged, shards, ranks), group=group)
+
+
+def _fresh(tmp: Path, target: Path) -> None:
+    """Rank 0, before a save: an empty temporary folder (a killed save's leftovers go)."""
+    for leftover in tmp.parent.glob(f"{TMP_FOLDER_PREFIX}*"):
+        shutil.rmtree(leftover, ignore_errors=True)
+    try:
+        tmp.mkdir(parents=True)
+    except OSError as error:
+        raise _write_error(target, error) from None
+
+
+def _own_shards(tmp: Path) -> dict | str:
+    """This rank's DCP files with their sizes and checksums (read back from the page cache), or why not."""
+    names = sorted(path.name for path in tmp.glob(f"__{rank()}_*.distcp"))
+    try:
+        return describe_files(tmp, names)
+    except OSError as error:
+        return f"rank {rank()}: {error.strerror or error}"
+
+
+def _complete_and_publish(output: Path, tmp: Path, target: Path, staged: Staged, shards: list, ranks: list) -> Path:
+    """Rank 0, once every rank's files are written and fsynced: the rest of the folder, its manifest,
+    the rename, the pointer switch, the exported backbone, then the removal of older folders."""
+    failed = next((shard for shard in shards if isinstance(shard, str)), None)
+    if failed is not None:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise CheckpointError(f"could not read back checkpoint {target} ({failed}); the previous checkpoint is "
+                              "untouched: check the disk, or choose another output folder")
+    try:
+        atomic_save(checked_json({"run": staged.run, "ranks": ranks}), tmp / STATE_NAME, write=write_bytes)
+        atomic_save(json.dumps(staged.architecture, indent=2).encode(), tmp / MODEL_INFO_NAME, write=write_bytes)
+        atomic_save(staged.backbone, tmp / BACKBONE_NAME)
+        files = describe_files(tmp, [METADATA_NAME, STATE_NAME, *EXPORTED])
+        for per_rank in shards:
+            files.update(per_rank)
+        atomic_save(checked_json({"files": files}), tmp / MANIFEST_NAME, write=write_bytes)
+        folder = output / free_folder_name(output, staged.step)
+        tmp.rename(folder)
+        fsync_dir(output)
+    except (OSError, CheckpointError) as error:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise _write_error(target, error) from None
+    write_pointer(output, folder.name, staged.step, staged.run["world_size"], staged.architecture)
+    _export(folder, output)
+    older = [path for path in output.glob(f"{FOLDER_PREFIX}*") if folder_step(path.name) is not None]
+    for old in [*older, *output.glob(f"{TMP_FOLDER_PREFIX}*")]:
+        if old != folder:
+            shutil.rmtree(old, ignore_errors=True)
     return folder
 
 
-def _publish(output: Path, folder: Path, pointer: dict) -> None:
-    """Rank 0, once every rank's files are complete: point checkpoint.json at `folder`, then drop older folders."""
-    fsync_dir(folder)
-    atomic_save(json.dumps(pointer, indent=2).encode(), output / POINTER_NAME, write=write_bytes)
-    for old in output.glob(f"{FOLDER_PREFIX}*"):
-        if old != folder and old.is_dir():
-            shutil.rmtree(old, ignore_errors=True)
-
-
-def _tensors(state: TrainingState) -> dict:
-    """Backbone, centres and optimizer tensors, the centre-shaped ones marked as shards of the global matrix."""
-    pfc = state.pfc
-    centres_at = optimizer_index(state.optimizer, pfc.weight)
-    optimizer_state = {index: {name: _shard(pfc, value) if index == centres_at and _is_rows(value, pfc) else value
-                               for name, value in per_param.items()}
-                       for index, per_param in state.optimizer.state_dict()["state"].items()}
-    tensors = {"centres": _shard(pfc, pfc.weight), "optimizer": optimizer_state}
-    if is_main():
-        # Rank 0's backbone, as backbone.pth: DDP keeps the weights equal on every rank, but each rank's
-        # BatchNorm statistics follow its own batches, and DCP would write any one rank's copy.
-        tensors["backbone"] = state.backbone.state_dict()
-    return tensors
+def _export(folder: Path, output: Path) -> None:
+    """The published backbone.pth and model.json as the run folder's own (hard links: no second copy on
+    disk; a copy where the filesystem has none), each replaced atomically."""
+    for name in EXPORTED:
+        tmp = output / f".tmp-{name}.link"
+        tmp.unlink(missing_ok=True)
+        try:
+            try:
+                os.link(folder / name, tmp)
+            except OSError:
+                shutil.copyfile(folder / name, tmp)
+            os.replace(tmp, output / name)
+        except OSError as error:
+            tmp.unlink(missing_ok=True)
+            raise CheckpointError(f"checkpoint {folder} is saved and published, but {output / name} could not be "
+                                  f"updated from it ({error.strerror or error}); free disk space: the next save "
+                                  "updates it, and --resume works as it is") from None
+    fsync_dir(output)
 
 
 def _shard(pfc: PartialFC, rows: torch.Tensor) -> torch.Tensor:
@@ -116,64 +233,164 @@ def _is_rows(value, pfc: PartialFC) -> bool:
 
 # --- loading --------------------------------------------------------------------------------------
 
-def read_pointer(pointer: Path) -> dict:
-    """checkpoint.json, with the optimizer tensors its folder holds ({fqn: (shape, dtype)})."""
+@dataclass
+class Verified:
+    """A checkpoint folder whose small files were checked on rank 0 (the shards are checked by every rank)."""
+
+    folder: Path
+    shards: dict[str, dict[str, int]]   # shard file -> size and crc32c from the manifest
+    content: dict                       # state.json
+    optimizer_tensors: dict[str, tuple]  # {fqn: (shape, dtype)} of the optimizer's saved tensors
+
+
+def checkpoint_folder(source: Path) -> Path:
+    """The folder a resume source names: checkpoint.json's published folder, or a checkpoint folder itself."""
+    if source.is_dir():
+        return source
+    return source.parent / read_pointer(source)["directory"]
+
+
+def verify_folder(folder: Path) -> Verified:
+    """Rank 0's checks of a checkpoint folder before anything is loaded: the manifest, every small file's
+    checksum, DCP's index read safely, state.json. CheckpointError naming the file and an alternative."""
     try:
-        saved = json.loads(pointer.read_text())
-        folder = pointer.parent / saved["directory"]
-        metadata = dcp.FileSystemReader(folder).read_metadata().state_dict_metadata
-    except (OSError, ValueError, KeyError, TypeError, pickle.UnpicklingError, EOFError) as error:
-        raise CheckpointError(f"cannot read the checkpoint {pointer} names ({type(error).__name__}: {error}); it is "
-                              "damaged or incomplete: resume from another run folder or start a new run") from None
-    saved["optimizer_tensors"] = {fqn: (tuple(md.size), md.properties.dtype) for fqn, md in metadata.items()
-                                  if fqn.startswith("optimizer.") and hasattr(md, "size")}
-    return saved
+        listed = read_checked_json(folder / MANIFEST_NAME).get("files")
+        if not isinstance(listed, dict) or not {METADATA_NAME, STATE_NAME, *EXPORTED} <= set(listed):
+            raise IntegrityError(f"{folder / MANIFEST_NAME} does not list the files of a checkpoint")
+        shards = {name: entry for name, entry in listed.items() if SHARD_FILE.fullmatch(name)}
+        for name in (METADATA_NAME, STATE_NAME, *EXPORTED):
+            verify_file(folder, name, listed[name])
+        metadata = read_metadata(folder / METADATA_NAME)
+        content = read_checked_json(folder / STATE_NAME)
+    except FileNotFoundError as error:
+        raise damaged(folder, f"{error.filename} is missing") from None
+    except (OSError, IntegrityError, MetadataError) as error:
+        where = f"{folder / METADATA_NAME}: " if isinstance(error, MetadataError) else ""
+        raise damaged(folder, where + str(error)) from None
+    stored = {item.relative_path for item in metadata.storage_data.values()}
+    if not stored <= set(shards):
+        raise damaged(folder, f"{folder / METADATA_NAME} names {sorted(stored - set(shards))[0]}, which the manifest "
+                              "does not list")
+    tensors = {fqn: (tuple(md.size), md.properties.dtype) for fqn, md in metadata.state_dict_metadata.items()
+               if fqn.startswith("optimizer.")}
+    return Verified(folder=folder, shards=shards, content=content, optimizer_tensors=tensors)
 
 
-def restore_state(pointer: Path, architecture: Mapping, state: TrainingState) -> Restored:
-    """Load the checkpoint `pointer` names into `state`, each rank its own centre rows.
-    Collective. A checkpoint that cannot be read on any rank stops every rank with the same CheckpointError."""
-    saved = agreed(lambda: _checked_pointer(pointer, architecture))
-    folder = pointer.parent / saved["directory"]
-    own = f"rank/{rank()}" if saved["world_size"] == world() else None
-    loaded = {**_template(state, saved["optimizer_tensors"]), "run": b"", "rank/0": b""}
-    if own:
-        loaded[own] = b""
+def verify_shards(verified: Verified) -> None:
+    """Every rank checks its share of the shard files; the first mismatch stops every rank. Collective."""
+    error = None
+    for i, (name, entry) in enumerate(sorted(verified.shards.items())):
+        if i % world() == rank():
+            try:
+                verify_file(verified.folder, name, entry)
+            except (OSError, IntegrityError) as failure:
+                error = damaged(verified.folder, str(failure))
+                break
+    raise_first(error)
+
+
+def damaged(folder: Path, reason: str) -> CheckpointError:
+    """The one line for a checkpoint folder that fails a check: what, and the last good alternative."""
+    alternatives = [other for other in complete_folders(folder.parent) if other != folder]
+    if alternatives:
+        fix = (f"resume from the last good one with --set resume={alternatives[0]} (checked in the same way), or "
+               "start a new run")
+    else:
+        fix = "no other checkpoint is left in the run folder: copy the folder again from a backup, or start a new run"
+    return CheckpointError(f"checkpoint {folder} is damaged ({reason}); {fix}")
+
+
+def restore_state(source: Path, architecture: Mapping, state: TrainingState) -> Restored:
+    """Load the checkpoint `source` names (checkpoint.json, or a checkpoint folder) into `state`, each rank
+    its own centre rows, after checking every file. Collective: a checkpoint that fails any check on any
+    rank stops every rank with the same CheckpointError."""
+    verified = agreed(lambda: _checked(source, architecture))
+    verify_shards(verified)
+    template = _template(state, verified.optimizer_tensors)
     try:
         with _quiet_when_alone():
-            dcp.load(loaded, checkpoint_id=folder, no_dist=not is_initialized())
+            dcp.load(template, storage_reader=SafeReader(verified.folder), planner=TensorsOnlyPlanner(),
+                     no_dist=not is_initialized())
     except CheckpointException as error:
-        raise _failure("cannot read", folder, error, "it is damaged or incomplete: resume from another run folder "
-                       "or start a new run") from None
-    run = pickle.loads(loaded["run"])
-    state.optimizer.load_state_dict({"state": loaded["optimizer"], "param_groups": run["param_groups"]})
+        raise _failure("cannot read", verified.folder, error, f"{_DAMAGED}: resume from another run folder or "
+                       "start a new run") from None
+    try:
+        return _apply(verified, template, state)
+    except CheckpointError:
+        raise
+    except (KeyError, TypeError, ValueError, IndexError, RuntimeError) as error:
+        # every file matched its checksum, so these were written so, not damaged since
+        reason = f"{type(error).__name__}: {(str(error).splitlines() or [''])[0]}"
+        raise CheckpointError(f"checkpoint {verified.folder} does not hold what pairface writes ({reason}); resume "
+                              "from a checkpoint pairface wrote, or start a new run") from None
+
+
+def _checked(source: Path, architecture: Mapping) -> Verified:
+    folder = checkpoint_folder(source)
+    if not folder.is_dir():
+        raise damaged(folder, "the folder is missing")
+    verified = verify_folder(folder)
+    check_architecture(verified.content.get("run", {}).get("model", {}), architecture,
+                       source if source.is_file() else folder)
+    return verified
+
+
+def _apply(verified: Verified, loaded: dict, state: TrainingState) -> Restored:
+    """Put the loaded tensors and state.json's values in place."""
+    run, ranks = verified.content["run"], verified.content["ranks"]
+    backbone = load_torch_file(verified.folder / BACKBONE_NAME,
+                               lambda reason: damaged(verified.folder, f"{BACKBONE_NAME}: {reason}"))
+    state.backbone.load_state_dict(backbone, strict=True)
+    optimizer_state = {int(index): dict(values) for index, values in loaded["optimizer"].items()}
+    for index, values in run.get("optimizer_values", {}).items():
+        optimizer_state.setdefault(int(index), {}).update(values)
+    state.optimizer.load_state_dict({"state": optimizer_state, "param_groups": run["param_groups"]})
     state.scheduler.load_state_dict(run["scheduler"])
     state.scaler.load_state_dict(run["grad_scaler"])
+    same_world = run["world_size"] == world() == len(ranks)
     return Restored(progress=run["progress"], world_size=run["world_size"], config=run["config"],
-                    rank_state=pickle.loads(loaded[own]) if own else None,
-                    first_rank_state=pickle.loads(loaded["rank/0"]))
-
-
-def _checked_pointer(pointer: Path, architecture: Mapping) -> dict:
-    saved = read_pointer(pointer)
-    check_architecture(saved["model"], architecture, pointer)
-    return saved
+                    rank_state=ranks[rank()] if same_world else None, first_rank_state=ranks[0])
 
 
 def _template(state: TrainingState, optimizer_tensors: Mapping[str, tuple]) -> dict:
-    """Where the loaded tensors go: the backbone's and this rank's centres in place, the optimizer's
-    into new tensors of the saved shapes (this rank's rows of the centre-shaped ones)."""
+    """Where the loaded tensors go: this rank's centres in place, the optimizer's into new tensors of the
+    saved shapes (this rank's rows of the centre-shaped ones)."""
     pfc = state.pfc
     centres_at = optimizer_index(state.optimizer, pfc.weight)
-    optimizer_state: dict[int, dict] = {}
+    optimizer_state: dict[str, dict] = {}
     for fqn, (shape, dtype) in optimizer_tensors.items():
-        _, index, name = fqn.split(".")
-        if int(index) == centres_at and shape == (pfc.num_classes, *pfc.weight.shape[1:]):
+        _, index, name = fqn.split(".", 2)
+        if index == str(centres_at) and shape == (pfc.num_classes, *pfc.weight.shape[1:]):
             value = _shard(pfc, torch.empty(pfc.weight.shape, dtype=dtype))
         else:
             value = torch.empty(shape, dtype=dtype)
-        optimizer_state.setdefault(int(index), {})[name] = value
-    return {"backbone": state.backbone.state_dict(), "centres": _shard(pfc, pfc.weight), "optimizer": optimizer_state}
+        optimizer_state.setdefault(index, {})[name] = value
+    return {"centres": _shard(pfc, pfc.weight), "optimizer": optimizer_state}
+
+
+def read_whole(folder: Path) -> tuple[dict, dict]:
+    """A verified checkpoint folder read whole in this process (the converter's view): ({"centres",
+    "optimizer": {index: {name: tensor}}, "backbone"}, state.json). Every centre row is held once."""
+    verified = verify_folder(folder)
+    verify_shards(verified)
+    with _quiet_when_alone():
+        metadata = SafeReader(folder).read_metadata()
+    template: dict = {"optimizer": {}}
+    for fqn, md in metadata.state_dict_metadata.items():
+        target = torch.empty(tuple(md.size), dtype=md.properties.dtype)
+        if fqn == "centres":
+            template["centres"] = target
+        elif fqn.startswith("optimizer."):
+            _, index, name = fqn.split(".", 2)
+            template["optimizer"].setdefault(index, {})[name] = target
+    try:
+        with _quiet_when_alone():
+            dcp.load(template, storage_reader=SafeReader(folder), planner=TensorsOnlyPlanner(), no_dist=True)
+    except CheckpointException as error:
+        raise _failure("cannot read", folder, error, f"{_DAMAGED}: convert another run folder") from None
+    template["backbone"] = load_torch_file(folder / BACKBONE_NAME,
+                                           lambda reason: damaged(folder, f"{BACKBONE_NAME}: {reason}"))
+    return template, verified.content
 
 
 @contextlib.contextmanager
@@ -185,6 +402,13 @@ def _quiet_when_alone() -> Iterator[None]:
         yield
 
 
+def _write_error(target: Path, error: BaseException) -> CheckpointError:
+    system = os_error_behind(error)
+    detail = (system.strerror or str(system)) if system is not None else str(error)
+    return CheckpointError(f"could not write checkpoint {target} (rank 0: {detail}); the previous checkpoint is "
+                           "untouched: free disk space or choose another output folder")
+
+
 def _failure(what: str, folder: Path, error: CheckpointException, advice: str) -> CheckpointError:
     """One sentence for every rank from DCP's collected per-rank failures: the first failed rank's
     system error (disk full, file missing) if there is one behind it, else its exception."""
@@ -192,6 +416,6 @@ def _failure(what: str, folder: Path, error: CheckpointException, advice: str) -
     system = os_error_behind(cause)
     if system is not None and system.strerror:
         detail = system.strerror + (f": {system.filename}" if system.filename else "")
-    else:
-        detail = f"{type(cause).__name__}: {(str(cause).splitlines() or [''])[0]}"
+    else:  # torch's own text runs to paragraphs: its first sentence says what failed
+        detail = f"{type(cause).__name__}: {(str(cause).splitlines() or [''])[0].split('. ')[0]}"
     return CheckpointError(f"{what} checkpoint {folder} (rank {failed_rank}: {detail}); {advice}")

@@ -55,11 +55,14 @@ class VerificationCallback:
         self.highest: dict[str, float] = {}
         self.last_step = 0
         agreed(lambda: check_val_targets(val_targets, rec_prefix))
-        if is_main():
-            for target in val_targets:
-                name, path = resolve_target(target, rec_prefix)
-                self.sets[name] = load_bin(path, image_size)
-                self.highest[name] = 0.0
+        # Read on rank 0 alone, agreed: a damaged .bin stops every rank with its own line.
+        agreed(lambda: self._load(val_targets, rec_prefix, image_size), share=False)
+
+    def _load(self, val_targets: Sequence[str], rec_prefix: str, image_size: tuple[int, int]) -> None:
+        for target in val_targets:
+            name, path = resolve_target(target, rec_prefix)
+            self.sets[name] = load_bin(path, image_size)
+            self.highest[name] = 0.0
 
     def __call__(self, global_step: int, backbone: nn.Module) -> dict[str, float] | None:
         """``{name: Accuracy-Flip}`` when ``global_step`` is a positive multiple of ``every``, else None."""

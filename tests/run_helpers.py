@@ -15,7 +15,6 @@ import json
 import logging
 import multiprocessing
 import os
-import pickle
 import subprocess
 import sys
 import tempfile
@@ -28,8 +27,8 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 import train
 from backbones import get_model
+from checkpoint.pointer import POINTER_NAME
 from checkpoint.run_dir import LOCK_NAME
-from checkpoint.sharded import POINTER_NAME
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIG = "configs/synthetic_pair.py"
@@ -76,9 +75,10 @@ def run_here(data: Path, output: Path, *overrides: str, resume: bool = False, co
     return status, stderr.getvalue()
 
 
-def _command(nproc: int, nan_steps: str | None) -> list[str]:
-    """The launch of train.py, or of train.py under tests.nan_injection (rank 0's loss NaN at `nan_steps`)."""
-    script = ["train.py"] if nan_steps is None else ["-m", "tests.nan_injection", nan_steps]
+def _command(nproc: int, nan_steps: str | None, injection: Sequence[str] = ()) -> list[str]:
+    """The launch of train.py, of train.py under tests.nan_injection (rank 0's loss NaN at `nan_steps`), or
+    under another fault injection module (`injection`: "-m", module and its arguments)."""
+    script = list(injection) or (["train.py"] if nan_steps is None else ["-m", "tests.nan_injection", nan_steps])
     if not nproc:
         return [sys.executable, *script]
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc), *script]
@@ -100,9 +100,9 @@ def start_cli(data: Path, output: Path, *overrides: str, nproc: int = 2, resume:
 
 def run_cli(data: Path, output: Path, *overrides: str, nproc: int = 0, resume: bool = False,
             base: Sequence[str] = QUIET, env: Mapping[str, str] | None = None,
-            nan_steps: str | None = None) -> subprocess.CompletedProcess:
+            nan_steps: str | None = None, injection: Sequence[str] = ()) -> subprocess.CompletedProcess:
     """The command line, run to its end (`python train.py` for nproc 0, else torchrun)."""
-    command = _command(nproc, nan_steps) + arguments(data, output, *overrides, resume=resume, base=base)
+    command = _command(nproc, nan_steps, injection) + arguments(data, output, *overrides, resume=resume, base=base)
     return subprocess.run(command, cwd=ROOT, env=_environment(env), capture_output=True, text=True, timeout=400)
 
 
@@ -174,20 +174,22 @@ def assert_nothing_lost(before: dict[str, tuple[str, int, int]], folder: Path) -
 
 def load_run(output: Path, info: dict | None = None) -> dict:
     """The checkpoint `output/checkpoint.json` names, assembled whole in this process by torch's own
-    DCP-to-torch.save converter: {"model", "config", "world_size", "progress", "backbone",
+    DCP-to-torch.save converter and plain json: {"model", "config", "world_size", "progress", "backbone",
     "class_centres" (all rows), "optimizer" (state with all centre rows, param_groups), "scheduler",
     "grad_scaler", "per_rank": [{"rng", "loader"} of each rank]}. Asserts the model is `info`."""
     pointer = json.loads((output / POINTER_NAME).read_text())
+    folder = output / pointer["directory"]
     with tempfile.TemporaryDirectory() as tmp:
-        dcp_to_torch_save(output / pointer["directory"], f"{tmp}/whole.pt")
-        whole = torch.load(f"{tmp}/whole.pt", weights_only=False)
-    run = pickle.loads(whole["run"])
+        dcp_to_torch_save(folder, f"{tmp}/whole.pt")
+        whole = torch.load(f"{tmp}/whole.pt", weights_only=True)
+    saved = json.loads((folder / "state.json").read_text())
+    run = saved["run"]
     assert pointer["model"] == run["model"] == (info or INFO), (pointer["model"], run["model"])
     return {**{key: run[key] for key in ("model", "config", "world_size", "progress", "scheduler", "grad_scaler")},
-            "backbone": whole["backbone"], "class_centres": whole["centres"],
+            "backbone": torch.load(folder / "backbone.pth", weights_only=True), "class_centres": whole["centres"],
             "optimizer": {"state": {int(index): state for index, state in whole.get("optimizer", {}).items()},
                           "param_groups": run["param_groups"]},
-            "per_rank": [pickle.loads(whole[f"rank/{r}"]) for r in range(run["world_size"])]}
+            "per_rank": saved["ranks"]}
 
 
 def load_backbone_strict(path: Path, info: dict | None = None) -> torch.nn.Module:
@@ -231,6 +233,6 @@ def assert_same_run(split: Path, whole: Path, info: dict | None = None) -> None:
         assert mine["loader"] == theirs["loader"]
         # torch's generator draws the sampled centres and dropout masks. Python's and numpy's global
         # generators are seeded by nobody (training draws nothing from them): they differ between any two runs.
-        assert torch.equal(mine["rng"]["torch"], theirs["rng"]["torch"])
+        assert mine["rng"]["torch"] == theirs["rng"]["torch"]
     assert same_tensors(load_backbone_strict(split / "backbone.pth", info).state_dict(),
                         load_backbone_strict(whole / "backbone.pth", info).state_dict())

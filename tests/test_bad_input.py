@@ -116,10 +116,11 @@ def test_a_damaged_checkpoint(data, run):
     """A checkpoint cut short by something other than train.py (its own writes are atomic)."""
     folder = run / "checkpoint-000000002"
     shard = folder / "__0_0.distcp"
+    size = shard.stat().st_size
     shard.write_bytes(shard.read_bytes()[:4096])
-    message = refused(data, run)
-    assert message.startswith(f"error: cannot read checkpoint {folder} (rank 0: "), message
-    assert message.endswith("; it is damaged or incomplete: resume from another run folder or start a new run")
+    assert refused(data, run) == (
+        f"error: checkpoint {folder} is damaged ({shard} is 4096 bytes, the manifest lists {size}); no other "
+        "checkpoint is left in the run folder: copy the folder again from a backup, or start a new run")
 
 
 def _hold_the_lock(folder: str, held, release) -> None:

@@ -8,22 +8,30 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
 from pathlib import Path
 from types import SimpleNamespace
 
+import crc32c
 import pytest
 import torch
 
+from checkpoint.background import HostStaging
 from checkpoint.legacy import LEGACY_FORMAT, LEGACY_NAME, restore_legacy
+from checkpoint.pointer import POINTER_NAME
 from checkpoint.run_dir import find_resume_source
-from checkpoint.sharded import POINTER_NAME, restore_state, save_state
+from checkpoint.sharded import restore_state, save_state, stage_state
 from losses import CombinedMarginLoss
 from partial_fc import PartialFC
 from tests.distributed_helpers import run_world
+from training.memory_plan import memory_plan
+from training.state import build_training_state
+from training.step import train_step
 from utils.atomic import atomic_save
+from utils.config import load_config
 from utils.errors import CheckpointError
 from utils.lr_scheduler import build_scheduler
 
@@ -123,10 +131,12 @@ def test_written_by_four_resumes_on_one_two_and_three_bit_for_bit(written_by_fou
 
 
 def test_each_rank_writes_only_its_own_rows(written_by_four):
-    """Four files, one per rank, the centre rows of rank r only in rank r's file."""
+    """Four files, one per rank, the centre rows of rank r only in rank r's file; beside them rank 0's
+    backbone, the state as JSON and the manifest."""
     root, _ = written_by_four
     folder = root / "sgd" / json.loads((root / "sgd" / POINTER_NAME).read_text())["directory"]
-    assert sorted(p.name for p in folder.iterdir()) == [".metadata"] + [f"__{r}_0.distcp" for r in range(4)]
+    assert sorted(p.name for p in folder.iterdir()) == [".metadata"] + [f"__{r}_0.distcp" for r in range(4)] + [
+        "backbone.pth", "manifest.json", "model.json", "state.json"]
     metadata = torch.distributed.checkpoint.FileSystemReader(folder).read_metadata()
     chunks = metadata.state_dict_metadata["centres"].chunks
     assert sorted((tuple(c.offsets), tuple(c.sizes)) for c in chunks) == [
@@ -146,9 +156,9 @@ def test_a_missing_shard_stops_every_rank_with_the_same_error(tmp_path):
     folder = tmp_path / "sgd" / json.loads((tmp_path / "sgd" / POINTER_NAME).read_text())["directory"]
     (folder / "__1_0.distcp").unlink()
     messages = run_world(_missing_shard_in_world, 2, str(tmp_path / "sgd"))
-    assert messages[0] == messages[1]
-    assert messages[0].startswith(f"cannot read checkpoint {folder} (rank ") and "__1_0.distcp" in messages[0]
-    assert messages[0].endswith("it is damaged or incomplete: resume from another run folder or start a new run")
+    assert messages[0] == messages[1] == (
+        f"checkpoint {folder} is damaged ({folder / '__1_0.distcp'} is missing); no other checkpoint is left in the "
+        "run folder: copy the folder again from a backup, or start a new run")
 
 
 def test_another_model_is_refused_with_the_difference(written_by_four):
@@ -163,10 +173,11 @@ def test_a_new_save_switches_atomically_and_removes_the_old_folder(tmp_path):
     model = make_model("sgd")
     take_steps(model)
     save_state(tmp_path, model, {"global_step": 2}, {}, INFO, {})
-    (tmp_path / "checkpoint-000000003").mkdir()  # a save that a killed run left half-written
+    (tmp_path / ".tmp-checkpoint-000000003").mkdir()  # a save that a killed run left half-written
     take_steps(model)
     save_state(tmp_path, model, {"global_step": 4}, {}, INFO, {})
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-000000004", POINTER_NAME]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["backbone.pth", "checkpoint-000000004", POINTER_NAME,
+                                                          "model.json"]
     assert json.loads((tmp_path / POINTER_NAME).read_text())["global_step"] == 4
 
 
@@ -218,7 +229,7 @@ def test_resume_sources_and_files_that_are_not_checkpoints(tmp_path):
         find_resume_source(tmp_path / "run")
     (tmp_path / "run" / POINTER_NAME).write_text("{}")
     assert find_resume_source(tmp_path / "run") == ("checkpoint", tmp_path / "run" / POINTER_NAME)
-    with pytest.raises(CheckpointError, match=f"cannot read the checkpoint {tmp_path}/run/{POINTER_NAME} names"):
+    with pytest.raises(CheckpointError, match=f"{tmp_path}/run/{POINTER_NAME} is damaged .*carries no checksum"):
         restore_state(tmp_path / "run" / POINTER_NAME, INFO, make_model("sgd"))
 
 
@@ -252,3 +263,60 @@ def test_a_failed_write_keeps_the_previous_file(tmp_path):
     assert "could not write" in result.stdout and "previous backbone.pth is untouched" in result.stdout
     assert torch.load(path) == {"generation": 1}
     assert os.listdir(tmp_path) == ["backbone.pth"]
+
+
+def _rewrite_pointer(pointer: Path, **changes) -> None:
+    """checkpoint.json with `changes` (None: the field removed) and a checksum that matches them, as a hostile
+    or careless hand would write it; the checksum is computed here with crc32c and plain json."""
+    content = json.loads(pointer.read_text())
+    del content["crc32c"]
+    for key, value in changes.items():
+        if value is None:
+            del content[key]
+        else:
+            content[key] = value
+    content["crc32c"] = crc32c.crc32c(json.dumps(content, sort_keys=True).encode())
+    pointer.write_text(json.dumps(content))
+
+
+@pytest.mark.parametrize("changes, reason", [
+    ({"directory": "../elsewhere/checkpoint-000000002"}, "its directory '../elsewhere/checkpoint-000000002' is not a "
+                                                         "checkpoint folder beside it"),
+    ({"directory": "/tmp"}, "its directory '/tmp' is not a checkpoint folder beside it"),
+    ({"model": None}, "its 'model' is missing or not a dict"),
+    ({"world_size": None}, "its 'world_size' is missing or not a int"),
+    ({"global_step": "2"}, "its 'global_step' is missing or not a int"),
+])
+def test_a_pointer_that_leaves_the_run_folder_or_lacks_a_field_is_one_line(tmp_path, changes, reason):
+    """A copy of a good checkpoint waits where `../elsewhere` points: it must not be followed."""
+    run = tmp_path / "run"
+    model = make_model("sgd")
+    save_state(run, model, {"global_step": 2}, {}, INFO, {})
+    (tmp_path / "elsewhere").mkdir()
+    shutil.copytree(run / "checkpoint-000000002", tmp_path / "elsewhere" / "checkpoint-000000002")
+    _rewrite_pointer(run / POINTER_NAME, **changes)
+    with pytest.raises(CheckpointError) as raised:
+        restore_state(run / POINTER_NAME, INFO, make_model("sgd", seed=3))
+    assert str(raised.value) == (f"{run / POINTER_NAME} is damaged ({reason}); resume from one of the "
+                                 f"checkpoint-<step> folders beside it with --set resume={run}/checkpoint-<step>, or "
+                                 "start a new run")
+
+
+def test_the_memory_plan_counts_the_async_staging_copy():
+    """`host_checkpoint_staging` is what HostStaging holds after a real step's save (centres, backbone and the
+    momentum of both), but for two small differences of the plan's own items: BatchNorm statistics are left
+    out, and momentum is counted for arcface_torch's frozen `features.weight` too, which has none."""
+    cfg = load_config(ROOT / "configs" / "synthetic_pair.py", [
+        "rec=synthetic", "network=r18", "network_kwargs={'width_mult': 0.0625}", "embedding_size=16",
+        "num_views=1", "batch_size=2", "optimizer=sgd", "momentum=0.9"])
+    state = build_training_state(cfg, 10, torch.device("cpu"), steps_per_epoch=5)
+    images = torch.randint(0, 256, (2, 1, 3, 112, 112), dtype=torch.uint8)
+    train_step(state, [(images, torch.tensor([1, 7]))], cfg)
+    staging = HostStaging()
+    stage_state(state, {"global_step": 1}, {}, {}, {}, staging.copy)
+    buffers = {f"backbone.{name}" for name, _ in state.backbone.named_buffers()}
+    staged = sum(t.numel() * t.element_size() for name, t in staging._buffers.items() if name not in buffers)
+    frozen = sum(p.numel() * p.element_size() for p in state.backbone.parameters() if not p.requires_grad)
+    assert frozen and memory_plan(cfg, 10, 1)["host_checkpoint_staging"] == staged + frozen
+    assert memory_plan(load_config(ROOT / "configs" / "synthetic_pair.py", ["async_save=False"]), 10, 1)[
+        "host_checkpoint_staging"] == 0

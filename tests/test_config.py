@@ -3,11 +3,16 @@ from __future__ import annotations
 
 import ast
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
+import train
+from backbones.trained import find_saved_backbone, parse_network_kw
 from utils.config import BASE_CONFIG, ConfigError, check_data_path, load_config
+from utils.errors import WeightsError
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 
@@ -145,3 +150,54 @@ def test_shipped_configs_load_with_the_documented_values():
     assert (glint.network, glint.num_classes, glint.sample_rate, glint.num_views) == ("r100", 360232, 0.1, 2)
     demo = load_config(CONFIGS / "synthetic_pair.py")
     assert demo.num_views == 2 and demo.val_targets
+
+
+@pytest.mark.parametrize("override, message", [
+    ("lr=-1", "config key 'lr' must not be negative, not -1.0; see configs/base.py"),
+    ("momentum=-0.5", "config key 'momentum' must not be negative, not -0.5; see configs/base.py"),
+    ("margin_scale=0", "config key 'margin_scale' must be positive, not 0.0; arcface_torch uses 64"),
+    ("margin_list=(-1.0, 0.5, 0.0)", "config key 'margin_list' has m1=-1.0; the multiplicative margin must be "
+                                     "positive (1.0 turns it off), e.g. margin_list=(1.0, 0.5, 0.0)"),
+    ("network_kwargs={'width_mult': 'abc'}", "config key 'network_kwargs': network option 'width_mult' must be "
+                                             "float, not str 'abc'; e.g. width_mult=0.25, num_features=512"),
+])
+def test_values_out_of_range_and_mistyped_network_options_are_one_line(capsys, override, message):
+    assert train.main([str(CONFIGS / "synthetic_pair.py"), "--set", override, "--dry-run"]) == 1
+    assert capsys.readouterr().err == f"error: {message}\n"
+
+
+def test_mistyped_network_options_of_the_tools_are_one_line(tmp_path):
+    with pytest.raises(ConfigError, match="--network-kw: network option 'width_mult' must be float, not str 'abc'"):
+        parse_network_kw(["width_mult=abc"])
+    (tmp_path / "model.json").write_text('{"network": "r18", "embedding_size": "x"}')
+    (tmp_path / "backbone.pth").write_bytes(b"")
+    with pytest.raises(WeightsError, match=r"model.json: network option 'num_features' must be int, not str 'x'"):
+        find_saved_backbone(tmp_path)
+
+
+def test_an_edict_file_without_config_names_what_it_defines(tmp_path):
+    """Through the real command line: arcface_torch's style with the object named cfg."""
+    config = write(tmp_path, "from easydict import EasyDict as edict\ncfg = edict()\ncfg.lr = 0.2\n")
+    result = subprocess.run([sys.executable, "train.py", str(config), "--dry-run"], cwd=CONFIGS.parent,
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 1
+    assert result.stderr == (f"error: config file {config} defines no `config`, but the edict object(s) cfg; name the "
+                             "object arcface_torch's way (config = edict()), or rename cfg to config\n")
+
+
+@pytest.mark.parametrize("args, environ, message", [
+    (["--world-size", "2"], {}, "--world-size only shapes the --dry-run report; add --dry-run, or drop --world-size "
+                                "to train"),
+    (["--json"], {}, "--json only shapes the --dry-run report; add --dry-run, or drop --json to train"),
+    (["--dry-run", "--world-size", "0"], {}, "--world-size 0 plans for no process; pass a positive number of "
+                                             "processes"),
+    (["--dry-run", "--world-size", "-1"], {}, "--world-size -1 plans for no process; pass a positive number of "
+                                              "processes"),
+    (["--dry-run"], {"WORLD_SIZE": "x"}, "environment variable WORLD_SIZE='x' is not a number of processes; unset it "
+                                         "or set it to a positive integer (torchrun sets it for you)"),
+])
+def test_dry_run_options_are_checked(capsys, monkeypatch, args, environ, message):
+    for key, value in environ.items():
+        monkeypatch.setenv(key, value)
+    assert train.main([str(CONFIGS / "synthetic_pair.py"), *args]) == 1
+    assert capsys.readouterr().err == f"error: {message}\n"

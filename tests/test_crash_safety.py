@@ -1,32 +1,45 @@
 """Crash safety: a save is ordered so that a crash at any moment leaves a checkpoint that resumes, and
 the resumed run is the run that would have happened.
 
-- The order is checked on the system calls themselves (os.fsync, os.replace, shutil.rmtree recorded
-  in-process): every file of the new checkpoint folder, then the folder, is on disk before
+- The order is checked on the system calls themselves (os.fsync, os.rename, os.replace, shutil.rmtree
+  recorded in-process): every file of the new checkpoint folder, its manifest last, then the folder, is
+  on disk before the folder is renamed to its final name; the rename reaches the disk before
   checkpoint.json is switched to it; the switch is fsynced; only then is the old folder removed.
 - A training process is killed (SIGKILL, from inside, at the exact call) at each stage of a save and
-  resumed: it ends bitwise as the uninterrupted run.
+  resumed: it ends bitwise as the uninterrupted run. Saves run in the background writer thread
+  (async_save, the default), so each of these kills lands during a background write.
+- The same stages, and a full disk, at the first save after a resume from 1 to 2 processes, which
+  renumbers the steps so that this save lands on the step of the published folder: the published
+  checkpoint is never touched, and the next --resume continues.
 - A loop of SIGKILLs at random moments, every other one while a checkpoint folder is being written,
   always leaves a checkpoint that loads and resumes.
 """
 from __future__ import annotations
 
-import importlib
 import json
 import os
 import random
 import shutil
 import signal
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
 from backbones.trained import BACKBONE_NAME
+from checkpoint.pointer import POINTER_NAME, folder_step
 from checkpoint.run_dir import find_resume_source
-from checkpoint.sharded import POINTER_NAME
-from tests.run_helpers import assert_same_run, load_backbone_strict, load_run, run_child, run_here, start_child
+from tests.kill_injection import KillSelfAt
+from tests.run_helpers import (
+    assert_same_run,
+    file_states,
+    load_backbone_strict,
+    load_run,
+    run_child,
+    run_cli,
+    run_here,
+    start_child,
+)
 
 OVERRIDES = ["save_every_steps=1", "num_epoch=100"]  # a save after every step; never ends on its own
 LOOP_SECONDS, MIN_ROUNDS, MAX_SECONDS = 15, 6, 60
@@ -36,11 +49,15 @@ def test_a_save_reaches_the_disk_before_it_is_published(data, tmp_path, monkeypa
     output = tmp_path / "run"
     assert run_here(data, output, *OVERRIDES, "max_steps=1") == (0, "")
     calls: list[tuple[str, str]] = []
-    real_fsync, real_replace, real_rmtree = os.fsync, os.replace, shutil.rmtree
+    real_fsync, real_rename, real_replace, real_rmtree = os.fsync, os.rename, os.replace, shutil.rmtree
 
     def fsync(fd):
         calls.append(("fsync", os.readlink(f"/proc/self/fd/{fd}")))
         return real_fsync(fd)
+
+    def rename(source, target):
+        calls.append(("rename", str(target)))
+        return real_rename(source, target)
 
     def replace(source, target):
         calls.append(("replace", str(target)))
@@ -51,55 +68,43 @@ def test_a_save_reaches_the_disk_before_it_is_published(data, tmp_path, monkeypa
         return real_rmtree(path, *args, **kwargs)
 
     monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "rename", rename)
     monkeypatch.setattr(os, "replace", replace)
     monkeypatch.setattr(shutil, "rmtree", rmtree)
     assert run_here(data, output, *OVERRIDES, "max_steps=2", resume=True) == (0, "")
 
-    new, old, pointer = str(output / "checkpoint-000000002"), str(output / "checkpoint-000000001"), str(
-        output / POINTER_NAME)
-    switch = calls.index(("replace", pointer))
-    before = calls[:switch]
-    shard_syncs = [i for i, (kind, path) in enumerate(before) if kind == "fsync" and path.startswith(new + "/")]
-    assert {Path(before[i][1]).name for i in shard_syncs} >= {"__0_0.distcp", ".metadata.tmp"}, before
-    folder_sync = before.index(("fsync", new))
-    assert max(shard_syncs) < folder_sync  # the folder's entries after its files
-    pointer_sync = max(i for i, (kind, path) in enumerate(before) if kind == "fsync" and ".tmp-checkpoint.json" in path)
-    assert folder_sync < pointer_sync  # the new pointer is written in full before it replaces the old one
+    tmp, new, old = (str(output / name) for name in (".tmp-checkpoint-000000002", "checkpoint-000000002",
+                                                     "checkpoint-000000001"))
+    rename = calls.index(("rename", new))
+    before = calls[:rename]
+    synced = [(i, Path(path).name) for i, (kind, path) in enumerate(before) if kind == "fsync"
+              and path.startswith(tmp + "/")]
+    names = {name for _, name in synced}
+    assert {"__0_0.distcp", ".metadata.tmp"} <= names and any("manifest.json" in name for name in names), before
+    manifest = max(i for i, name in synced if "manifest.json" in name)
+    assert all(i < manifest for i, name in synced if "manifest.json" not in name)  # the manifest is written last
+    assert max(i for i, (kind, path) in enumerate(before) if (kind, path) == ("fsync", tmp)) > manifest
+    assert calls[rename + 1] == ("fsync", str(output))  # the rename reaches the disk
+    switch = calls.index(("replace", str(output / POINTER_NAME)))
+    pointer_sync = max(i for i, (kind, path) in enumerate(calls[:switch]) if kind == "fsync"
+                       and ".tmp-checkpoint.json" in path)
+    assert rename < pointer_sync < switch  # the new pointer is written in full before it replaces the old one
     assert calls[switch + 1] == ("fsync", str(output))  # the switch itself reaches the disk
     assert calls.index(("rmtree", old)) > switch + 1  # the old checkpoint goes only once the new one is published
 
 
-@dataclass(frozen=True)
-class KillSelfAt:
-    """A `prepare` for run_child: SIGKILL this process at its first call of `owner.function` (`owner` an
-    importable dotted name; the call's first argument containing `target`, when given), before the call
-    does anything."""
-
-    owner: str
-    function: str
-    target: str | None = None
-
-    def __call__(self) -> None:
-        module, _, attribute = self.owner.partition(":")
-        owner = importlib.import_module(module)
-        owner = getattr(owner, attribute) if attribute else owner
-        real = getattr(owner, self.function)
-
-        def fatal(*args, **kwargs):
-            if self.target is None or self.target in str(args[0]):
-                os.kill(os.getpid(), signal.SIGKILL)
-            return real(*args, **kwargs)
-
-        setattr(owner, self.function, fatal)
-
-
+# Each stage: the call at which the save after step 3 is killed, and the step published after the kill.
 STAGES = {
-    # the new folder's files are written: before its .metadata is renamed into place
-    "folder written, not complete": KillSelfAt("pathlib:Path", "rename"),
-    # the folder is complete: before checkpoint.json is switched to it
-    "folder complete, not published": KillSelfAt("os", "replace", POINTER_NAME),
+    # the new folder's files are written: before DCP renames its .metadata into place
+    "folder written, not complete": (KillSelfAt("pathlib:Path", "rename", r"checkpoint-000000003/\.metadata"), 2),
+    # the folder is complete (manifest written): before it is renamed to its final name
+    "folder complete, not renamed": (KillSelfAt("pathlib:Path", "rename", r"\.tmp-checkpoint-000000003$"), 2),
+    # renamed: before checkpoint.json is switched to it
+    "renamed, not published": (KillSelfAt("os", "replace", r"\.tmp-checkpoint\.json"), 2),
+    # published: before backbone.pth in the run folder is updated from it
+    "published, backbone.pth not updated": (KillSelfAt("os", "replace", r"\.tmp-backbone\.pth\.link$"), 3),
     # published: before the old folder is removed
-    "published, old folder still there": KillSelfAt("shutil", "rmtree", "checkpoint-000000002"),
+    "published, old folder still there": (KillSelfAt("shutil", "rmtree", "checkpoint-000000002$"), 3),
 }
 
 
@@ -116,20 +121,60 @@ def uninterrupted(data, tmp_path_factory) -> Path:
 def test_a_kill_at_each_stage_of_a_save_resumes_as_the_uninterrupted_run(data, tmp_path, uninterrupted, stage):
     output = tmp_path / "run"
     assert run_child(data, output, *OVERRIDES, "max_steps=2") == (0, "")
-    status, _ = run_child(data, output, *OVERRIDES, "max_steps=4", resume=True, prepare=STAGES[stage])
+    kill, published = STAGES[stage]
+    status, _ = run_child(data, output, *OVERRIDES, "max_steps=4", resume=True, prepare=kill)
     assert status == -signal.SIGKILL  # killed during the save after step 3
-    published = json.loads((output / POINTER_NAME).read_text())["global_step"]
-    assert published == (3 if stage.startswith("published") else 2)
+    assert json.loads((output / POINTER_NAME).read_text())["global_step"] == published
     assert run_child(data, output, *OVERRIDES, "max_steps=4", resume=True) == (0, "")
-    assert sorted(p.name for p in output.glob("checkpoint-*")) == ["checkpoint-000000004"]  # leftovers cleared
+    assert sorted(p.name for p in output.glob("*checkpoint-*")) == ["checkpoint-000000004"]  # leftovers cleared
     assert_same_run(output, uninterrupted)
+
+
+@pytest.fixture(scope="module")
+def saved_by_one_process(data, tmp_path_factory) -> Path:
+    """A 1-process run (10 steps per epoch) published at step 2; on 2 processes (5 per epoch) it resumes
+    at step 1, and its first save lands on step 2 again."""
+    output = tmp_path_factory.mktemp("one") / "run"
+    assert run_child(data, output, *OVERRIDES, "max_steps=2") == (0, "")
+    return output
+
+
+RENUMBERED = {  # the first save of the 2-process run, killed on rank 0 at each stage; the step published after
+    "folder complete, not renamed": (["os", "rename", r"\.tmp-checkpoint-000000002$"], 2),
+    "renamed, not published": (["os", "replace", r"\.tmp-checkpoint\.json"], 2),
+    "published, old folder still there": (["shutil", "rmtree", r"checkpoint-000000002$"], 2),
+    "a full disk": (["--fsize", str(256 << 10)], 2),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage", RENUMBERED)
+def test_the_first_save_after_a_renumbering_resume_never_costs_the_published_checkpoint(
+        data, saved_by_one_process, tmp_path, stage):
+    output = Path(shutil.copytree(saved_by_one_process, tmp_path / "run"))
+    published = output / json.loads((output / POINTER_NAME).read_text())["directory"]
+    kept = file_states(published)
+    arguments, step = RENUMBERED[stage]
+    result = run_cli(data, output, *OVERRIDES, "max_steps=4", nproc=2, resume=True,
+                     injection=["-m", "tests.kill_injection", *arguments])
+    assert result.returncode != 0, result.stderr[-2000:]
+    pointer = json.loads((output / POINTER_NAME).read_text())
+    assert pointer["global_step"] == step
+    if pointer["directory"] == published.name:  # still the 1-process run's: byte for byte as it was
+        assert file_states(published) == kept
+    result = run_cli(data, output, *OVERRIDES, "max_steps=4", nproc=2, resume=True)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert load_run(output)["progress"]["global_step"] == 4
+    assert [p.name for p in output.glob("*checkpoint-*")] == [json.loads((output / POINTER_NAME).read_text())[
+        "directory"]]
 
 
 def kill_mid_save(child, output: Path, published: int | None, rng: random.Random, timeout: float = 10) -> None:
     """SIGKILL `child` 0-30 ms after a checkpoint folder newer than the published one appears."""
     end = time.monotonic() + timeout
     while time.monotonic() < end and child.is_alive():
-        steps = [int(p.name.split("-")[1]) for p in output.glob("checkpoint-*")] if output.is_dir() else []
+        steps = [int(p.name.split("-")[-1]) for p in output.glob("*checkpoint-*") if p.is_dir()] \
+            if output.is_dir() else []
         if any(published is None or step > published for step in steps):
             time.sleep(rng.uniform(0, 0.03))
             break
@@ -162,12 +207,17 @@ def test_sigkill_at_random_moments_always_leaves_a_checkpoint_that_resumes(data,
         elif rounds % 2:
             kill_mid_save(child, output, step, rng)
         else:
+            # at a random moment, once something is published (on a busy machine the first save can take
+            # longer than the whole random interval)
+            deadline = time.monotonic() + 30
+            while step is None and not (output / POINTER_NAME).exists() and time.monotonic() < deadline:
+                time.sleep(0.01)
             time.sleep(rng.uniform(0.0, 1.5))
             os.kill(child.pid, signal.SIGKILL)
         child.join()
         assert child.exitcode == -signal.SIGKILL, stderr.read_text()  # it was running, not failing
         step = inspect(output, step)
-        unpublished_left += step is not None and any(int(p.name.split("-")[1]) > step
+        unpublished_left += step is not None and any((folder_step(p.name) or 0) > step
                                                      for p in output.glob("checkpoint-*"))
         rounds += 1
     assert rounds >= MIN_ROUNDS and step is not None, (rounds, step)

@@ -7,10 +7,16 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import torch
+
+from tests.distributed_helpers import run_world
 from tests.nan_injection import nan_at_steps
 from tests.run_helpers import (
+    CONFIG,
     FP16_INFO,
     FP16_ON_CPU,
+    QUIET,
+    ROOT,
     file_states,
     finish,
     load_run,
@@ -20,6 +26,9 @@ from tests.run_helpers import (
     start_cli,
 )
 from tests.test_train_errors import only_line
+from training.state import build_training_state, wrap_in_ddp
+from training.step import StepOutcome, train_step
+from utils.config import load_config
 
 
 def test_a_nonfinite_loss_on_rank_0_skips_the_step_on_both_ranks(data, tmp_path):
@@ -76,3 +85,34 @@ def test_fp16_overflow_backs_the_scale_off_without_counting_towards_the_stop(dat
     log = (output / "training.log").read_text()
     assert "non-finite" not in log
     assert "fp16 on a CPU: float16 convolutions have no fast CPU kernel" in log  # and how to avoid it
+
+
+def _centre_gradient_fault(rank: int, world_size: int) -> dict:
+    """One float32 step on two ranks where rank 1's centre gradient alone is made non-finite (a gradient
+    hook: the loss and the backbone gradient stay finite, as when only the classifier's backward overflows)."""
+    cfg = load_config(ROOT / CONFIG, ["rec=synthetic", *QUIET, "network_kwargs={'width_mult': 0.0625}", "num_views=1",
+                                      "batch_size=2"])
+    state = build_training_state(cfg, 4, torch.device("cpu"), steps_per_epoch=10)
+    wrap_in_ddp(state, torch.device("cpu"))
+    before = {**{f"backbone.{k}": v.clone() for k, v in state.backbone.state_dict().items()},
+              "centres": state.pfc.weight.detach().clone()}
+    if rank == 1:
+        state.pfc.weight.register_hook(lambda grad: grad.index_fill(0, torch.tensor([0]), float("inf")))
+    generator = torch.Generator().manual_seed(rank)
+    images = torch.randint(0, 256, (2, 1, 3, 112, 112), dtype=torch.uint8, generator=generator)
+    losses, outcome = train_step(state, [(images, torch.tensor([0, 3]))], cfg)
+    after = {**{f"backbone.{k}": v for k, v in state.backbone.state_dict().items()},
+             "centres": state.pfc.weight.detach()}
+    return {"outcome": int(outcome), "loss_finite": bool(torch.isfinite(losses).all()),
+            "changed": [key for key in before if not torch.equal(before[key], after[key])],
+            "optimizer_state": len(state.optimizer.state)}
+
+
+def test_a_nonfinite_centre_gradient_alone_skips_the_step_on_every_rank():
+    """Finite loss, finite backbone gradient, a non-finite centre gradient on rank 1 only: both ranks skip
+    (nothing changes, not even BatchNorm statistics, and no optimizer state is created)."""
+    for result in run_world(_centre_gradient_fault, 2):
+        assert result["loss_finite"]
+        assert result["outcome"] == StepOutcome.GRAD_NONFINITE
+        assert result["changed"] == []
+        assert result["optimizer_state"] == 0

@@ -15,7 +15,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from checkpoint.sharded import POINTER_NAME, restore_state, save_state
+from checkpoint.pointer import POINTER_NAME
+from checkpoint.sharded import restore_state, save_state
 from losses import CombinedMarginLoss
 from partial_fc import PartialFC
 from tests.run_helpers import (

@@ -19,25 +19,28 @@ training settings, as for train.py: arcface_torch's files do not say them. (trai
 reads arcface_torch's folders directly; this writes them as a pairface run once and for all.)
 
 Either way the conversion runs in one process, holding the class-centre matrix and its optimizer
-state once. DST must be new or empty, unless --force.
+state once. A pairface SRC is verified as train.py verifies it (every checksum, nothing unpickled).
+DST must be new or empty, unless --force; a run folder in use by a training process is refused
+even then, and a conversion that fails leaves no new DST behind.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
-import pickle
+import shutil
 import sys
-import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TextIO
 
 import torch
-from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-from backbones.trained import save_backbone
 from checkpoint.arcface import MARKERS, MODEL_FILE, V2_FILE, marker_for, rank_files, read_layout, restore_arcface
+from checkpoint.pointer import POINTER_NAME
 from checkpoint.restored import is_centre_rows
-from checkpoint.sharded import POINTER_NAME, read_pointer, save_state
+from checkpoint.run_dir import LOCK_NAME, lock_run_dir
+from checkpoint.sharded import checkpoint_folder, read_whole, save_state
 from partial_fc import class_range
 from training.state import StepCounter, architecture, build_training_state
 from utils.atomic import atomic_save
@@ -47,13 +50,15 @@ from utils.errors import CheckpointError, ConfigError, RunDirError
 from utils.lr_scheduler import POLY_POWER, jump_to_step, poly_factor
 from utils.progress import progress
 
+LAYOUTS = ("arcface_torch", "pairface")
+
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("src", type=Path, help="pairface run folder (--to arcface_torch) or arcface_torch output "
                                                 "folder (--to pairface)")
     parser.add_argument("dst", type=Path, help="folder to write (new or empty, unless --force)")
-    parser.add_argument("--to", required=True, choices=("arcface_torch", "pairface"), help="the layout to write")
+    parser.add_argument("--to", required=True, help="the layout to write: arcface_torch or pairface")
     parser.add_argument("--world-size", type=int, metavar="N",
                         help="--to arcface_torch: the number of GPUs arcface_torch will continue on (required)")
     parser.add_argument("--steps-per-epoch", type=int, metavar="S",
@@ -70,6 +75,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)  # the import's log line
     with exit_on_user_error():
+        if args.to not in LAYOUTS:
+            raise ConfigError(f"--to {args.to} is not a layout this converts to; pass --to arcface_torch or --to "
+                              "pairface")
         if args.to == "arcface_torch":
             if args.world_size is None or args.world_size < 1:
                 raise ConfigError("--to arcface_torch needs --world-size N, the number of GPUs arcface_torch will "
@@ -77,8 +85,8 @@ def main(argv: list[str] | None = None) -> int:
             if args.steps_per_epoch is not None and args.steps_per_epoch < 1:
                 raise ConfigError(f"--steps-per-epoch {args.steps_per_epoch} is not a positive number; pass "
                                   "arcface_torch's batches per epoch, or leave it out")
-            _prepare(args.dst, args.force)
-            lines = to_arcface_torch(args.src, args.dst, args.world_size, args.steps_per_epoch, sys.stderr)
+            with _destination(args.dst, args.force):
+                lines = to_arcface_torch(args.src, args.dst, args.world_size, args.steps_per_epoch, sys.stderr)
             lines.insert(1, f"continue it with arcface_torch's train_v2.py on {args.world_size} GPUs: config.output = "
                             f"\"{args.dst}\", config.resume = True, config.save_all_states = True")
         else:
@@ -86,8 +94,8 @@ def main(argv: list[str] | None = None) -> int:
                 raise ConfigError("--to pairface needs --config CONFIG, the experiment file (network, embedding "
                                   "size, optimizer, schedule) to continue with; pass the one train.py will use")
             cfg = load_config(args.config, args.set)
-            _prepare(args.dst, args.force)
-            lines = to_pairface(args.src, args.dst, cfg, sys.stderr)
+            with _destination(args.dst, args.force):
+                lines = to_pairface(args.src, args.dst, cfg, sys.stderr)
             overrides = "".join(f" --set {item}" for item in args.set)
             lines.append(f"continue it with: torchrun --nproc_per_node=N train.py {args.config}{overrides} --set "
                          f"output={args.dst} --resume (any N)")
@@ -95,13 +103,32 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _prepare(dst: Path, force: bool) -> None:
+@contextlib.contextmanager
+def _destination(dst: Path, force: bool) -> Iterator[None]:
+    """`dst` ready to write into and locked as a run folder is (a live training run there is refused,
+    --force or not); a folder this conversion created is removed again if the conversion fails."""
     if dst.exists() and not dst.is_dir():
         raise RunDirError(f"{dst} is a file; choose a folder to write the converted checkpoint into")
-    if dst.is_dir() and any(dst.iterdir()) and not force:
+    if dst.is_dir() and any(entry.name != LOCK_NAME for entry in dst.iterdir()) and not force:
         raise RunDirError(f"{dst} already holds files; choose a new folder, or pass --force to write the "
                           "converted checkpoint over what is there")
-    dst.mkdir(parents=True, exist_ok=True)
+    created = not dst.exists()
+    try:
+        lock = lock_run_dir(str(dst))
+    except RunDirError:
+        if created:
+            shutil.rmtree(dst, ignore_errors=True)
+        raise
+    try:
+        yield
+    except BaseException:
+        if created:
+            shutil.rmtree(dst, ignore_errors=True)
+        raise
+    finally:
+        lock.close()
+    if created:
+        (dst / LOCK_NAME).unlink(missing_ok=True)
 
 
 # --- pairface -> arcface_torch --------------------------------------------------------------------
@@ -109,8 +136,8 @@ def _prepare(dst: Path, force: bool) -> None:
 def to_arcface_torch(src: Path, dst: Path, world_size: int, steps_per_epoch: int | None,
                      stream: TextIO | None = None) -> list[str]:
     """Write the pairface run in `src` as arcface_torch's train_v2 files for `world_size` ranks; what was done."""
-    whole = _read_whole(src, dst)
-    run = pickle.loads(whole["run"])
+    whole, content = _read_whole(src)
+    run = content["run"]
     centres, backbone, groups = whole["centres"], whole["backbone"], run["param_groups"]
     num_classes = centres.shape[0]
     if world_size > num_classes:
@@ -160,23 +187,14 @@ def to_arcface_torch(src: Path, dst: Path, world_size: int, steps_per_epoch: int
     return lines
 
 
-def _read_whole(src: Path, scratch_parent: Path) -> dict:
-    """The checkpoint src/checkpoint.json names, read whole with torch's DCP-to-torch.save converter and
-    memory-mapped from there, so that the matrices are not held twice."""
+def _read_whole(src: Path) -> tuple[dict, dict]:
+    """The checkpoint in the run folder `src` (checkpoint.json's, or a checkpoint folder itself), verified
+    and read whole: its tensors and its state.json."""
     pointer = src / POINTER_NAME
-    if not pointer.is_file():
+    if not pointer.is_file() and not (src / "manifest.json").is_file():
         raise CheckpointError(f"{src} holds no pairface {POINTER_NAME}; pass the output folder of a pairface run "
                               "that saved a checkpoint")
-    folder = src / read_pointer(pointer)["directory"]
-    with tempfile.TemporaryDirectory(dir=scratch_parent, prefix=".convert-") as scratch:
-        whole_path = Path(scratch) / "whole.pt"
-        try:
-            dcp_to_torch_save(folder, whole_path)
-        except Exception as error:  # DCP reports a damaged folder with many exception types
-            raise CheckpointError(f"cannot read checkpoint {folder} ({type(error).__name__}); it is damaged or "
-                                  "incomplete: convert another run folder") from None
-        # The pickles are pairface's own (DCP stores the run's bytes blobs): weights_only cannot read them.
-        return torch.load(whole_path, map_location="cpu", weights_only=False, mmap=True)
+    return read_whole(checkpoint_folder(pointer if pointer.is_file() else src))
 
 
 # --- arcface_torch -> pairface --------------------------------------------------------------------
@@ -200,8 +218,7 @@ def to_pairface(src: Path, dst: Path, cfg, stream: TextIO | None = None) -> list
     restored = restore_arcface(marker, shapes, state, stream)
     jump_to_step(state.scheduler, saved.global_step)
     save_state(dst, state, saved.saved(), restored.first_rank_state["loader"], shapes,
-               {**vars(cfg), "output": str(dst)})
-    save_backbone(state.backbone, dst, shapes)
+               {**vars(cfg), "output": str(dst)})  # backbone.pth and model.json with it
     return [f"wrote {dst}: a pairface run at global step {saved.global_step} (epoch {saved.epoch}, "
             f"{saved.steps_per_epoch} steps per epoch counted for one process) from arcface_torch's {layout.kind} "
             f"files of {layout.world_size} ranks at its global step {layout.global_step}"]

@@ -5,7 +5,8 @@ and optimizer state, the (N, C) logits buffer of one forward with the temporarie
 backbone's is its parameters, gradients and optimizer state, counted on the meta device (nothing is
 allocated). Activations of the backbone are not included: they depend on the network's internals and
 the batch, not on the number of identities. `train.py CONFIG --dry-run` prints the plan; a run's
-start-up log warns when it exceeds the device.
+start-up log warns when it exceeds the device. The total is the device's; `host_checkpoint_staging`
+is host memory on top of it.
 """
 from __future__ import annotations
 
@@ -34,7 +35,19 @@ def memory_plan(cfg: SimpleNamespace, num_classes: int | None, world_size: int) 
                     logits_buffer=_softmax_bytes(cfg, rows, world_size))
     plan.update(backbone_parameters=backbone, backbone_gradients=backbone, backbone_optimizer_state=states * backbone)
     plan["total"] = sum(value for value in plan.values() if value is not None)
+    plan["host_checkpoint_staging"] = _staging_bytes(cfg, plan)
     return plan
+
+
+def _staging_bytes(cfg: SimpleNamespace, plan: dict[str, int | None]) -> int | None:
+    """Host memory (not in the device total) for an async save's copy of the state: the centres, the
+    backbone and both optimizer states, held from the first save on (checkpoint/background.py)."""
+    if not (cfg.async_save and cfg.save_all_states):
+        return 0
+    if plan["class_centres"] is None:
+        return None
+    return sum(plan[key] for key in ("class_centres", "centre_optimizer_state", "backbone_parameters",
+                                     "backbone_optimizer_state"))
 
 
 def _optimizer_states(cfg: SimpleNamespace) -> int:

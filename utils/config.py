@@ -61,6 +61,11 @@ def _read_config_file(path: Path) -> dict:
     if isinstance(config, Mapping):  # arcface_torch's style: config = edict(); config.key = value
         del names["config"]
         names.update(config)
+    # easydict is the files' import, not pairface's: its class is recognised by name
+    elif edicts := [key for key, value in names.items() if isinstance(value, Mapping)
+                    and type(value).__name__ == "EasyDict"]:
+        raise ConfigError(f"config file {path} defines no `config`, but the edict object(s) {', '.join(edicts)}; "
+                          f"name the object arcface_torch's way (config = edict()), or rename {edicts[0]} to config")
     return names
 
 
@@ -161,7 +166,15 @@ def _type_name(expected) -> str:
     return expected.__name__ if isinstance(expected, type) else str(expected)
 
 
+# get_model's options and their types (its names come from backbones/registry.py): network_kwargs,
+# --network-kw and model.json are checked against them before a network is built
+NETWORK_OPTION_TYPES = {"num_features": int, "dropout": float, "fp16": bool, "width_mult": float, "mask_ratio": float,
+                        "drop_path_rate": float, "using_checkpoint": bool}
+
 _POSITIVE = ("num_views", "embedding_size", "batch_size", "gradient_acc", "num_epoch", "frequent", "verbose")
+# torch.optim and the loop refuse these below zero (a traceback from deep inside): checked here first
+_NOT_NEGATIVE = ("lr", "momentum", "weight_decay", "max_grad_norm", "num_workers", "max_steps", "save_every_steps",
+                 "warmup_epoch", "dropout")
 
 
 def _check_values(values: dict) -> None:
@@ -169,6 +182,10 @@ def _check_values(values: dict) -> None:
     for key in _POSITIVE:
         if values[key] < 1:
             raise ConfigError(f"config key {key!r} must be at least 1, not {values[key]}")
+    for key in _NOT_NEGATIVE:
+        if values[key] < 0:
+            raise ConfigError(f"config key {key!r} must not be negative, not {values[key]}; see configs/base.py")
+    check_network_options(values["network_kwargs"], "config key 'network_kwargs'")
     if values["fp16"] and values["bf16"]:
         raise ConfigError("config keys 'fp16' and 'bf16' are both True; choose one (--set bf16=False)")
     _check_margins(values["margin_list"], values["margin_scale"])
@@ -209,3 +226,32 @@ def check_data_path(cfg: SimpleNamespace) -> None:
     if not os.path.exists(cfg.rec):
         raise ConfigError(f"data folder {cfg.rec!r} (config key 'rec') does not exist; point rec at the folder "
                           "holding train.rec/train.idx, e.g. --set rec=/data/ms1mv3")
+
+
+def planned_world_size(dry_run: bool, world_size: int | None, as_json: bool, environ: Mapping[str, str]) -> int:
+    """train.py's --world-size and --json (options of --dry-run alone): the number of processes to plan
+    for, from --world-size, else WORLD_SIZE, else 1."""
+    if not dry_run and (world_size is not None or as_json):
+        option = "--world-size" if world_size is not None else "--json"
+        raise ConfigError(f"{option} only shapes the --dry-run report; add --dry-run, or drop {option} to train")
+    if world_size is None:
+        text = environ.get("WORLD_SIZE", "1")
+        if not text.strip().isdigit():
+            raise ConfigError(f"environment variable WORLD_SIZE={text!r} is not a number of processes; unset it or "
+                              "set it to a positive integer (torchrun sets it for you)")
+        world_size = int(text)
+    if world_size < 1:
+        raise ConfigError(f"--world-size {world_size} plans for no process; pass a positive number of processes")
+    return world_size
+
+
+def check_network_options(options: Mapping, where: str) -> None:
+    """ConfigError naming `where` unless every get_model option of a known name has its type (unknown
+    names are get_model's to refuse) and width_mult is positive."""
+    for key, value in options.items():
+        expected = NETWORK_OPTION_TYPES.get(key)
+        if expected is not None and not _matches(value, expected):
+            raise ConfigError(f"{where}: network option {key!r} must be {expected.__name__}, not "
+                              f"{type(value).__name__} {value!r}; e.g. width_mult=0.25, num_features=512")
+    if options.get("width_mult", 1.0) <= 0:
+        raise ConfigError(f"{where}: network option 'width_mult' must be positive, not {options['width_mult']}")

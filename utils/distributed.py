@@ -13,7 +13,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from utils.errors import UserError
+from utils.errors import TrainingError, UserError
 from utils.launcher import local_process
 
 
@@ -31,11 +31,6 @@ def world() -> int:
 
 def is_main() -> bool:
     return rank() == 0
-
-
-def barrier() -> None:
-    if is_initialized():
-        dist.barrier()
 
 
 def nodes() -> int:
@@ -87,36 +82,61 @@ def all_reduce_max(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
-def broadcast_object(obj, src: int = 0):
+def broadcast_object(obj, src: int = 0, group=None):
     """Rank ``src``'s object on every rank (small Python objects: paths, decisions, config)."""
     if not is_initialized():
         return obj
     box = [obj]
-    dist.broadcast_object_list(box, src=src)
+    dist.broadcast_object_list(box, src=src, group=group)
     return box[0]
 
 
-def gather_objects(obj) -> list | None:
+def gather_objects(obj, group=None) -> list | None:
     """Every rank's small Python object, in rank order, on rank 0 (None elsewhere). Collective."""
     if not is_initialized():
         return [obj]
     out = [None] * world() if is_main() else None
-    dist.gather_object(obj, out, dst=0)
+    dist.gather_object(obj, out, dst=0, group=group)
     return out
 
 
+def checkpoint_group():
+    """A gloo process group of every rank for checkpoint traffic, which may run in a background thread
+    while training uses the default group (two threads must never share one group's collectives).
+    None without a process group."""
+    return dist.new_group(backend="gloo") if is_initialized() else None
 
-def agreed(decide, share: bool = True):
-    """Run `decide()` on rank 0 and raise its user error on every rank, so that no process is left
-    waiting at a collective for one that stopped. Returns the result on every rank (`share`), or
-    on rank 0 only (None elsewhere) for results that cannot travel, such as an open file."""
-    outcome, error = None, None
+
+def agreed(decide, share: bool = True, group=None):
+    """Run `decide()` on rank 0 and raise its error on every rank, so that no process is left waiting at
+    a collective for one that stopped. A user error is raised as it is everywhere; any other failure
+    (a bug) keeps its traceback on rank 0 and stops the others with a line that points there. Returns
+    the result on every rank (`share`), or on rank 0 only (None elsewhere) for results that cannot
+    travel, such as an open file."""
+    outcome, error, failure = None, None, None
     if is_main():
         try:
             outcome = decide()
         except UserError as raised:
             error = raised
-    error = broadcast_object(error)
+        except Exception as raised:
+            failure = raised
+            error = TrainingError(f"rank 0 failed ({type(raised).__name__}: {raised}); its traceback says where: "
+                                  "report it with that traceback")
+    error = broadcast_object(error, group=group)
+    if failure is not None:
+        raise failure
     if error is not None:
         raise error
-    return broadcast_object(outcome) if share else outcome
+    return broadcast_object(outcome, group=group) if share else outcome
+
+
+def raise_first(error: UserError | None) -> None:
+    """Every rank passes its own outcome of some work (None: it went well); the error of the lowest rank
+    that failed is raised on every rank. Collective."""
+    if is_initialized():
+        errors = [None] * world()
+        dist.all_gather_object(errors, error)
+        error = next((e for e in errors if e is not None), None)
+    if error is not None:
+        raise error

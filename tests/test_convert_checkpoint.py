@@ -1,0 +1,66 @@
+"""tools.convert_checkpoint's failures through its real command line: one `error:` line each, a live run
+folder never written into (even with --force), and no destination left behind by a failed conversion."""
+from __future__ import annotations
+
+import multiprocessing
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.run_helpers import ROOT, run_here
+from tests.test_bad_input import _hold_the_lock
+
+
+@pytest.fixture(scope="module")
+def trained(data, tmp_path_factory) -> Path:
+    output = tmp_path_factory.mktemp("convert") / "run"
+    assert run_here(data, output, "max_steps=1") == (0, "")
+    return output
+
+
+def convert(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "tools.convert_checkpoint", *map(str, args)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)
+
+
+@pytest.mark.parametrize("damage", ["removed", "truncated"])
+def test_a_damaged_shard_is_one_line_and_leaves_no_destination(trained, tmp_path, damage):
+    run = Path(shutil.copytree(trained, tmp_path / "run"))
+    shard = run / "checkpoint-000000001" / "__0_0.distcp"
+    if damage == "removed":
+        shard.unlink()
+    else:
+        shard.write_bytes(shard.read_bytes()[:1000])
+    result = convert(run, tmp_path / "out", "--to", "arcface_torch", "--world-size", "2")
+    assert result.returncode == 1 and "Traceback" not in result.stderr
+    assert result.stderr.startswith(f"error: checkpoint {run / 'checkpoint-000000001'} is damaged ({shard} ")
+    assert not (tmp_path / "out").exists()
+
+
+def test_force_into_a_live_run_folder_is_refused(trained, tmp_path):
+    live = Path(shutil.copytree(trained, tmp_path / "live"))
+    context = multiprocessing.get_context("fork")
+    held, release = context.Event(), context.Event()
+    holder = context.Process(target=_hold_the_lock, args=(str(live), held, release))
+    holder.start()
+    try:
+        assert held.wait(60)
+        result = convert(trained, live, "--to", "arcface_torch", "--world-size", "2", "--force")
+    finally:
+        release.set()
+        holder.join(60)
+    assert result.returncode == 1
+    assert result.stderr.startswith(f"error: output folder {live} is in use by another training process (pid "), \
+        result.stderr
+    assert not list(live.glob("checkpoint_gpu_*.pt"))
+
+
+def test_an_unknown_layout_is_one_line(trained, tmp_path):
+    result = convert(trained, tmp_path / "out", "--to", "foo")
+    assert result.returncode == 1
+    assert result.stderr == ("error: --to foo is not a layout this converts to; pass --to arcface_torch or --to "
+                             "pairface\n")
+    assert not (tmp_path / "out").exists()
