@@ -112,11 +112,12 @@ def cuda_syncs() -> Iterator[list[tuple[str, str]]]:
             found.append(("cuda sync", f"{Path(warning.filename).name}:{warning.lineno}"))
 
 
-def training_step(device: torch.device, sample_rate: float, classes: int, batch_size: int) -> Callable[[], object]:
-    """One train_step as GPU training runs it, over a fixed batch of random two-view records."""
+def training_step(device: torch.device, classes: int, batch_size: int, *overrides: str) -> Callable[[], object]:
+    """One train_step as GPU training runs it, over a fixed batch of random two-view records; a tiny r18
+    unless config `overrides` (key=value) say otherwise."""
     cfg = load_config(ROOT / "configs" / "synthetic_pair.py", [
-        "network=r18", "network_kwargs={'width_mult': 0.0625}", "embedding_size=64", "num_views=2",
-        f"batch_size={batch_size}", f"sample_rate={sample_rate}", "num_epoch=1000", "fp16=False"])
+        "network=r18", "network_kwargs={'width_mult': 0.0625}", "embedding_size=64", "num_views=2", "fp16=False",
+        f"batch_size={batch_size}", "num_epoch=1000", *overrides])
     configure_numerics(device, cfg.tf32, cfg.deterministic)
     state = build_training_state(cfg, classes, device, steps_per_epoch=1000)
     state.pfc.defer_label_check = True  # as on a GPU: a bad label poisons the loss instead of a check that waits
@@ -156,7 +157,7 @@ def main(argv=None) -> int:
     print(f"host syncs per train_step: r18 1/16, 2 views, B={args.batch_size}, {args.classes} classes, {device}")
     print(f"{'sample_rate':>11}  {'ops/step':>8}  {'cuda/step':>9}  where (per step)")
     for rate in args.sample_rates:
-        step = training_step(device, rate, args.classes, args.batch_size)
+        step = training_step(device, args.classes, args.batch_size, f"sample_rate={rate}")
         operations, cuda, seen = count_per_step(step, args.steps, device)
         where = "; ".join(f"{line} {reason} x{count / args.steps:g}" for (reason, line), count in sorted(seen.items()))
         print(f"{rate:>11g}  {operations:>8g}  {cuda if device.type == 'cuda' else '-':>9}  {where or 'none'}")
