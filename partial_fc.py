@@ -193,7 +193,7 @@ class PartialFC(nn.Module):
         if num_sample >= self.num_local:
             return None, local_labels
         has_target = local_labels >= 0
-        # Mark the positives in a spare slot's company: labels held by other ranks all point at the spare.
+        # The positives marked in a mask with one spare slot, where the labels held by other ranks point.
         slots = torch.where(has_target, local_labels, self.num_local)
         positive = torch.zeros(self.num_local + 1, dtype=torch.bool, device=slots.device).index_fill_(0, slots, True)
         scores = torch.rand(self.num_local, device=slots.device).masked_fill_(positive[:-1], 2.0)  # kept first

@@ -2,9 +2,10 @@
 two sbatch scripts of slurm/ run end to end on this CPU.
 
 Without Slurm here, `srun` and `scontrol` are stand-ins written below: srun starts SLURM_NTASKS copies of
-its command on this host, each with the variables srun gives a task (SLURM_PROCID, SLURM_LOCALID) on top of
-the job's (SLURM_NTASKS, SLURM_JOB_NODELIST, SLURM_JOB_ID, SLURM_NNODES). Everything after them (the
-scripts, train.py, the process group over gloo) runs for real. Where a test needs a GPU that is not there,
+its command on this host, each with the variables srun gives a task (SLURM_PROCID, SLURM_LOCALID, the
+step's node count) on top of the job's (SLURM_NTASKS, SLURM_JOB_NODELIST, SLURM_JOB_ID,
+SLURM_JOB_NUM_NODES). Everything after them (the scripts, train.py, the process group over gloo) runs
+for real. Where a test needs a GPU that is not there,
 it replaces torch's hardware queries only, as tests/test_gpu_readiness.py does.
 """
 from __future__ import annotations
@@ -31,7 +32,7 @@ FAKE_SRUN = """#!/usr/bin/env bash
 while [[ "$1" == -* ]]; do shift; done
 pids=()
 for ((task = 0; task < SLURM_NTASKS; task++)); do
-    SLURM_PROCID=$task SLURM_LOCALID=$task "$@" &
+    SLURM_PROCID=$task SLURM_LOCALID=$task SLURM_STEP_NUM_NODES=1 "$@" &
     pids+=($!)
 done
 status=0
@@ -116,7 +117,7 @@ def start_script(script: str, data: Path, output: Path, tmp_path: Path, tasks: i
     env = {key: value for key, value in os.environ.items() if key not in LAUNCH_VARIABLES and
            not key.startswith("SLURM_")}
     env.update(PATH=f"{tools}:{env['PATH']}", PYTHON=sys.executable, OMP_NUM_THREADS="1", SLURM_NTASKS=str(tasks),
-               SLURM_JOB_NODELIST="localhost", SLURM_JOB_ID=free_job_id(), SLURM_NNODES="1", SLURM_JOB_NUM_NODES="1",
+               SLURM_JOB_NODELIST="localhost", SLURM_JOB_ID=free_job_id(), SLURM_JOB_NUM_NODES="1",
                **extra)
     command = ["bash", f"slurm/{script}", *arguments(data, output, "max_steps=2")]
     return subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

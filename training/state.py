@@ -127,6 +127,7 @@ def wrap_in_ddp(state: TrainingState, device: torch.device) -> None:
 
 
 def ddp_backbone(backbone: nn.Module, device: torch.device) -> DistributedDataParallel:
-    """The backbone in DistributedDataParallel as training runs it (each rank keeps its own BatchNorm statistics)."""
+    """The backbone in DistributedDataParallel as training runs it: each rank keeps its own BatchNorm statistics
+    (arcface_torch's broadcast_buffers=False)."""
     device_ids = [device.index] if device.type == "cuda" else None
     return DistributedDataParallel(backbone, device_ids=device_ids, forward_sync_buffers=False)

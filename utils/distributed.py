@@ -39,8 +39,9 @@ def barrier() -> None:
 
 
 def nodes() -> int:
-    """Machines in the job: torchrun's GROUP_WORLD_SIZE, srun's SLURM_NNODES, else processes over processes per node."""
-    for name in ("GROUP_WORLD_SIZE", "SLURM_NNODES"):
+    """Machines in the job: torchrun's GROUP_WORLD_SIZE, the nodes of srun's step, else processes over processes
+    per node."""
+    for name in ("GROUP_WORLD_SIZE", "SLURM_STEP_NUM_NODES"):
         if name in os.environ:
             return int(os.environ[name])
     return max(1, world() // (local_process()[1] or 1))
