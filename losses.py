@@ -76,8 +76,7 @@ class CombinedMarginLoss:
     def filtered(self, cos: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """Non-target cosines above the inter-class threshold, as a boolean mask (N, C)."""
         dirty = cos.detach() > self.interclass_filtering_threshold
-        rows = torch.nonzero(labels >= 0).squeeze(1)
-        dirty[rows, labels[rows]] = False
+        write_targets(dirty, labels, torch.zeros_like(labels, dtype=torch.bool))
         return dirty
 
     def __call__(self, cos: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -87,3 +86,25 @@ class CombinedMarginLoss:
         cols = labels[rows]
         logits = self.s * cos
         return logits.index_put((rows, cols), self.target_logit(cos[rows, cols]))
+
+
+# The target of each row is read and written through gather/scatter over every row, not through the rows
+# that have one (nonzero, boolean masks): an output whose shape depends on the data makes the host wait
+# for the device.
+
+
+def read_targets(matrix: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """``matrix[n, labels[n]]`` for every row n (N,); 0 for rows whose label is -1 (target not here)."""
+    if not matrix.shape[1]:
+        return matrix.new_zeros(matrix.shape[0])
+    values = matrix.gather(1, labels.clamp_min(0)[:, None]).squeeze(1)
+    return torch.where(labels >= 0, values, 0)
+
+
+def write_targets(matrix: torch.Tensor, labels: torch.Tensor, values: torch.Tensor) -> None:
+    """``matrix[n, labels[n]] = values[n]`` in place for the rows whose label is not -1; other rows untouched."""
+    if not matrix.shape[1]:
+        return
+    columns = labels.clamp_min(0)[:, None]  # rows without a target write back what their column 0 holds
+    kept = matrix.gather(1, columns).squeeze(1)
+    matrix.scatter_(1, columns, torch.where(labels >= 0, values, kept)[:, None])

@@ -5,7 +5,8 @@ Each rank holds a contiguous range of class centres. One forward:
 1. all-gather the labels and check them (every rank raises the same error before any embedding
    collective, so a bad label never hangs the job);
 2. sample this rank's centres once (every positive class of the step + random negatives) and use
-   that one subset for all V views;
+   that one subset for all V views; a rate that leaves no room for negatives (``sample_rate = 0``, as
+   in arcface_torch's PartialFC_V2) keeps exactly the positive classes of the step;
 3. all-gather the L2-normalised embeddings of all views (autograd-aware: its backward is a
    reduce-scatter, so every view's embeddings receive exactly their own gradient);
 4. one fused, memory-lean sharded softmax cross-entropy over all views at once
@@ -16,6 +17,18 @@ Each rank holds a contiguous range of class centres. One forward:
 
 The centres are initialised here, from a seed alone: the same matrix for any world size, and each
 rank draws only the rows it holds.
+
+Host syncs: a forward and backward make the host wait for the device only where a shape or a
+Python decision depends on the data. Constants are made on the device, targets are read and written
+with gather/scatter over all rows (``losses.read_targets``/``write_targets``) rather than through
+``nonzero`` or boolean masks, and positives are marked by ``index_fill_`` rather than ``unique``.
+What remains, and why:
+
+- with sampling, when the global batch's labels could outnumber ``int(sample_rate * num_local)``
+  (always for ``sample_rate = 0``): the number of distinct positive classes here, one scalar read,
+  since it is the number of sampled columns, the shape of every tensor after it;
+- without ``defer_label_check`` (the CPU default): whether any label is out of range, a scalar read
+  that decides whether to raise. GPU training defers the check to a non-finite loss instead.
 """
 from __future__ import annotations
 
@@ -25,7 +38,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from losses import CombinedMarginLoss
+from losses import CombinedMarginLoss, read_targets, write_targets
 from utils.distributed import is_initialized, rank, world
 from utils.errors import ConfigError, DataError
 
@@ -64,7 +77,8 @@ class PartialFC(nn.Module):
 
     ``view_weights`` (default: equal, summing to 1) weight each view's mean cross-entropy, so a
     single-view learning rate carries over to V views. ``seed`` fixes the initial centres (the
-    same matrix on any number of processes).
+    same matrix on any number of processes). ``sample_rate`` in [0, 1]: the share of this rank's
+    centres each forward uses, every positive class of the step always among them (0: only those).
 
     A label outside ``[0, num_classes)`` raises a DataError on every rank before any collective on
     embeddings. Checking costs the host a wait for the device, so a GPU training loop may pass
@@ -76,8 +90,9 @@ class PartialFC(nn.Module):
                  sample_rate: float = 1.0, view_weights: Sequence[float] | None = None, seed: int = 0,
                  defer_label_check: bool = False):
         super().__init__()
-        if not 0.0 < sample_rate <= 1.0:
-            raise ValueError(f"sample_rate={sample_rate} must lie in (0, 1] (1.0 uses every class centre)")
+        if not 0.0 <= sample_rate <= 1.0:
+            raise ValueError(f"sample_rate={sample_rate} must lie in [0, 1] (1.0 uses every class centre, 0 only "
+                             "the positive classes of each step)")
         self.margin_loss = margin_loss
         self.embedding_size = embedding_size
         self.num_classes = num_classes
@@ -111,7 +126,7 @@ class PartialFC(nn.Module):
             self._raise_for_bad_labels(global_labels)
 
         local_labels = global_labels - self.class_start
-        local_labels[(local_labels < 0) | (local_labels >= self.num_local)] = -1
+        local_labels = torch.where((local_labels >= 0) & (local_labels < self.num_local), local_labels, -1)
         index, local_labels = self._sample(local_labels)
         self.last_sampled_classes = None if index is None else (index + self.class_start).detach()
 
@@ -124,8 +139,9 @@ class PartialFC(nn.Module):
         global_batch = batch * self.world_size
         # gathered rows are ordered (rank, view, sample): repeat labels and view weights to match
         row_labels = local_labels.view(self.world_size, 1, batch).expand(-1, num_views, -1).reshape(-1)
-        row_coef = (torch.tensor(weights, dtype=dtype, device=gathered.device) / global_batch)
-        row_coef = row_coef.view(1, num_views, 1).expand(self.world_size, -1, batch).reshape(-1)
+        # filled on the device: a tensor made from the Python list would be a blocking host-to-device copy
+        row_coef = torch.cat([torch.full((batch,), weight / global_batch, dtype=dtype, device=gathered.device)
+                              for weight in weights]).repeat(self.world_size)
 
         device_type = gathered.device.type
         gemm_dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else None
@@ -168,22 +184,23 @@ class PartialFC(nn.Module):
                 "in the data, or fix the dataset's labels")
 
     def _sample(self, local_labels: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor]:
-        """Pick this rank's centres for the step: all positives plus random negatives.
+        """Pick this rank's centres for the step: all positives plus random negatives, int(sample_rate *
+        num_local) in all, or only the positives when they are more (arcface_torch's PartialFC_V2).
 
         Returns (sorted local indices or None for all, labels re-indexed into that subset).
         """
         num_sample = int(self.sample_rate * self.num_local)
-        if self.sample_rate >= 1.0 or num_sample >= self.num_local:
+        if num_sample >= self.num_local:
             return None, local_labels
-        device = self.weight.device
-        positive = torch.unique(local_labels[local_labels >= 0]).to(device)
-        scores = torch.rand(self.num_local, device=device)
-        scores[positive] = 2.0  # above any random score: positives are always kept
-        index = torch.topk(scores, k=max(num_sample, positive.numel()))[1].sort()[0]
-        remapped = local_labels.clone()
         has_target = local_labels >= 0
-        remapped[has_target] = torch.searchsorted(index, local_labels[has_target].to(device)).to(remapped.device)
-        return index, remapped
+        # The positives marked in a mask with one spare slot, where the labels held by other ranks point.
+        slots = torch.where(has_target, local_labels, self.num_local)
+        positive = torch.zeros(self.num_local + 1, dtype=torch.bool, device=slots.device).index_fill_(0, slots, True)
+        scores = torch.rand(self.num_local, device=slots.device).masked_fill_(positive[:-1], 2.0)  # kept first
+        # The step's labels are at most that many positives: with room for all of them, no need to count.
+        room = num_sample >= local_labels.numel()
+        index = torch.topk(scores, k=num_sample if room else max(num_sample, int(positive[:-1].sum())))[1].sort()[0]
+        return index, torch.where(has_target, torch.searchsorted(index, local_labels.clamp_min(0)), -1)
 
 
 def _all_gather_labels(labels: torch.Tensor) -> torch.Tensor:
@@ -245,9 +262,7 @@ class _ShardedMarginSoftmax(torch.autograd.Function):
 
         logits = _matmul(x, centres.t(), gemm_dtype, dtype)  # (N, C), becomes cos, logits, softmax, grad
         logits.mul_(inv_norm)
-        rows = torch.nonzero(labels >= 0).squeeze(1)
-        cols = labels[rows].to(logits.device)
-        target_cos = logits[rows, cols]
+        target_cos = read_targets(logits, labels)
         dirty = None
         if margin.interclass_filtering_threshold > 0:
             dirty = margin.filtered(logits, labels)
@@ -256,9 +271,9 @@ class _ShardedMarginSoftmax(torch.autograd.Function):
             cos_leaf = target_cos.detach().requires_grad_(True)
             target_logit = margin.target_logit(cos_leaf)
             (target_slope,) = torch.autograd.grad(target_logit.sum(), cos_leaf)
-        target_logit = target_logit.detach()
+        target_logit = torch.where(labels >= 0, target_logit.detach(), 0.0)  # 0: target not among these columns
         logits.mul_(margin.s)
-        logits[rows, cols] = target_logit
+        write_targets(logits, labels, target_logit)
 
         row_max = logits.max(dim=1).values if logits.shape[1] else torch.full_like(row_coef, -torch.inf)
         _all_reduce(row_max, dist.ReduceOp.MAX)
@@ -267,16 +282,16 @@ class _ShardedMarginSoftmax(torch.autograd.Function):
         for chunk in _column_chunks(logits):
             chunk.sub_(row_max[:, None]).exp_()
             stats[0] += chunk.sum(dim=1)
-        stats[1, rows] = target_logit
+        stats[1] = target_logit
         _all_reduce(stats, dist.ReduceOp.SUM)
         sum_exp, global_target_logit = stats
         row_losses = sum_exp.log() + row_max - global_target_logit
         loss = (row_losses * row_coef).sum()
 
         # d loss / d cos: coef * s * softmax off-target, coef * slope * (p - 1) on the target
-        target_prob = logits[rows, cols] / sum_exp[rows]
+        target_prob = read_targets(logits, labels) / sum_exp
         logits.mul_((row_coef * margin.s / sum_exp)[:, None])
-        logits[rows, cols] = row_coef[rows] * target_slope * (target_prob - 1.0)
+        write_targets(logits, labels, row_coef * target_slope * (target_prob - 1.0))
         if dirty is not None:
             logits.masked_fill_(dirty, 0.0)
 

@@ -35,7 +35,7 @@ from utils.config import check_data_path, load_config, planned_world_size
 from utils.device import choose_device, configure_numerics, describe_device
 from utils.distributed import agreed, backend, cleanup, init_distributed, is_main, lost_peer, nodes, rank, world
 from utils.errors import ConfigError, TrainingError, UserError
-from utils.launcher import launched_rank, local_process
+from utils.launcher import adopt_srun_environment, launched_rank, local_process
 from utils.log import SpeedLogger, setup_logging
 from utils.metrics import Metrics, open_metrics
 
@@ -59,6 +59,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     try:
+        adopt_srun_environment()  # before anything reads RANK: `srun python train.py` tells only Slurm's variables
         cfg = load_config(args.config, args.set + (["resume=True"] if args.resume else []))
         planned = planned_world_size(args.dry_run, args.world_size, args.json, os.environ)
         if args.dry_run:

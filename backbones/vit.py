@@ -152,7 +152,10 @@ class VisionTransformer(FaceBackbone):
             nn.Linear(embed_dim, num_features, bias=False),
             nn.BatchNorm1d(num_features, eps=2e-5),
         )
-        self.mask_token = nn.Parameter(torch.zeros(1, 1, embed_dim))
+        # arcface_torch's state_dict holds mask_token for every ViT, so the parameter stays. Without masking
+        # no step uses it, and DDP's reducer, waiting for a gradient that never comes, leaves that bucket
+        # unfinished and raises at the second step; frozen, it is left out by DDP and the optimizer alike.
+        self.mask_token = nn.Parameter(torch.zeros(1, 1, embed_dim), requires_grad=mask_ratio > 0)
         self._initialize()
 
     def _initialize(self) -> None:

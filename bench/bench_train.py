@@ -27,6 +27,7 @@ import torch
 from training.state import build_training_state
 from training.step import train_step
 from utils.config import load_config
+from utils.device import configure_numerics
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -71,6 +72,7 @@ def make_mode(args, mode: str, device: torch.device):
         f"network={args.network}", f"network_kwargs={{'width_mult': {args.width_mult}}}",
         f"embedding_size={args.embedding_size}", f"num_views={views}", f"fp16={args.fp16}",
         f"batch_size={args.batch_size}", "num_epoch=1000"])
+    configure_numerics(device, cfg.tf32, cfg.deterministic)  # as train.py: TF32 and cuDNN autotuning on a GPU
     state = build_training_state(cfg, args.classes, device, steps_per_epoch=1000)
     generator = torch.Generator().manual_seed(0)
     images = torch.randint(0, 256, (args.batch_size, views, 3, 112, 112), dtype=torch.uint8, generator=generator)

@@ -37,7 +37,8 @@ dropout: float = 0.0              # dropout before the embedding layer
 margin_list: tuple[float, ...] = (1.0, 0.5, 0.0)  # (m1, m2, m3): target logit s*(cos(m1*theta + m2) - m3);
                                                   # ArcFace (1, 0.5, 0), CosFace (1, 0, 0.4)
 margin_scale: float = 64.0        # s, the logit scale
-sample_rate: float = 1.0          # Partial FC: fraction of class centres used per step (positives always kept)
+sample_rate: float = 1.0          # Partial FC: fraction of class centres used per step (positives always kept);
+                                  # 0: only the classes of the step's batch (arcface_torch's PartialFC_V2)
 view_weights: tuple[float, ...] | None = None  # loss weight per view; None: equal, summing to 1 (lr carries over)
 interclass_filtering_threshold: float = 0.0    # drop negatives with cosine above this (0: off)
 straight_through_margin: bool = False          # gradient of the margin taken as if no margin was applied

@@ -5,8 +5,8 @@ Each index travels to the workers together with its epoch, so a sample's randomn
 on worker state. Where a run stands in the data is a function of its optimizer step alone
 (``steps(start, ...)``), so a resumed run gets the very batches the uninterrupted run got next.
 The workers decode, or (``gpu_decode``) hand over JPEG bytes that the training process decodes a
-batch at a time on the GPU (facedata/device_decode.py); either way the next batch is staged while
-the current one is in use (facedata/staging.py).
+batch at a time on the GPU (facedata/device_decode.py), on a thread and a CUDA stream of its own;
+either way the next batch is staged while the current one is in use (facedata/staging.py).
 """
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from torch.utils.data import DataLoader, Dataset, default_collate
 
 from facedata.device_decode import decode_batch
 from facedata.faces import FaceDataset
-from facedata.staging import SideStream, one_ahead
+from facedata.staging import SideStream, in_background, one_ahead
 from utils.errors import DataError
 
 log = logging.getLogger(__name__)
@@ -136,12 +136,13 @@ class FaceLoader:
             yield images, labels
 
     def _staged(self, batches):
-        """(images, labels, skipped) on the device, each batch staged while the one before is in use."""
-        work = self._decode if self.decode_on_device else self._to_device
+        """(images, labels, skipped) on the device, each batch staged while the one before is in use: copies
+        on this thread (they only queue work), decoding on a thread of its own (it takes as long as a step)."""
+        work, ahead = (self._decode, in_background) if self.decode_on_device else (self._to_device, one_ahead)
         if self.device.type != "cuda":
-            return one_ahead(batches, work)
+            return ahead(batches, work)
         side = SideStream(self.device, work)
-        return map(side.hand_over, one_ahead(batches, side.stage))
+        return map(side.hand_over, ahead(batches, side.stage))
 
     def _decode(self, samples):
         return decode_batch(samples, self.dataset, self.device)

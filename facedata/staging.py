@@ -1,7 +1,9 @@
-"""Handing batches over one ahead: the next batch is staged (copied to the GPU, or decoded there)
+"""Handing batches over ahead of time: the next batch is staged (copied to the GPU, or decoded there)
 while the training step works on the current one."""
 from __future__ import annotations
 
+import queue
+import threading
 from collections.abc import Callable, Iterable, Iterator
 from typing import TypeVar
 
@@ -35,6 +37,55 @@ def one_ahead(items: Iterable[Item], stage: Callable[[Item], Staged]) -> Iterato
         if failure is not None:
             raise failure
         staged = upcoming
+
+
+def in_background(items: Iterable[Item], stage: Callable[[Item], Staged], depth: int = 2) -> Iterator[Staged]:
+    """``stage(item)`` for each item, fetched and staged by a thread of its own up to ``depth`` items ahead.
+
+    For staging that takes as long as a step (decoding a batch): on the consumer's thread it would sit
+    between steps however early it starts, on its own thread it runs while the step does. Items are
+    handed over in order; an error fetching or staging one is raised where that item would have been
+    handed over, after every good one before it. Closing the iterator stops the thread.
+    """
+    handed: queue.Queue = queue.Queue(maxsize=depth)
+    stop = threading.Event()
+
+    def put(entry: tuple[bool, object]) -> bool:
+        while not stop.is_set():
+            try:
+                handed.put(entry, timeout=0.1)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def produce() -> None:
+        iterator = iter(items)
+        try:
+            for item in iterator:
+                if not put((True, stage(item))):
+                    return
+            put((True, StopIteration()))
+        except Exception as error:  # handed to the consumer, in its place in the order
+            put((False, error))
+        finally:
+            close = getattr(iterator, "close", None)
+            if close is not None:
+                close()  # releases a DataLoader's workers from the thread that iterated them
+
+    thread = threading.Thread(target=produce, name="batch staging", daemon=True)
+    thread.start()
+    try:
+        while True:
+            good, value = handed.get()
+            if not good:
+                raise value
+            if isinstance(value, StopIteration):
+                return
+            yield value
+    finally:
+        stop.set()
+        thread.join()
 
 
 class SideStream:

@@ -231,8 +231,10 @@ def assert_same_run(split: Path, whole: Path, info: dict | None = None) -> None:
         assert same_tensors(resumed[key], uninterrupted[key]), key
     for mine, theirs in zip(resumed["per_rank"], uninterrupted["per_rank"], strict=True):
         assert mine["loader"] == theirs["loader"]
-        # torch's generator draws the sampled centres and dropout masks. Python's and numpy's global
-        # generators are seeded by nobody (training draws nothing from them): they differ between any two runs.
-        assert mine["rng"]["torch"] == theirs["rng"]["torch"]
+        # torch's generators draw the sampled centres and dropout masks (on a GPU, CUDA's). Python's and numpy's
+        # global generators are seeded by nobody (training draws nothing from them): they differ between any two runs.
+        assert mine["rng"].keys() == theirs["rng"].keys()
+        for generator in {"torch", "cuda"} & mine["rng"].keys():
+            assert mine["rng"][generator] == theirs["rng"][generator], generator
     assert same_tensors(load_backbone_strict(split / "backbone.pth", info).state_dict(),
                         load_backbone_strict(whole / "backbone.pth", info).state_dict())

@@ -92,6 +92,28 @@ config.num_epoch = 40
 config.warmup_epoch = config.num_epoch // 10
 config.val_targets = []
 ''',
+    "wf42m_pfc0008_32gpu_r100": '''
+config.margin_list = (1.0, 0.0, 0.4)
+config.network = "r100"
+config.resume = False
+config.output = None
+config.embedding_size = 512
+config.sample_rate = 0
+config.fp16 = True
+config.momentum = 0.9
+config.weight_decay = 5e-4
+config.batch_size = 512
+config.lr = 0.4
+config.verbose = 2000
+config.dali = False
+
+config.rec = "/train_tmp/WebFace42M"
+config.num_classes = 2059906
+config.num_image = 42474557
+config.num_epoch = 20
+config.warmup_epoch = config.num_epoch // 10
+config.val_targets = ["lfw", "cfp_fp", "agedb_30"]
+''',
     "wandb_base": '''
 config.margin_list = (1.0, 0.5, 0.0)
 config.network = "r50"
@@ -173,6 +195,16 @@ def test_the_webface_vit_recipe_plans_its_sampled_logits_and_adamw_state(tmp_pat
     assert memory["centre_optimizer_state"] == 2 * memory["class_centres"]  # AdamW: two moments
     samples, columns = 512 * 1 * 8, int(0.3 * rows)  # batch x views x processes, 30% of the centres
     assert memory["logits_buffer"] >= samples * columns * 4
+
+
+def test_sample_rate_zero_plans_a_column_for_every_label_of_the_global_batch(tmp_path, capsys):
+    """arcface_torch's sample_rate = 0 on its 32 GPUs: only the step's positive classes, at most one per label
+    of the global batch (512 x 32), far fewer than the 64373 centres rank 0 holds."""
+    path = written(tmp_path, "wf42m_pfc0008_32gpu_r100", RECIPES["wf42m_pfc0008_32gpu_r100"])
+    resolved = dry_run(path, capsys, "--world-size", "32")
+    assert resolved["config"]["sample_rate"] == 0
+    samples = labels = 512 * 32  # one view
+    assert samples * labels * 4 <= resolved["memory"]["logits_buffer"] < samples * 2 * labels * 4
 
 
 def test_a_misspelt_key_is_named_with_the_closest_in_either_style(tmp_path, capsys):

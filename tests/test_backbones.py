@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import hashlib
 import json
 import math
 from pathlib import Path
@@ -25,6 +26,7 @@ from backbones.iresnet import IBasicBlock, IResNet
 from backbones.trained import load_saved_backbone, save_backbone
 from backbones.vit import Attention
 from tests.distributed_helpers import run_world
+from training.state import ddp_backbone
 from utils.errors import ConfigError, UserError
 
 FIXTURES = Path(__file__).parent / "fixtures"
@@ -261,6 +263,46 @@ def test_backbone_pth_and_model_json_name_the_network_again(name, tmp_path):
     if name not in TINY:  # r2060's 1030 blocks take seconds to run
         with torch.no_grad():
             assert torch.equal(model.eval()(images(2)), loaded(images(2)))
+
+
+# Under DDP the smallest widths that still build: 2 processes x 16 networks x 3 steps on 2 cores.
+DDP_WIDTH, DDP_TINY = 1 / 16, {"r2060": 1 / 64, "vit_h": 1 / 128}
+DDP_STEPS = 3
+
+
+def _parameter_digest(model: nn.Module) -> str:
+    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    return hashlib.sha256(flat.numpy().tobytes()).hexdigest()
+
+
+def _ddp_steps(rank: int, names: tuple[str, ...]) -> dict[str, dict]:
+    """Per network, DDP_STEPS SGD steps of the backbone in DDP as training wraps it: which trainable
+    parameters got no gradient at some step, and digests of the weights before and after."""
+    facts = {}
+    for name in names:
+        torch.manual_seed(0)
+        model = get_model(name, num_features=16, width_mult=DDP_TINY.get(name, DDP_WIDTH))
+        ddp = ddp_backbone(model, torch.device("cpu"))
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        before, missing = _parameter_digest(model), set()
+        for step in range(DDP_STEPS):
+            torch.manual_seed(100 * step + rank)  # ViT masking and drop path differ between ranks, as in training
+            ddp(images(4, seed=10 * step + rank)).square().mean().backward()
+            missing |= {key for key, p in model.named_parameters() if p.requires_grad and p.grad is None}
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        facts[name] = dict(missing=missing, before=before, after=_parameter_digest(model))
+    return facts
+
+
+@pytest.mark.parametrize("name", NETWORKS)
+def test_trains_three_steps_under_ddp_in_two_processes(name, ddp_world):
+    """Every step gives every trainable parameter its gradient (a parameter left without one makes DDP
+    raise at the next step: the ViTs without masking did), the replicas stay equal and the weights move."""
+    ranks = [facts["steps"][name] for facts in ddp_world]
+    assert all(not r["missing"] for r in ranks), [r["missing"] for r in ranks]
+    assert ranks[0]["after"] == ranks[1]["after"], "the two replicas differ after the steps"
+    assert ranks[0]["after"] != ranks[0]["before"], "the steps changed no weight"
 
 
 # --- forward / backward ----------------------------------------------------------------------
@@ -533,14 +575,14 @@ def test_fusion_leaves_only_batchnorms_that_follow_no_layer():
 # --- DistributedDataParallel ------------------------------------------------------------------
 
 
-def _ddp_gradient_errors(rank: int, world_size: int, names: list[str]) -> dict[str, float]:
+def _ddp_gradient_errors(rank: int, world_size: int, names: tuple[str, ...]) -> dict[str, float]:
     """Per network, the largest relative |DDP gradient - mean of the ranks' single-process gradients|."""
     errors = {}
     for name in names:
         torch.manual_seed(0)
         model = get_model(name, width_mult=SMALL)
         reference = copy.deepcopy(model)
-        ddp = nn.parallel.DistributedDataParallel(model)
+        ddp = ddp_backbone(model, torch.device("cpu"))
         shards = [images(4, seed=10 + r) for r in range(world_size)]  # (B*V) = 2 samples x 2 views
 
         torch.manual_seed(1000 + rank)  # ViT masking / drop-path draws: replayed below
@@ -558,9 +600,22 @@ def _ddp_gradient_errors(rank: int, world_size: int, names: list[str]) -> dict[s
     return errors
 
 
-def test_ddp_gradient_is_the_mean_of_the_ranks_gradients():
-    """One gloo world of 2 for three families; vit_b also covers activation checkpointing (on by
-    default, as upstream) and the mask token under DDP."""
-    names = ["r18", "mbf", "vit_b"]
-    for errors in run_world(_ddp_gradient_errors, 2, names):
-        assert errors.keys() == set(names) and max(errors.values()) < 1e-4, errors
+GRADIENT_NETWORKS = ("r18", "mbf", "vit_b", "vit_t_dp005_mask0")
+
+
+def _ddp_facts(rank: int, world_size: int) -> dict:
+    """Every DDP fact of this file from one spawn of 2 processes: starting them costs more than the checks."""
+    return dict(gradients=_ddp_gradient_errors(rank, world_size, GRADIENT_NETWORKS), steps=_ddp_steps(rank, NETWORKS))
+
+
+@pytest.fixture(scope="module")
+def ddp_world() -> list[dict]:
+    return run_world(_ddp_facts, 2)
+
+
+def test_ddp_gradient_is_the_mean_of_the_ranks_gradients(ddp_world):
+    """Three families; vit_b also covers activation checkpointing (on by default, as upstream) and the
+    mask token under DDP, vit_t_dp005_mask0 a ViT whose mask token no step uses."""
+    for facts in ddp_world:
+        errors = facts["gradients"]
+        assert errors.keys() == set(GRADIENT_NETWORKS) and max(errors.values()) < 1e-4, errors

@@ -2,16 +2,19 @@
 from __future__ import annotations
 
 import logging
+import threading
 
 import pytest
 import torch
 from torch.utils.data import DistributedSampler
 
+from facedata import loader as loader_module
+from facedata.device_decode import decode_batch
 from facedata.faces import build_dataset
 from facedata.loader import FaceLoader, build_loader
 from facedata.packing import encode
 from facedata.recordio import RecordReader, RecordWriter, pack, unpack
-from facedata.staging import one_ahead
+from facedata.staging import in_background, one_ahead
 from facedata.synthetic import render_faces
 from utils.errors import DataError
 
@@ -155,6 +158,51 @@ def test_one_ahead_hands_over_everything_in_order(count):
     assert list(one_ahead(range(count), lambda i: -i)) == [-i for i in range(count)]
 
 
+def test_in_background_stages_ahead_on_its_own_thread_while_the_consumer_holds_an_item():
+    """What decoding on the GPU needs to overlap the step: items 1 and 2 are staged, on another thread, while
+    the consumer still holds item 0 and asks for nothing (one_ahead would stage item 2 only when asked for 1)."""
+    staged = {i: threading.Event() for i in range(4)}
+    threads = []
+
+    def stage(i):
+        threads.append(threading.current_thread())
+        staged[i].set()
+        return i * 10
+
+    handed = in_background(range(4), stage, depth=2)
+    assert next(handed) == 0
+    assert staged[1].wait(10) and staged[2].wait(10)
+    assert list(handed) == [10, 20, 30]
+    assert threads and all(thread is not threading.main_thread() for thread in threads)
+
+
+def test_in_background_raises_errors_in_place_and_stops_its_thread_when_closed():
+    def items(closed):
+        try:
+            for i in range(4):
+                if i == 3:
+                    raise DataError("record 3 is bad; fix it")
+                yield i
+        finally:
+            closed.set()
+
+    got = []
+    with pytest.raises(DataError, match="record 3"):
+        for staged in in_background(items(threading.Event()), lambda i: i * 10):
+            got.append(staged)
+    assert got == [0, 10, 20]  # every good item reaches the consumer before the error
+    closed = threading.Event()
+    handed = in_background(items(closed), lambda i: i)
+    assert next(handed) == 0
+    handed.close()
+    assert closed.is_set() and not any(t.name == "batch staging" for t in threading.enumerate())
+
+
+@pytest.mark.parametrize("count", [0, 1, 5])
+def test_in_background_hands_over_everything_in_order(count):
+    assert list(in_background(range(count), lambda i: -i, depth=1)) == [-i for i in range(count)]
+
+
 @pytest.mark.parametrize("decode_on_device", [False, True])
 def test_a_bad_record_fails_after_the_batches_before_it(tmp_path, pair_rec, decode_on_device):
     ds = build_dataset(pair_rec, num_views=2)
@@ -200,6 +248,19 @@ def test_decoding_in_the_training_process_gives_the_workers_batches(pair_rec, da
     expected = decoded_in_workers(ds, 4, seed=2)
     assert_same_batches(decoded_here(ds, 4, seed=2, num_workers=2), expected)
     assert_same_batches(decoded_here(ds, 4, seed=2, num_workers=0, steps=(9, 14)), expected[9:])
+
+
+def test_decoding_in_the_training_process_runs_on_the_staging_thread(pair_rec, monkeypatch):
+    """Decoding a batch takes as long as a step: on the training thread it could not overlap the step."""
+    threads = []
+
+    def decode_and_note_the_thread(*args):
+        threads.append(threading.current_thread().name)
+        return decode_batch(*args)
+
+    monkeypatch.setattr(loader_module, "decode_batch", decode_and_note_the_thread)
+    decoded_here(build_dataset(pair_rec, num_views=2), 4, seed=2, num_workers=0, steps=(0, 3))
+    assert len(threads) >= 3 and set(threads) == {"batch staging"}  # and a batch or two ahead
 
 
 def test_decoding_in_the_training_process_with_identity_views_and_png(tmp_path):

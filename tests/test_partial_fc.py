@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import partial_fc
+from bench.host_syncs import SyncCounter
 from losses import CombinedMarginLoss
 from partial_fc import PartialFC, class_range, initial_centres
 from tests.distributed_helpers import run_world
@@ -68,7 +69,9 @@ def pfc_against_dense(views: int, margin: tuple, num_classes: int = 7, sample_ra
                       embedding_size: int = 16, labels_below: int | None = None) -> dict:
     """One PartialFC step on every rank of the current world (the backbone in DDP when there is a
     process group), on rank 0 {tensor name: (pairface's, the reference's, the reference's without
-    the options)}; {} on other ranks. Labels are drawn from [0, labels_below or num_classes)."""
+    the options)}; {} on other ranks. Labels are drawn from [0, labels_below or num_classes).
+    With sample_rate 0 the reference is restricted to the step's labels (arcface_torch's meaning), and
+    "sampled classes" compares them with the classes PartialFC used."""
     rank, world_size = distributed.rank(), distributed.world()
     gen = torch.Generator().manual_seed(seed)
     inputs = torch.randn(world_size * batch, views, IN_FEATURES, generator=gen, dtype=torch.float64)
@@ -92,14 +95,16 @@ def pfc_against_dense(views: int, margin: tuple, num_classes: int = 7, sample_ra
     if rank != 0:
         return {}
     subset = None if sampled is None else torch.cat([classes for _, classes in shards])
+    positives = labels.unique() if sample_rate == 0 else None
     ref_features = reference_backbone(inputs.reshape(-1, IN_FEATURES)).view(world_size * batch, views, -1)
     ref_views = list(ref_features.unbind(1))
 
     def reference(**options):
         centres = initial_centres(seed, 0, num_classes, embedding_size).double().requires_grad_(True)
         used_centres, used_labels = centres, labels
-        if subset is not None:  # the reference restricted to the centres PartialFC sampled
-            used_centres, used_labels = centres[subset], torch.searchsorted(subset, labels)
+        if subset is not None:  # the reference restricted to the positives, or to the centres PartialFC sampled
+            restricted = subset if positives is None else positives
+            used_centres, used_labels = centres[restricted], torch.searchsorted(restricted, labels)
         if options:
             ref_loss = dense_reference_with_options(ref_views, used_labels, used_centres, margin, SCALE, **options)
         else:
@@ -113,7 +118,10 @@ def pfc_against_dense(views: int, margin: tuple, num_classes: int = 7, sample_ra
     actual = [loss.detach(), torch.cat([grad for grad, _ in shards]),
               *(p.grad for p in backbone.parameters())]
     names = ["loss", "centres.grad", *(f"backbone.{name}.grad" for name, _ in backbone.named_parameters())]
-    return {name: (a.detach(), e, p) for name, a, e, p in zip(names, actual, expected, plain)}
+    result = {name: (a.detach(), e, p) for name, a, e, p in zip(names, actual, expected, plain)}
+    if positives is not None:
+        result["sampled classes"] = (subset.double(), positives.double(), positives.double())
+    return result
 
 
 def assert_matches_reference(result: dict, what: str) -> None:
@@ -145,6 +153,7 @@ def _everything_distributed(rank, world_size):
                 options=_option_cases(),
                 # 5 classes on 2 ranks (3 + 2), every label on rank 0's shard: rank 1 samples int(0.3 * 2) = 0 centres
                 empty_shard=pfc_against_dense(views=2, margin=ARCFACE, num_classes=5, sample_rate=0.3, labels_below=3),
+                positives_only=_positives_only_cases(),
                 sampling=_sampling_facts(rank, world_size),
                 bad_label=_bad_label_on_rank_one(rank, world_size))
 
@@ -186,6 +195,26 @@ def test_a_rank_that_samples_no_centre_at_all(world2):
     """Tiny sample rates over many ranks leave a rank without positives no centre: its softmax shard is
     empty (the maximum of no logits is -inf) and the result is still the reference's."""
     assert_matches_reference(world2[0]["empty_shard"], "rank 1 samples no centre")
+
+
+def _positives_only_cases() -> list[dict]:
+    """sample_rate 0: 8 labels of 41 classes; and every label on rank 0's shard, so that rank 1 (of two)
+    has no positive and keeps no centre at all."""
+    return [pfc_against_dense(views=2, margin=ARCFACE, num_classes=41, sample_rate=0.0, seed=11),
+            pfc_against_dense(views=3, margin=COSFACE, num_classes=5, sample_rate=0.0, labels_below=3, seed=12)]
+
+
+def test_sample_rate_zero_keeps_exactly_the_positives_without_process_group():
+    for result in _positives_only_cases():
+        assert_matches_reference(result, "sample_rate 0")
+
+
+@pytest.mark.parametrize("world", ["world1", "world2"])
+def test_sample_rate_zero_keeps_exactly_the_positives_in_ddp(request, world):
+    """arcface_torch's PartialFC_V2 with no room for negatives: the loss and every gradient are the dense
+    reference's over the step's positive classes only."""
+    for result in request.getfixturevalue(world)[0]["positives_only"]:
+        assert_matches_reference(result, f"{world} sample_rate 0")
 
 
 def test_many_column_chunks_give_the_same_loss_and_gradients(monkeypatch):
@@ -473,7 +502,7 @@ def test_any_rows_of_the_initial_centres_are_those_of_the_whole_matrix(monkeypat
     assert not torch.equal(initial_centres(4, 0, 23, 5), whole)
 
 
-@pytest.mark.parametrize("sample_rate", [0.0, -0.1, 1.5])
+@pytest.mark.parametrize("sample_rate", [-0.1, 1.5])
 def test_a_sample_rate_outside_zero_to_one_is_refused(sample_rate):
     with pytest.raises(ValueError, match="sample_rate"):
         PartialFC(CombinedMarginLoss(), 8, 7, sample_rate=sample_rate)
@@ -484,3 +513,22 @@ def test_one_class_per_process_is_enough_and_a_label_equal_to_num_classes_is_out
     assert pfc(torch.randn(2, 8), torch.tensor([0, 0]))[0].item() == pytest.approx(0.0, abs=1e-6)
     with pytest.raises(ValueError, match=r"label 7 \(sample 1 on rank 0\) is outside \[0, 7\)"):
         PartialFC(CombinedMarginLoss(), 8, 7)(torch.randn(2, 8), torch.tensor([6, 7]))
+
+
+@pytest.mark.parametrize("sample_rate, waits", [
+    (1.0, 0),
+    (0.25, 0),    # 10 of 40 centres sampled, room for all 6 labels: no need to count the positives
+    (0.1, 1),     # 4 sampled centres for up to 6 positives: their number sets the columns
+    (0.0, 1),     # only the positives: their number is the number of columns
+])
+def test_forward_and_backward_wait_for_the_device_only_to_count_positives(sample_rate, waits):
+    """Counted as the operations that make a GPU's host wait (bench.host_syncs), with the label check
+    deferred as GPU training defers it; the check itself, when not deferred, is the one wait more."""
+    for defer in (True, False):
+        torch.manual_seed(8)
+        pfc = PartialFC(CombinedMarginLoss(interclass_filtering_threshold=0.1), 8, 40, sample_rate=sample_rate,
+                        defer_label_check=defer)
+        views, labels = [torch.randn(6, 8, requires_grad=True) for _ in range(2)], torch.tensor([0, 3, 3, 17, 25, 39])
+        with SyncCounter() as counter:
+            pfc(views, labels)[0].backward()
+        assert len(counter.syncs) == waits + (not defer), counter.syncs

@@ -22,6 +22,7 @@ from losses import CombinedMarginLoss
 from partial_fc import PartialFC, initial_centres
 from utils import distributed
 from utils.device import choose_device, configure_numerics
+from utils.launcher import adopt_srun_environment, local_process
 
 
 def dense_reference(views: list[torch.Tensor], labels: torch.Tensor, centres: torch.Tensor,
@@ -119,7 +120,8 @@ def main() -> int:
     parser.add_argument("--tolerance", type=float, default=None,
                         help="worst relative error allowed (default 1e-5 for float64, 1e-4 for float32)")
     args = parser.parse_args()
-    device = choose_device("auto", *distributed.local_process())
+    adopt_srun_environment()
+    device = choose_device("auto", *local_process())
     configure_numerics(device, tf32=False, deterministic=False)  # compared with float64: no TF32 rounding
     distributed.init_distributed(device, timeout_minutes=10)
     rank, world_size = distributed.rank(), distributed.world()

@@ -73,7 +73,10 @@ def _softmax_bytes(cfg: SimpleNamespace, rows: int, world_size: int) -> int:
     the GEMM's half-precision result under fp16/bf16, the chunked exp temporaries, and with sampling the
     gathered centres and their gradient."""
     samples = cfg.batch_size * cfg.num_views * world_size  # every rank's embeddings of every view
-    columns = rows if cfg.sample_rate >= 1.0 else min(rows, max(int(cfg.sample_rate * rows), 1))
+    # Sampling keeps int(sample_rate * rows) centres, or every positive class of the step when they are more
+    # (sample_rate 0: only those): at most one per label of the global batch, in the worst case all on this rank.
+    labels = cfg.batch_size * world_size
+    columns = rows if cfg.sample_rate >= 1.0 else min(rows, max(int(cfg.sample_rate * rows), labels))
     logits = samples * columns * FLOAT32
     half_copy = samples * columns * 2 if cfg.fp16 or cfg.bf16 else 0
     chunk = min(samples * columns, COLUMN_CHUNK_ELEMENTS) * FLOAT32

@@ -123,6 +123,11 @@ def build_training_state(cfg: SimpleNamespace, num_classes: int, device: torch.d
 
 def wrap_in_ddp(state: TrainingState, device: torch.device) -> None:
     if world() > 1:
-        device_ids = [device.index] if device.type == "cuda" else None
-        state.ddp_backbone = DistributedDataParallel(state.backbone, device_ids=device_ids,
-                                                     forward_sync_buffers=False)
+        state.ddp_backbone = ddp_backbone(state.backbone, device)
+
+
+def ddp_backbone(backbone: nn.Module, device: torch.device) -> DistributedDataParallel:
+    """The backbone in DistributedDataParallel as training runs it: each rank keeps its own BatchNorm statistics
+    (arcface_torch's broadcast_buffers=False)."""
+    device_ids = [device.index] if device.type == "cuda" else None
+    return DistributedDataParallel(backbone, device_ids=device_ids, forward_sync_buffers=False)

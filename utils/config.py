@@ -189,8 +189,9 @@ def _check_values(values: dict) -> None:
     if values["fp16"] and values["bf16"]:
         raise ConfigError("config keys 'fp16' and 'bf16' are both True; choose one (--set bf16=False)")
     _check_margins(values["margin_list"], values["margin_scale"])
-    if not 0.0 < values["sample_rate"] <= 1.0:
-        raise ConfigError(f"config key 'sample_rate' must be in (0, 1], not {values['sample_rate']}")
+    if not 0.0 <= values["sample_rate"] <= 1.0:
+        raise ConfigError(f"config key 'sample_rate' must be in [0, 1], not {values['sample_rate']}; 1.0 uses every "
+                          "class centre, 0 only the classes of each step's batch")
     weights = values["view_weights"]
     if weights is not None and len(weights) != values["num_views"]:
         raise ConfigError(f"config key 'view_weights' has {len(weights)} weights but num_views is "

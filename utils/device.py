@@ -19,20 +19,34 @@ NVIDIA_DRIVER_FILE = Path("/proc/driver/nvidia/version")
 CUBLAS_WORKSPACE = ":4096:8"  # the cuBLAS setting that makes its GEMMs deterministic
 
 
-def choose_device(choice: str, local_rank: int, local_processes: int) -> torch.device:
-    """The device of the process `local_rank` of `local_processes` on this node, for config key `device`."""
+def choose_device(choice: str, local_rank: int, sharing: int | None) -> torch.device:
+    """The device of the process with index `local_rank` on its node, for config key `device`; `sharing`:
+    how many of the node's processes share its visible GPUs (torchrun's LOCAL_WORLD_SIZE), None if unknown (srun)."""
     if choice == "cpu" or (choice == "auto" and not torch.cuda.is_available()):
         return torch.device("cpu")
     if not torch.cuda.is_available():
         raise ConfigError(f"device='cuda' but CUDA cannot be used here: {cuda_unavailable_reason()}")
-    visible = torch.cuda.device_count()
-    if local_processes > visible:
-        shown = os.environ.get("CUDA_VISIBLE_DEVICES")
-        where = f" (CUDA_VISIBLE_DEVICES={shown})" if shown is not None else ""
-        raise ConfigError(f"{local_processes} processes on this node but {visible} GPU(s) visible{where}; start "
+    index = _gpu_index(local_rank, sharing, torch.cuda.device_count())
+    torch.cuda.set_device(index)
+    return torch.device("cuda", index)
+
+
+def _gpu_index(local_rank: int, sharing: int | None, visible: int) -> int:
+    """Which of the `visible` GPUs (those CUDA_VISIBLE_DEVICES names) is this process's. Processes that share
+    them take one each by local index (torchrun; srun with every GPU of the node visible to each task); a
+    process that sees a single GPU past its index was given that one for itself (srun --gpus-per-task=1,
+    where SLURM_LOCALID still counts 0..7 but each task sees one device)."""
+    shown = os.environ.get("CUDA_VISIBLE_DEVICES")
+    where = f" (CUDA_VISIBLE_DEVICES={shown})" if shown is not None else ""
+    if sharing is not None and sharing > visible:
+        raise ConfigError(f"{sharing} processes on this node but {visible} GPU(s) visible{where}; start "
                           f"torchrun with --nproc_per_node={visible} or fewer")
-    torch.cuda.set_device(local_rank)
-    return torch.device("cuda", local_rank)
+    if local_rank < visible:
+        return local_rank
+    if visible == 1:
+        return 0
+    raise ConfigError(f"process {local_rank} on this node sees {visible} GPUs{where}, fewer than its index; give "
+                      "each task one GPU (srun --gpus-per-task=1) or every task all of the node's (--gpus-per-node)")
 
 
 def cuda_unavailable_reason() -> str:

@@ -34,14 +34,16 @@ def is_main() -> bool:
 
 
 def nodes() -> int:
-    """Machines in the job: torchrun's GROUP_WORLD_SIZE, else processes over processes per node."""
-    if "GROUP_WORLD_SIZE" in os.environ:
-        return int(os.environ["GROUP_WORLD_SIZE"])
-    return max(1, world() // local_process()[1])
+    """Machines in the job: torchrun's GROUP_WORLD_SIZE, the nodes of srun's step, else processes over processes
+    per node."""
+    for name in ("GROUP_WORLD_SIZE", "SLURM_STEP_NUM_NODES"):
+        if name in os.environ:
+            return int(os.environ[name])
+    return max(1, world() // (local_process()[1] or 1))
 
 
 def init_distributed(device: torch.device, timeout_minutes: float) -> None:
-    """Join the process group torchrun (or srun with MASTER_ADDR/PORT, RANK, WORLD_SIZE) describes, or
+    """Join the process group torchrun (or srun, through utils.launcher.adopt_srun_environment) describes, or
     run as one process: without WORLD_SIZE in the environment no process group is created and the
     collective helpers are no-ops. NCCL on GPUs, bound to this process's GPU; gloo on CPUs. The
     timeout covers the longest a rank may wait at a collective for the others (e.g. while rank 0

@@ -1,0 +1,168 @@
+"""Host syncs per training step: how often one step makes the host wait for the device, and where.
+
+    python -m bench.host_syncs                                # CPU: the operations that would wait on a GPU
+    python -m bench.host_syncs --device cuda                  # GPU: what CUDA itself reports as well
+    python -m bench.host_syncs --sample-rates 1.0 0.1 0
+
+A step is `training.step.train_step` as training runs it on a GPU (the label check deferred to a
+non-finite loss), on a tiny r18 with two views and random images already on the device.
+
+On a CPU nothing waits, so `SyncCounter` counts the operations that make the host wait for a GPU:
+reading a scalar (`.item()`, `bool()`, `int()`), operations whose output shape depends on the data
+(`nonzero` and what is built on it: boolean-mask indexing, `masked_select`, one-argument `where`;
+`unique`; `repeat_interleave` without `output_size`), a tensor made from a Python list (a blocking
+host-to-device copy when made on a GPU) and blocking copies between host and device. On a GPU,
+`torch.cuda.set_sync_debug_mode("warn")` reports every synchronising CUDA call torch makes, with the
+line that made it.
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import contextlib
+import sys
+import traceback
+import warnings
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from training.state import build_training_state
+from training.step import train_step
+from utils.config import load_config
+from utils.device import configure_numerics
+
+ROOT = Path(__file__).resolve().parent.parent
+aten = torch.ops.aten
+
+# Operations that always make a GPU's host wait, and why.
+ALWAYS_SYNC = {
+    aten._local_scalar_dense.default: "scalar read",
+    aten.nonzero.default: "nonzero",
+    aten.masked_select.default: "masked_select",
+    aten._unique2.default: "unique",
+    aten.unique_dim.default: "unique",
+    aten.unique_consecutive.default: "unique",
+    aten.equal.default: "equal",
+}
+INDEXING = (aten.index.Tensor, aten.index_put_.default, aten.index_put.default, aten._index_put_impl_.default)
+
+
+def _reason(func, args, kwargs) -> str | None:
+    """Why `func(*args, **kwargs)` makes a GPU's host wait, or None when it does not."""
+    if func in ALWAYS_SYNC:
+        return ALWAYS_SYNC[func]
+    if func in INDEXING and any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in args[1]):
+        return "boolean-mask indexing"
+    if func is aten.repeat_interleave.Tensor and kwargs.get("output_size") is None:
+        return "repeat_interleave without output_size"
+    if func is aten.lift_fresh.default and args[0].dim() > 0:
+        return "tensor from host data"
+    if func is aten.copy_.default:
+        source, target, non_blocking = args[1].device, args[0].device, (args[2:] or [False])[0]
+    elif func is aten._to_copy.default:
+        source, non_blocking = args[0].device, kwargs.get("non_blocking", False)
+        target = torch.device(kwargs.get("device") or source)
+    else:
+        return None
+    if (source.type == "cpu") != (target.type == "cpu") and not (non_blocking or kwargs.get("non_blocking")):
+        return "blocking copy between host and device"
+    return None
+
+
+def _caller() -> str:
+    """file:line of the innermost project frame outside this module (torch's own frames skipped)."""
+    for frame in reversed(traceback.extract_stack()):
+        path = Path(frame.filename)
+        if path.is_relative_to(ROOT) and path != Path(__file__).resolve() and ".venv" not in path.parts:
+            return f"{path.relative_to(ROOT)}:{frame.lineno}"
+    return "torch"
+
+
+class SyncCounter(TorchDispatchMode):
+    """Records (reason, file:line) of every operation under it that would make a GPU's host wait."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.syncs: list[tuple[str, str]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        reason = _reason(func, args, kwargs)
+        if reason is not None:
+            self.syncs.append((reason, _caller()))
+        return func(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def cuda_syncs() -> Iterator[list[tuple[str, str]]]:
+    """(message, file:line) of every synchronising CUDA call made inside, as CUDA's sync debug mode reports them."""
+    found: list[tuple[str, str]] = []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            yield found
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    for warning in caught:
+        if "synchronizing" in str(warning.message):
+            found.append(("cuda sync", f"{Path(warning.filename).name}:{warning.lineno}"))
+
+
+def training_step(device: torch.device, classes: int, batch_size: int, *overrides: str) -> Callable[[], object]:
+    """One train_step as GPU training runs it, over a fixed batch of random two-view records; a tiny r18
+    unless config `overrides` (key=value) say otherwise."""
+    cfg = load_config(ROOT / "configs" / "synthetic_pair.py", [
+        "network=r18", "network_kwargs={'width_mult': 0.0625}", "embedding_size=64", "num_views=2", "fp16=False",
+        f"batch_size={batch_size}", "num_epoch=1000", *overrides])
+    configure_numerics(device, cfg.tf32, cfg.deterministic)
+    state = build_training_state(cfg, classes, device, steps_per_epoch=1000)
+    state.pfc.defer_label_check = True  # as on a GPU: a bad label poisons the loss instead of a check that waits
+    generator = torch.Generator().manual_seed(0)
+    images = torch.randint(0, 256, (batch_size, 2, 3, 112, 112), dtype=torch.uint8, generator=generator)
+    labels = torch.randint(0, classes, (batch_size,), generator=generator)
+    batch = [(images.to(device), labels.to(device))]
+    return lambda: train_step(state, batch, cfg)
+
+
+def count_per_step(step: Callable[[], object], steps: int, device: torch.device
+                   ) -> tuple[float, float, collections.Counter]:
+    """Per step after a warm-up step: the operations that wait, the syncs CUDA reported (on a GPU), and how
+    often each (reason, file:line) occurred in all."""
+    step()
+    counter = SyncCounter()
+    found: list[tuple[str, str]] = []
+    with contextlib.ExitStack() as stack:
+        if device.type == "cuda":
+            found = stack.enter_context(cuda_syncs())
+        stack.enter_context(counter)
+        for _ in range(steps):
+            step()
+    return len(counter.syncs) / steps, len(found) / steps, collections.Counter(counter.syncs + found)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--sample-rates", type=float, nargs="+", default=[1.0, 0.1, 0.0])
+    parser.add_argument("--classes", type=int, default=1000, help="class centres (one process)")
+    parser.add_argument("--batch-size", type=int, default=8, help="records per step")
+    parser.add_argument("--steps", type=int, default=3)
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+    device = torch.device(args.device)
+    print(f"host syncs per train_step: r18 1/16, 2 views, B={args.batch_size}, {args.classes} classes, {device}")
+    print(f"{'sample_rate':>11}  {'ops/step':>8}  {'cuda/step':>9}  where (per step)")
+    for rate in args.sample_rates:
+        step = training_step(device, args.classes, args.batch_size, f"sample_rate={rate}")
+        operations, cuda, seen = count_per_step(step, args.steps, device)
+        where = "; ".join(f"{line} {reason} x{count / args.steps:g}" for (reason, line), count in sorted(seen.items()))
+        print(f"{rate:>11g}  {operations:>8g}  {cuda if device.type == 'cuda' else '-':>9}  {where or 'none'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
