@@ -46,15 +46,16 @@ class Checkpointer:
         self.output, self.state, self.loader = output, state, loader
         self.architecture, self.config = dict(architecture), dict(config)
         self.save_every_steps, self.save_all_states = save_every_steps, save_all_states
-        self._saved_at = -1
+        self.saved_at = -1  # the global step of the last checkpoint, written or resumed from; -1: none yet
         self._waiting = False  # a save fell inside a non-finite streak
 
-    def resume(self, source: tuple[str, Path], counter: StepCounter) -> None:
-        """Load `source` ((kind, file) from find_resume_source) into the run and `counter`."""
+    def resume(self, source: tuple[str, Path], counter: StepCounter) -> Restored | None:
+        """Load `source` ((kind, file) from find_resume_source) into the run and `counter`; what was
+        restored (None for a bare backbone)."""
         kind, path = source
         if kind == "backbone":
             self._start_from_backbone(path)
-            return
+            return None
         restore = {"checkpoint": restore_state, "legacy": restore_legacy, "arcface_torch": restore_arcface}[kind]
         restored = restore(path, self.architecture, self.state)
         saved = restored.progress
@@ -68,6 +69,8 @@ class Checkpointer:
         log.info("resumed from %s at global step %d (epoch %d), lr %.6f", path, counter.global_step, counter.epoch,
                  self.state.optimizer.param_groups[0]["lr"])
         _log_config_changes(restored.config, self.config)
+        self.saved_at = counter.global_step
+        return restored
 
     def _renumber(self, restored: Restored, counter: StepCounter) -> None:
         """Another world size, batch size or accumulation: keep the fraction of training done, so the LR
@@ -94,7 +97,7 @@ class Checkpointer:
         step = counter.global_step
         every = self.save_every_steps
         due = self._waiting or final or step % counter.steps_per_epoch == 0 or (every and step % every == 0)
-        if not due or step == self._saved_at:
+        if not due or step == self.saved_at:
             return False
         self._waiting = counter.nonfinite_in_a_row > 0 and not final
         if not self._waiting:
@@ -107,14 +110,22 @@ class Checkpointer:
                                 self.architecture, self.config)
             log.info("saved %s at global step %d", folder, counter.global_step)
         save_backbone(self.state.backbone, self.output, self.architecture)
-        self._saved_at = counter.global_step
+        self.saved_at = counter.global_step
 
-    def last_good(self) -> str:
-        """What a stopped run leaves to continue from, for its error message."""
-        for name, advice in ((POINTER_NAME, " (continue with --resume)"), (BACKBONE_NAME, "")):
-            if os.path.exists(os.path.join(self.output, name)):
-                return f"the last good {name} in {self.output} is untouched{advice}"
-        return "no checkpoint had been written yet"
+    def save_for_exit(self, counter: StepCounter) -> None:
+        """Save now, for a run about to exit (a preemption), unless this step is saved already: on
+        return the checkpoint is complete and published on every rank."""
+        if counter.global_step != self.saved_at:
+            self.save(counter)
+
+
+
+def last_good(output: str) -> str:
+    """What a stopped run leaves in `output` to continue from, for its last line."""
+    for name, advice in ((POINTER_NAME, " (continue with --resume)"), (BACKBONE_NAME, "")):
+        if os.path.exists(os.path.join(output, name)):
+            return f"the last good {name} in {output} is untouched{advice}"
+    return "no checkpoint had been written yet"
 
 
 def _log_config_changes(saved: Mapping, current: Mapping) -> None:

@@ -22,3 +22,12 @@ def local_process() -> tuple[int, int]:
         raise ConfigError("WORLD_SIZE > 1 but neither LOCAL_RANK (torchrun) nor SLURM_LOCALID (srun) says which "
                           "GPU is this process's; start training with torchrun or srun")
     return 0, 1
+
+
+def torchrun_run_id() -> str | None:
+    """The id of the torchrun run this process belongs to (`--rdzv-id`; a fresh one for each `--standalone`
+    or single-node launch), the same in every process torchrun starts for that run, restarts included;
+    None outside torchrun and for torchrun's placeholder "none" (a multi-node launch without --rdzv-id),
+    which cannot tell one run from another."""
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID")
+    return None if run_id in (None, "none") else run_id
