@@ -71,32 +71,37 @@ def main(argv: Sequence[str] | None = None) -> int:
         check_val_targets(cfg.val_targets, cfg.rec)  # before any model is built (minutes for a large one)
         device = choose_device(cfg.device, *local_process())
         configure_numerics(device, cfg.tf32, cfg.deterministic)
-        init_distributed(device, cfg.timeout_minutes)
-        if device.type == "cpu":
-            _share_cpu(cfg.num_workers)
-        try:
-            train(cfg, device)
-        except Exception as error:
-            if (failure := lost_peer(error)) is None:
-                raise
-            raise TrainingError(f"lost contact with another process ({failure}), which stopped or became "
-                                "unreachable: its own error line, if it printed one, says why; fix that, then "
-                                "start again (--resume continues from the last checkpoint)") from error
-        finally:
-            cleanup()
+        _train_in_process_group(cfg, device)
     except UserError as error:
         # Config errors happen identically on every process, before the process group exists: one copy is enough.
         if launched_rank() == 0 or not isinstance(error, ConfigError):
             report(error)
             log_to_file_only(f"error: {error}")
         return 1
-    except RunStopped as stopped:
-        log.info("%s", stopped)
+    except RunStopped as stopped:  # its line is in the log already
         return stopped.exit_code
-    except KeyboardInterrupt:  # a Ctrl-C outside the steps (start-up, the final verification), or a second one
+    except KeyboardInterrupt:  # a Ctrl-C before the steps began or after they ended
         _report_interrupt(cfg.output if cfg else None)
         return EXIT_INTERRUPTED
     return 0
+
+
+def _train_in_process_group(cfg: SimpleNamespace, device: torch.device) -> None:
+    """train() among the processes of the job, with stop signals caught until the process group is gone."""
+    init_distributed(device, cfg.timeout_minutes)
+    if device.type == "cpu":
+        _share_cpu(cfg.num_workers)
+    try:
+        with StopSignals() as signals:
+            train(cfg, device, signals)
+    except Exception as error:
+        if (failure := lost_peer(error)) is None:
+            raise
+        raise TrainingError(f"lost contact with another process ({failure}), which stopped or became "
+                            "unreachable: its own error line, if it printed one, says why; fix that, then "
+                            "start again (--resume continues from the last checkpoint)") from error
+    finally:
+        cleanup()
 
 
 def _report_interrupt(output: str | None) -> None:
@@ -146,7 +151,7 @@ def _count_nonfinite(outcome: StepOutcome, counter: StepCounter, cfg) -> None:
                             f"{last_good(cfg.output)}; lower lr, try bf16 instead of fp16, or check the data")
 
 
-def train(cfg: SimpleNamespace, device: torch.device) -> dict[str, float]:
+def train(cfg: SimpleNamespace, device: torch.device, signals: StopSignals) -> dict[str, float]:
     """Run training as configured; returns the final verification accuracies (rank 0; {} elsewhere).
 
     A start that torchrun makes again for the same run (after a lost process or node, or when a node
@@ -155,13 +160,14 @@ def train(cfg: SimpleNamespace, device: torch.device) -> dict[str, float]:
     source = agreed(lambda: resolve_resume(cfg.output, AUTO if restarted else cfg.resume))
     lock = agreed(lambda: lock_run_dir(cfg.output, torchrun_run_id()), share=False)
     try:
-        return _train_in_folder(cfg, device, source, restarted)
+        return _train_in_folder(cfg, device, source, restarted, signals)
     finally:
         if lock is not None:
             lock.close()
 
 
-def _train_in_folder(cfg: SimpleNamespace, device: torch.device, source, restarted: bool) -> dict[str, float]:
+def _train_in_folder(cfg: SimpleNamespace, device: torch.device, source, restarted: bool,
+                     signals: StopSignals) -> dict[str, float]:
     """Config -> data -> training state -> resume -> loop (with its saves) in the locked run folder."""
     setup_logging(cfg.output)
     log.info("config: %s", ", ".join(f"{k}={v!r}" for k, v in sorted(vars(cfg).items())))
@@ -191,8 +197,7 @@ def _train_in_folder(cfg: SimpleNamespace, device: torch.device, source, restart
              len(dataset), dataset.num_classes, world(), counter.steps_per_epoch, total_steps, counter.global_step)
     metrics = open_metrics(cfg)
     try:
-        with StopSignals() as signals:
-            results = _loop(cfg, state, loader, counter, checkpointer, stop, metrics, signals)
+        results = _loop(cfg, state, loader, counter, checkpointer, stop, metrics, signals)
     finally:
         metrics.close()  # flushes the last scalars, also when the run stops on an error or a signal
     log.info("training finished at global step %d: %s", counter.global_step,
@@ -242,6 +247,7 @@ def _loop(cfg, state: TrainingState, loader: FaceLoader, counter: StepCounter, c
     results, verified_at = {}, -1
     state.backbone.train()  # verification leaves it in train mode again
     start = counter.global_step
+    signals.stepping = True
     try:
         for step, micro_batches in enumerate(loader.steps(start, stop, cfg.gradient_acc), start=start):
             epoch, lr = counter.epoch, state.optimizer.param_groups[0]["lr"]  # of this step, for the log
@@ -261,8 +267,10 @@ def _loop(cfg, state: TrainingState, loader: FaceLoader, counter: StepCounter, c
             if accuracy is not None:
                 results, verified_at = accuracy, counter.global_step
     except KeyboardInterrupt:  # a second Ctrl-C
-        raise RunStopped(f"stopped at once by a second Ctrl-C after global step {counter.global_step}, without "
-                         f"saving; {last_good(cfg.output)}", EXIT_INTERRUPTED) from None
+        raise _stopped(f"stopped at once by a second Ctrl-C after global step {counter.global_step}, without "
+                       f"saving; {last_good(cfg.output)}", EXIT_INTERRUPTED) from None
+    finally:
+        signals.stepping = False
     if verified_at != counter.global_step:
         with speed.paused():
             results = verification.evaluate_now(state.backbone, counter.global_step)
@@ -276,11 +284,17 @@ def _stop(request: StopRequest, counter: StepCounter, checkpointer: Checkpointer
         checkpointer.save_for_exit(counter)
         saved = ("checkpoint saved; --resume continues" if checkpointer.save_all_states else
                  "backbone.pth saved (save_all_states=False: --resume starts from it with new class centres)")
-        raise RunStopped(f"preempted at global step {step}: {saved}", EXIT_PREEMPTED)
+        raise _stopped(f"preempted at global step {step}: {saved}", EXIT_PREEMPTED)
     last_save = f" (last saved at global step {checkpointer.saved_at})" if checkpointer.saved_at >= 0 else ""
-    raise RunStopped(f"stopped by Ctrl-C at global step {step}, without saving{last_save}; "
-                     f"{last_good(checkpointer.output)}; to save before stopping, send SIGTERM or SIGUSR1 instead "
-                     "of Ctrl-C", EXIT_INTERRUPTED)
+    raise _stopped(f"stopped by Ctrl-C at global step {step}, without saving{last_save}; "
+                   f"{last_good(checkpointer.output)}; to save before stopping, send SIGTERM or SIGUSR1 instead "
+                   "of Ctrl-C", EXIT_INTERRUPTED)
+
+
+def _stopped(line: str, exit_code: int) -> RunStopped:
+    """The stop, its line logged (rank 0) while the signals are still caught."""
+    log.info("%s", line)
+    return RunStopped(line, exit_code)
 
 
 if __name__ == "__main__":

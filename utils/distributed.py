@@ -67,9 +67,10 @@ def lost_peer(error: BaseException) -> str | None:
     on an error of its own, which it reports itself); None for any other error."""
     if world() < 2:
         return None
-    # NCCL and the TCP store raise DistError; gloo raises a RuntimeError with its source position first.
+    # NCCL and the TCP store raise DistError; gloo raises a RuntimeError with its source position first,
+    # "closed" when the peer's socket was shut, "reset" when its machine dropped the connection.
     text = str(error)
-    if not isinstance(error, dist.DistError) and "Connection closed by peer" not in text:
+    if not isinstance(error, dist.DistError) and not re.search(r"Connection (closed|reset) by peer", text):
         return None
     return re.sub(r"^\[[^\]]*\]\s*", "", text).split(". ")[0].strip()
 

@@ -6,7 +6,9 @@ without saving, and a second Ctrl-C stops it at once. A signal only records the 
 training loop reads it at each step boundary, where every rank agrees on the strongest request any
 rank received (a signal to one rank stops them all at the same step), so no signal ever lands in the
 middle of a step or of a save. Repeated SIGTERMs or SIGUSR1s, as a scheduler or torchrun may send them
-while the run saves, change nothing.
+while the run saves, change nothing. Before the steps begin, and after they end, there is nothing to
+wait for: a Ctrl-C stops the run at once (KeyboardInterrupt), a SIGTERM before the first step stops it
+after that step.
 """
 from __future__ import annotations
 
@@ -48,12 +50,14 @@ class RunStopped(Exception):
 
 class StopSignals:
     """While inside `with StopSignals() as signals:`, SIGTERM, SIGUSR1 and SIGINT are requests that
-    `signals.agreed()` turns into one decision for every rank; outside, they act as they did before.
+    `signals.agreed()` turns into one decision for every rank; outside, they act as they did before,
+    except that once a stop was asked for, the process ignores SIGTERM and SIGUSR1 until it exits.
 
     Collective on entry (it may create the process group that carries the decision)."""
 
     def __init__(self) -> None:
         self.requested = StopRequest.NONE
+        self.stepping = False  # set by the training loop while it runs steps: a Ctrl-C waits for the step's end
         self._interrupted = False
         self._group = host_group()
         self._previous: dict[int, object] = {}
@@ -65,17 +69,22 @@ class StopSignals:
     def __exit__(self, kind: type[BaseException] | None, error: BaseException | None,
                  traceback: TracebackType | None) -> None:
         for number, handler in self._previous.items():
-            signal.signal(number, handler)
+            # A process stopped by a signal has saved and is leaving: a later SIGTERM (torchrun ends the other
+            # workers as soon as one exits, a scheduler may repeat itself) must not cut its exit short.
+            stopping = self.requested != StopRequest.NONE and number != signal.SIGINT
+            signal.signal(number, signal.SIG_IGN if stopping else handler)
 
     def _receive(self, number: int, frame: FrameType | None) -> None:
         if number == signal.SIGINT:
-            if self._interrupted:
-                raise KeyboardInterrupt  # the user insists: stop now; every file written is still whole
+            if self._interrupted or not self.stepping:
+                raise KeyboardInterrupt  # nothing to wait for, or the user insists: every file written stays whole
             self._interrupted = True
         request = _REQUESTS[number]
         if request <= self.requested:
             return
         self.requested = request
+        if not self.stepping:  # before the first step (which it stops after) or after the last: nothing to say
+            return
         if request == StopRequest.INTERRUPT:
             log.info("Ctrl-C: stopping after this step without saving (Ctrl-C again stops at once; SIGTERM or "
                      "SIGUSR1 instead would save first)")
