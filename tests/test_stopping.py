@@ -22,6 +22,11 @@ from tests.run_helpers import run_here, start_child, start_cli, wait_for_log
 EXIT_INTERRUPTED, EXIT_PREEMPTED = 130, 75
 
 
+def start_in_a_terminal(data: Path, output: Path, *overrides: str):
+    """A forked train.main in a process group of its own, as a terminal's foreground job: (child, stderr file)."""
+    return start_child(data, output, "batch_size=2", *overrides, prepare=os.setpgrp)
+
+
 def ctrl_c(child) -> None:
     os.killpg(child.pid, signal.SIGINT)
 
@@ -38,6 +43,14 @@ def published_step(output: Path) -> int:
     return json.loads((output / POINTER_NAME).read_text())["global_step"]
 
 
+def stop_line(output: Path, pattern: str) -> re.Match:
+    """The line of `output`'s log that says why the run stopped, as a match of `pattern` (a whole line)."""
+    log = (output / "training.log").read_text()
+    match = re.search(pattern + "\n", log)
+    assert match is not None, log[-2000:]
+    return match
+
+
 def test_sigterm_to_every_process_saves_where_it_stopped(data, tmp_path):
     output = tmp_path / "run"
     process = start_cli(data, output, "batch_size=2", "num_workers=1", "max_steps=12", nproc=0, own_group=True)
@@ -45,23 +58,19 @@ def test_sigterm_to_every_process_saves_where_it_stopped(data, tmp_path):
     os.killpg(process.pid, signal.SIGTERM)  # the data worker too, as SLURM signals every process of a job
     _, stderr = process.communicate(timeout=120)
     assert process.returncode == EXIT_PREEMPTED and "Traceback" not in stderr, stderr[-3000:]
-    stop = re.search(r"preempted at global step (\d+): checkpoint saved; --resume continues\n",
-                     (output / "training.log").read_text())
-    assert stop is not None and published_step(output) == int(stop.group(1))
+    stop = stop_line(output, r"preempted at global step (\d+): checkpoint saved; --resume continues")
+    assert published_step(output) == int(stop.group(1))
 
 
 def test_ctrl_c_stops_after_the_step_without_saving_and_says_how_to_continue(data, tmp_path):
     output = tmp_path / "run"
-    child, stderr = start_child(data, output, "batch_size=2", "num_workers=1", "save_every_steps=2", "max_steps=12",
-                                prepare=os.setpgrp)
+    child, stderr = start_in_a_terminal(data, output, "num_workers=1", "save_every_steps=2", "max_steps=12")
     wait_for_log(output, "Global Step: 3 ", child.is_alive)
     ctrl_c(child)
     ended(child, stderr)
-    log = (output / "training.log").read_text()
-    stop = re.search(r"stopped by Ctrl-C at global step (\d+), without saving \(last saved at global step (\d+)\); "
-                     rf"the last good checkpoint.json in {output} is untouched \(continue with --resume\); to save "
-                     "before stopping, send SIGTERM or SIGUSR1 instead of Ctrl-C\n", log)
-    assert stop is not None, log[-2000:]
+    stop = stop_line(output, r"stopped by Ctrl-C at global step (\d+), without saving \(last saved at global step "
+                     rf"(\d+)\); the last good checkpoint.json in {output} is untouched \(continue with --resume\); "
+                     "to save before stopping, send SIGTERM or SIGUSR1 instead of Ctrl-C")
     stopped, saved = int(stop.group(1)), int(stop.group(2))
     assert 3 <= stopped < 12 and saved == published_step(output) == stopped - 1 - (stopped - 1) % 2
     assert run_here(data, output, "batch_size=2", f"max_steps={saved + 1}", resume=True) == (0, "")
@@ -72,17 +81,14 @@ def test_ctrl_c_stops_after_the_step_without_saving_and_says_how_to_continue(dat
 def test_a_second_ctrl_c_stops_at_once_without_a_traceback(data, tmp_path):
     output = tmp_path / "run"
     # 4 micro-batches a step: long enough for both presses to land inside step 3, which starts after the save
-    child, stderr = start_child(data, output, "batch_size=2", "gradient_acc=4", "save_every_steps=1", "max_steps=5",
-                                prepare=os.setpgrp)
+    child, stderr = start_in_a_terminal(data, output, "gradient_acc=4", "save_every_steps=1", "max_steps=5")
     wait_for_log(output, "at global step 2\n", child.is_alive)
     ctrl_c(child)
     wait_for_log(output, "Ctrl-C: stopping after this step without saving", child.is_alive)
     ctrl_c(child)
     ended(child, stderr)
-    log = (output / "training.log").read_text()
-    stop = re.search(r"stopped at once by a second Ctrl-C after global step (\d+), without saving; the last good "
-                     rf"checkpoint.json in {output} is untouched \(continue with --resume\)\n", log)
-    assert stop is not None, log[-2000:]
+    stop = stop_line(output, r"stopped at once by a second Ctrl-C after global step (\d+), without saving; the last "
+                     rf"good checkpoint.json in {output} is untouched \(continue with --resume\)")
     assert published_step(output) == int(stop.group(1))
 
 
