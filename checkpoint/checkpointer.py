@@ -119,7 +119,6 @@ class Checkpointer:
             self.save(counter)
 
 
-
 def last_good(output: str) -> str:
     """What a stopped run leaves in `output` to continue from, for its last line."""
     for name, advice in ((POINTER_NAME, " (continue with --resume)"), (BACKBONE_NAME, "")):

@@ -53,7 +53,7 @@ class StopSignals:
     `signals.agreed()` turns into one decision for every rank; outside, they act as they did before,
     except that once a stop was asked for, the process ignores SIGTERM and SIGUSR1 until it exits.
 
-    Collective on entry (it may create the process group that carries the decision)."""
+    Collective to create (it may create the process group that carries the decision)."""
 
     def __init__(self) -> None:
         self.requested = StopRequest.NONE
