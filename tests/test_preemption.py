@@ -9,7 +9,7 @@ the end of the epoch but the preemption's. Each run is signalled once it has log
             then resumed with resume="auto" to 12 (in this process)
   whole2:   torchrun, 2 processes, 12 steps uninterrupted
   usr1:     torchrun, 2 processes, SIGUSR1 to rank 1 alone; then --resume to 12 on 2 processes
-  agent:    torchrun, 2 processes, SIGTERM to torchrun, which forwards it to both
+  agent:    torchrun, 2 processes, SIGTERM to torchrun, which forwards it to both; then --resume to 12
 """
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ from tests.run_helpers import assert_same_run, descendants, finish, run_here, st
 
 OVERRIDES = ["batch_size=2", "max_steps=12"]
 PREEMPTED = re.compile(r"preempted at global step (\d+): checkpoint saved; --resume continues")
-pytestmark = pytest.mark.slow  # five torchrun launches and a python train.py: ~10 Python starts
+pytestmark = pytest.mark.slow  # five torchrun launches and a python train.py: 16 Python starts
 
 
 def wait_for_step(output: Path, process: subprocess.Popen, step: int = 3) -> None:
@@ -80,10 +80,10 @@ def runs(data, tmp_path_factory) -> SimpleNamespace:
         _, stderr = process.communicate(timeout=300)
         setattr(outcome, name, SimpleNamespace(status=process.returncode, stderr=stderr,
                                                step=stopped_step(root / name)))
-    resumed2 = start_cli(data, root / "usr1", *OVERRIDES, nproc=2, resume=True)
+    resumed = [start_cli(data, root / name, *OVERRIDES, nproc=2, resume=True) for name in ("usr1", "agent")]
     assert run_here(data, root / "term1", *OVERRIDES, "resume=auto") == (0, "")
-    finish(whole2)
-    finish(resumed2)
+    for process in (whole2, *resumed):
+        finish(process)
     return outcome
 
 
@@ -109,3 +109,4 @@ def test_sigterm_to_torchrun_is_forwarded_and_every_rank_saves_before_it_exits(r
     assert "SIGTERM: saving a checkpoint after this step, then stopping" in log
     assert "training finished" not in log
     assert runs.agent.status == 1 and "got signal: 15" in runs.agent.stderr  # torchrun's own report of the signal
+    assert_same_run(runs.root / "agent", runs.root / "whole2")

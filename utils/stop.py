@@ -7,8 +7,8 @@ training loop reads it at each step boundary, where every rank agrees on the str
 rank received (a signal to one rank stops them all at the same step), so no signal ever lands in the
 middle of a step or of a save. Repeated SIGTERMs or SIGUSR1s, as a scheduler or torchrun may send them
 while the run saves, change nothing. Before the steps begin, and after they end, there is nothing to
-wait for: a Ctrl-C stops the run at once (KeyboardInterrupt), a SIGTERM before the first step stops it
-after that step.
+wait for: a Ctrl-C stops the run at once (KeyboardInterrupt); a SIGTERM before the first step stops it
+after that step, and one after the last step changes nothing (the final checkpoint is saved by then).
 """
 from __future__ import annotations
 
