@@ -19,12 +19,14 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 from types import SimpleNamespace
+from typing import NoReturn
 
 import torch
 
 from backbones.trained import BACKBONE_NAME
-from checkpoint.checkpointer import Checkpointer
-from checkpoint.run_dir import lock_run_dir, resolve_resume
+from checkpoint.checkpointer import Checkpointer, last_good
+from checkpoint.restored import Restored
+from checkpoint.run_dir import AUTO, continues_torchrun_run, lock_run_dir, resolve_resume
 from dataset import FaceLoader, build_dataset, build_loader
 from eval.callback import VerificationCallback, check_val_targets
 from training.memory_plan import describe, device_bytes, memory_plan, processes_that_fit
@@ -35,9 +37,10 @@ from utils.config import check_data_path, load_config, planned_world_size
 from utils.device import choose_device, configure_numerics, describe_device
 from utils.distributed import agreed, backend, cleanup, init_distributed, is_main, lost_peer, nodes, rank, world
 from utils.errors import ConfigError, TrainingError, UserError
-from utils.launcher import adopt_srun_environment, launched_rank, local_process
-from utils.log import SpeedLogger, setup_logging
+from utils.launcher import adopt_srun_environment, launched_rank, local_process, torchrun_run_id
+from utils.log import SpeedLogger, log_to_file_only, setup_logging
 from utils.metrics import Metrics, open_metrics
+from utils.stop import EXIT_INTERRUPTED, EXIT_PREEMPTED, RunStopped, StopRequest, StopSignals
 
 log = logging.getLogger("train")
 
@@ -58,6 +61,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
+    cfg = None
     try:
         adopt_srun_environment()  # before anything reads RANK: `srun python train.py` tells only Slurm's variables
         cfg = load_config(args.config, args.set + (["resume=True"] if args.resume else []))
@@ -69,25 +73,46 @@ def main(argv: Sequence[str] | None = None) -> int:
         check_val_targets(cfg.val_targets, cfg.rec)  # before any model is built (minutes for a large one)
         device = choose_device(cfg.device, *local_process())
         configure_numerics(device, cfg.tf32, cfg.deterministic)
-        init_distributed(device, cfg.timeout_minutes)
-        if device.type == "cpu":
-            _share_cpu(cfg.num_workers)
-        try:
-            train(cfg, device)
-        except Exception as error:
-            if (failure := lost_peer(error)) is None:
-                raise
-            raise TrainingError(f"lost contact with another process ({failure}), which stopped or became "
-                                "unreachable: its own error line, if it printed one, says why; fix that, then "
-                                "start again (--resume continues from the last checkpoint)") from error
-        finally:
-            cleanup()
+        _train_in_process_group(cfg, device)
     except UserError as error:
         # Config errors happen identically on every process, before the process group exists: one copy is enough.
         if launched_rank() == 0 or not isinstance(error, ConfigError):
             report(error)
+            log_to_file_only(f"error: {error}")
         return 1
+    except RunStopped as stopped:  # its line is in the log already
+        return stopped.exit_code
+    except KeyboardInterrupt:  # a Ctrl-C before the steps began or after they ended
+        _report_interrupt(cfg.output if cfg else None)
+        return EXIT_INTERRUPTED
     return 0
+
+
+def _train_in_process_group(cfg: SimpleNamespace, device: torch.device) -> None:
+    """train() among the processes of the job, with stop signals caught until the process group is gone."""
+    init_distributed(device, cfg.timeout_minutes)
+    if device.type == "cpu":
+        _share_cpu(cfg.num_workers)
+    try:
+        with StopSignals() as signals:
+            train(cfg, device, signals)
+    except Exception as error:
+        if (failure := lost_peer(error)) is None:
+            raise
+        raise TrainingError(f"lost contact with another process ({failure}), which stopped or became "
+                            "unreachable: its own error line, if it printed one, says why; fix that, then "
+                            "start again (--resume continues from the last checkpoint)") from error
+    finally:
+        cleanup()
+
+
+def _report_interrupt(output: str | None) -> None:
+    """One line on stderr and in training.log for a Ctrl-C that stopped the run at once."""
+    if launched_rank() != 0:
+        return
+    line = "stopped by Ctrl-C" + (f"; {last_good(output)}" if output else "")
+    sys.stderr.write(line + "\n")
+    log_to_file_only(line)
 
 
 def dry_run_report(cfg: SimpleNamespace, world_size: int, as_json: bool) -> str:
@@ -112,7 +137,7 @@ def _share_cpu(num_workers: int) -> None:
     torch.set_num_threads(max(1, per_process - num_workers))
 
 
-def _count_nonfinite(outcome: StepOutcome, counter: StepCounter, cfg, checkpointer: Checkpointer) -> None:
+def _count_nonfinite(outcome: StepOutcome, counter: StepCounter, cfg) -> None:
     """Count skipped steps; fp16 gradient overflow alone is routine (the scale backs off) and not counted."""
     if outcome == StepOutcome.TAKEN or (outcome == StepOutcome.GRAD_NONFINITE and cfg.fp16):
         counter.nonfinite_in_a_row = 0
@@ -125,21 +150,26 @@ def _count_nonfinite(outcome: StepOutcome, counter: StepCounter, cfg, checkpoint
     if counter.nonfinite_in_a_row >= cfg.max_nonfinite_steps:
         raise TrainingError(f"stopped at global step {counter.global_step}: {counter.nonfinite_in_a_row} "
                             f"non-finite losses in a row (max_nonfinite_steps={cfg.max_nonfinite_steps}); "
-                            f"{checkpointer.last_good()}; lower lr, try bf16 instead of fp16, or check the data")
+                            f"{last_good(cfg.output)}; lower lr, try bf16 instead of fp16, or check the data")
 
 
-def train(cfg: SimpleNamespace, device: torch.device) -> dict[str, float]:
-    """Run training as configured; returns the final verification accuracies (rank 0; {} elsewhere)."""
-    source = agreed(lambda: resolve_resume(cfg.output, cfg.resume))
-    lock = agreed(lambda: lock_run_dir(cfg.output), share=False)
+def train(cfg: SimpleNamespace, device: torch.device, signals: StopSignals) -> dict[str, float]:
+    """Run training as configured; returns the final verification accuracies (rank 0; {} elsewhere).
+
+    A start that torchrun makes again for the same run (after a lost process or node, or when a node
+    joins) continues the run in its folder, as resume="auto" does, whatever `resume` says."""
+    restarted = agreed(lambda: continues_torchrun_run(cfg.output, torchrun_run_id()))
+    source = agreed(lambda: resolve_resume(cfg.output, AUTO if restarted else cfg.resume))
+    lock = agreed(lambda: lock_run_dir(cfg.output, torchrun_run_id()), share=False)
     try:
-        return _train_in_folder(cfg, device, source)
+        return _train_in_folder(cfg, device, source, restarted, signals)
     finally:
         if lock is not None:
             lock.close()
 
 
-def _train_in_folder(cfg: SimpleNamespace, device: torch.device, source) -> dict[str, float]:
+def _train_in_folder(cfg: SimpleNamespace, device: torch.device, source, restarted: bool,
+                     signals: StopSignals) -> dict[str, float]:
     """Config -> data -> training state -> resume -> loop (with its saves) in the locked run folder."""
     setup_logging(cfg.output)
     log.info("config: %s", ", ".join(f"{k}={v!r}" for k, v in sorted(vars(cfg).items())))
@@ -160,8 +190,9 @@ def _train_in_folder(cfg: SimpleNamespace, device: torch.device, source) -> dict
                                 save_every_steps=cfg.save_every_steps, save_all_states=cfg.save_all_states,
                                 async_save=cfg.async_save)
     torch.manual_seed(cfg.seed + 1 + rank())  # per-rank streams for centre sampling and dropout
-    if source:
-        checkpointer.resume(source, counter)  # replaces those streams with the saved ones
+    restored = checkpointer.resume(source, counter) if source else None  # replaces those streams with the saved ones
+    if restarted:
+        _log_restart(restored, counter, cfg.save_every_steps)
     wrap_in_ddp(state, device)
     total_steps = counter.steps_per_epoch * cfg.num_epoch
     stop = min(total_steps, cfg.max_steps) if cfg.max_steps else total_steps
@@ -169,17 +200,26 @@ def _train_in_folder(cfg: SimpleNamespace, device: torch.device, source) -> dict
              len(dataset), dataset.num_classes, world(), counter.steps_per_epoch, total_steps, counter.global_step)
     metrics = open_metrics(cfg)
     try:
-        results = _loop(cfg, state, loader, counter, checkpointer, stop, metrics)
+        results = _loop(cfg, state, loader, counter, checkpointer, stop, metrics, signals)
     except BaseException:
         checkpointer.settle()
         raise
     finally:
-        metrics.close()  # flushes the last scalars, also when the run stops on an error
+        metrics.close()  # flushes the last scalars, also when the run stops on an error or a signal
     log.info("training finished at global step %d: %s", counter.global_step,
              ", ".join(f"{name} Accuracy-Flip {acc:.5f}" for name, acc in results.items()) or "no val_targets")
     if device.type == "cuda":
         log.info("peak GPU memory %.2f GiB", torch.cuda.max_memory_allocated(device) / 2 ** 30)
     return results
+
+
+def _log_restart(restored: Restored | None, counter: StepCounter, save_every_steps: int) -> None:
+    """What a torchrun restart changed: the processes, where the run continues, what is trained again."""
+    before = f"{restored.world_size} process(es)" if restored else "a backbone.pth alone (save_all_states=False)"
+    lost = f"save_every_steps={save_every_steps}" if save_every_steps else "an epoch, as save_every_steps=0"
+    log.info("torchrun restarted this run (a process or node was lost, or one joined): %s -> %d process(es); it "
+             "continues from its last checkpoint, at global step %d; steps taken after that checkpoint before the "
+             "restart are trained again (at most %s)", before, world(), counter.global_step, lost)
 
 
 def _check_memory(cfg: SimpleNamespace, num_classes: int, device: torch.device) -> None:
@@ -203,8 +243,9 @@ def _steps_per_epoch(loader: FaceLoader, gradient_acc: int) -> int:
 
 
 def _loop(cfg, state: TrainingState, loader: FaceLoader, counter: StepCounter, checkpointer: Checkpointer,
-          stop: int, metrics: Metrics) -> dict[str, float]:
-    """Steps counter.global_step .. stop - 1: train, log, verify, save. The final verification accuracies."""
+          stop: int, metrics: Metrics, signals: StopSignals) -> dict[str, float]:
+    """Steps counter.global_step .. stop - 1: train, log, verify, save; stop between two steps when a
+    signal asks (RunStopped). The final verification accuracies."""
     verification = VerificationCallback(cfg.verbose, cfg.val_targets, cfg.rec, metrics=metrics)
     speed = SpeedLogger(cfg.frequent, stop, cfg.batch_size * world() * cfg.gradient_acc, cfg.num_views,
                         metrics=metrics, start_step=counter.global_step)
@@ -212,27 +253,56 @@ def _loop(cfg, state: TrainingState, loader: FaceLoader, counter: StepCounter, c
     results, verified_at = {}, -1
     state.backbone.train()  # verification leaves it in train mode again
     start = counter.global_step
-    for step, micro_batches in enumerate(loader.steps(start, stop, cfg.gradient_acc), start=start):
-        epoch, lr = counter.epoch, state.optimizer.param_groups[0]["lr"]  # of this step, for the log
-        losses, outcome = train_step(state, micro_batches, cfg)
-        counter.global_step = step + 1
-        _count_nonfinite(outcome, counter, cfg, checkpointer)
-        if outcome != StepOutcome.LOSS_NONFINITE:  # a skipped fp16 overflow step still has a loss worth logging
-            speed(counter.global_step, losses, epoch, lr, grad_scale)
-        with speed.paused():
-            accuracy = verification(counter.global_step, state.backbone)
+    signals.stepping = True
+    try:
+        for step, micro_batches in enumerate(loader.steps(start, stop, cfg.gradient_acc), start=start):
+            epoch, lr = counter.epoch, state.optimizer.param_groups[0]["lr"]  # of this step, for the log
+            losses, outcome = train_step(state, micro_batches, cfg)
+            counter.global_step = step + 1
+            _count_nonfinite(outcome, counter, cfg)
+            if outcome != StepOutcome.LOSS_NONFINITE:  # a skipped fp16 overflow step still has a loss worth logging
+                speed(counter.global_step, losses, epoch, lr, grad_scale)
             final = counter.global_step == stop
-            if checkpointer.after_step(counter, final) and cfg.save_artifacts and cfg.using_wandb:
-                checkpointer.wait_for_save()  # the artifact is the published backbone.pth
-                if is_main():
-                    name = "Final" if final else f"step{counter.global_step}"
-                    metrics.log_artifact(Path(cfg.output) / BACKBONE_NAME, name)
-        if accuracy is not None:
-            results, verified_at = accuracy, counter.global_step
+            if (request := signals.agreed()) and not final:  # at the last step, finishing is the quicker stop
+                _stop(request, counter, checkpointer)
+            with speed.paused():
+                accuracy = verification(counter.global_step, state.backbone)
+                if checkpointer.after_step(counter, final) and cfg.save_artifacts and cfg.using_wandb:
+                    checkpointer.wait_for_save()  # the artifact is the published backbone.pth
+                    if is_main():
+                        name = "Final" if final else f"step{counter.global_step}"
+                        metrics.log_artifact(Path(cfg.output) / BACKBONE_NAME, name)
+            if accuracy is not None:
+                results, verified_at = accuracy, counter.global_step
+    except KeyboardInterrupt:  # a second Ctrl-C
+        raise _stopped(f"stopped at once by a second Ctrl-C after global step {counter.global_step}, without "
+                       f"saving; {last_good(cfg.output)}", EXIT_INTERRUPTED) from None
+    finally:
+        signals.stepping = False
     if verified_at != counter.global_step:
         with speed.paused():
             results = verification.evaluate_now(state.backbone, counter.global_step)
     return results
+
+
+def _stop(request: StopRequest, counter: StepCounter, checkpointer: Checkpointer) -> NoReturn:
+    """Stop between two steps, as every rank agreed: preempted (save first) or interrupted by Ctrl-C."""
+    step = counter.global_step
+    if request == StopRequest.PREEMPT:
+        checkpointer.save_for_exit(counter)
+        saved = ("checkpoint saved; --resume continues" if checkpointer.save_all_states else
+                 "backbone.pth saved (save_all_states=False: --resume starts from it with new class centres)")
+        raise _stopped(f"preempted at global step {step}: {saved}", EXIT_PREEMPTED)
+    last_save = f" (last saved at global step {checkpointer.saved_at})" if checkpointer.saved_at >= 0 else ""
+    raise _stopped(f"stopped by Ctrl-C at global step {step}, without saving{last_save}; "
+                   f"{last_good(checkpointer.output)}; to save before stopping, send SIGTERM or SIGUSR1 instead "
+                   "of Ctrl-C", EXIT_INTERRUPTED)
+
+
+def _stopped(line: str, exit_code: int) -> RunStopped:
+    """The stop, its line logged (rank 0) while the signals are still caught."""
+    log.info("%s", line)
+    return RunStopped(line, exit_code)
 
 
 if __name__ == "__main__":

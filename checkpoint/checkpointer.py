@@ -57,18 +57,19 @@ class Checkpointer:
         self.output, self.state, self.loader = output, state, loader
         self.architecture, self.config = dict(architecture), dict(config)
         self.save_every_steps, self.save_all_states = save_every_steps, save_all_states
-        self._saved_at = -1
+        self.saved_at = -1  # the global step of the last checkpoint, written or resumed from; -1: none yet
         self._waiting = False  # a save fell inside a non-finite streak
         self._staging = HostStaging() if async_save and save_all_states else None
         self._group = checkpoint_group() if self._staging else None  # the writer thread's own collectives
         self._in_flight: tuple[BackgroundSave, int] | None = None
 
-    def resume(self, source: tuple[str, Path], counter: StepCounter) -> None:
-        """Load `source` ((kind, file) from find_resume_source) into the run and `counter`."""
+    def resume(self, source: tuple[str, Path], counter: StepCounter) -> Restored | None:
+        """Load `source` ((kind, file) from find_resume_source) into the run and `counter`; what was
+        restored (None for a bare backbone)."""
         kind, path = source
         if kind == "backbone":
             self._start_from_backbone(path)
-            return
+            return None
         if kind == "checkpoint" and path.is_dir() and not (path.parent / POINTER_NAME).is_file():
             log.warning("%s holds no %s: resuming from %s, its newest complete checkpoint folder, once every file "
                         "matches its checksum", path.parent, POINTER_NAME, path)
@@ -85,6 +86,8 @@ class Checkpointer:
         log.info("resumed from %s at global step %d (epoch %d), lr %.6f", path, counter.global_step, counter.epoch,
                  self.state.optimizer.param_groups[0]["lr"])
         _log_config_changes(restored.config, self.config)
+        self.saved_at = counter.global_step
+        return restored
 
     def _renumber(self, restored: Restored, counter: StepCounter) -> None:
         """Another world size, batch size or accumulation: keep the fraction of training done, so the LR
@@ -111,7 +114,7 @@ class Checkpointer:
         step = counter.global_step
         every = self.save_every_steps
         due = self._waiting or final or step % counter.steps_per_epoch == 0 or (every and step % every == 0)
-        if not due or step == self._saved_at:
+        if not due or step == self.saved_at:
             return False
         self._waiting = counter.nonfinite_in_a_row > 0 and not final
         if not self._waiting:
@@ -132,7 +135,7 @@ class Checkpointer:
                 self._in_flight = BackgroundSave(lambda: write_state(self.output, staged, self._group)), step
             else:
                 log.info("saved %s at global step %d", write_state(self.output, staged), step)
-        self._saved_at = step
+        self.saved_at = step
         if wait:
             self.wait_for_save()
 
@@ -154,12 +157,20 @@ class Checkpointer:
         except Exception as error:
             log.warning("the save in flight failed too: %s", error)
 
-    def last_good(self) -> str:
-        """What a stopped run leaves to continue from, for its error message."""
-        for name, advice in ((POINTER_NAME, " (continue with --resume)"), (BACKBONE_NAME, "")):
-            if os.path.exists(os.path.join(self.output, name)):
-                return f"the last good {name} in {self.output} is untouched{advice}"
-        return "no checkpoint had been written yet"
+    def save_for_exit(self, counter: StepCounter) -> None:
+        """Save now, for a run about to exit (a preemption), unless this step is saved already: on
+        return the checkpoint is complete and published on every rank."""
+        if counter.global_step != self.saved_at:
+            self.save(counter)
+        self.wait_for_save()
+
+
+def last_good(output: str) -> str:
+    """What a stopped run leaves in `output` to continue from, for its last line."""
+    for name, advice in ((POINTER_NAME, " (continue with --resume)"), (BACKBONE_NAME, "")):
+        if os.path.exists(os.path.join(output, name)):
+            return f"the last good {name} in {output} is untouched{advice}"
+    return "no checkpoint had been written yet"
 
 
 def _log_config_changes(saved: Mapping, current: Mapping) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import fcntl
 import os
+import re
 from pathlib import Path
 from typing import IO
 
@@ -15,6 +16,7 @@ from checkpoint.pointer import FOLDER_PREFIX, POINTER_NAME, complete_folders, fo
 from utils.errors import CheckpointError, RunDirError
 
 LOCK_NAME = ".lock"
+AUTO = "auto"  # resume = "auto": continue the run in the output folder if there is one, else start it
 # What makes a folder a run worth guarding, in the order a resume prefers them: arcface_torch's rank
 # files before its backbone alone (model.pt is all train_v2.py writes by default).
 WEIGHTS_NAMES = (POINTER_NAME, LEGACY_NAME, *MARKERS, BACKBONE_NAME, MODEL_FILE)
@@ -24,11 +26,14 @@ def resolve_resume(output: str, resume: bool | str) -> tuple[str, Path] | None:
     """What to start from: None for a fresh run, else (kind, file) from find_resume_source.
 
     A fresh run (or one starting from another folder's weights) needs an empty or missing output
-    folder; `resume=True` continues the run already in `output`.
+    folder; `resume=True` continues the run already in `output`; `resume="auto"` continues it if
+    there is one, else starts a fresh run there.
     """
+    held = _run_files(Path(output))
+    if resume == AUTO:
+        return find_resume_source(output) if held else None
     if resume is True:
         return find_resume_source(output)
-    held = _run_files(Path(output))
     source = find_resume_source(resume) if resume else None
     same_folder = source is not None and source[1].parent.resolve() == Path(output).resolve()
     if held and not same_folder:
@@ -70,6 +75,17 @@ def find_resume_source(location: str | os.PathLike) -> tuple[str, Path]:
     return ("legacy" if read_legacy(location).get("format") == LEGACY_FORMAT else "backbone"), location
 
 
+def continues_torchrun_run(output: str, run_id: str | None) -> bool:
+    """Whether this start is torchrun run `run_id` (its --rdzv-id) starting again in the run folder it
+    trains in: after a lost process or node, or a node joining. True when `output` holds a run whose
+    lock was last taken under that run id; such a start continues the run as resume="auto" does."""
+    lock = Path(output) / LOCK_NAME
+    if run_id is None or not lock.is_file() or not _run_files(Path(output)):
+        return False
+    match = re.search(r", torchrun run (\S+)$", lock.read_text().strip())
+    return match is not None and match.group(1) == run_id
+
+
 def _run_files(folder: Path) -> list[str]:
     """The folder's entries when it holds a run's saved weights, else []."""
     if not folder.is_dir():
@@ -81,11 +97,13 @@ def _run_files(folder: Path) -> list[str]:
     return entries if saved else []
 
 
-def lock_run_dir(output: str) -> IO:
+def lock_run_dir(output: str, torchrun_run: str | None = None) -> IO:
     """Create `output` and hold its lock for as long as the returned file stays open.
 
     The lock is an flock: it vanishes with the process however it ends (even SIGKILL), so a
-    crashed run never blocks its own resume.
+    crashed run never blocks its own resume. The lock file names its holder, and the torchrun run
+    the holder belongs to, so that torchrun's restarts of that run find their folder
+    (continues_torchrun_run).
     """
     try:
         os.makedirs(output, exist_ok=True)
@@ -108,6 +126,7 @@ def lock_run_dir(output: str) -> IO:
             from None
     handle.seek(0)
     handle.truncate()
-    handle.write(f"pid {os.getpid()} on {os.uname().nodename}\n")
+    run = f", torchrun run {torchrun_run}" if torchrun_run else ""
+    handle.write(f"pid {os.getpid()} on {os.uname().nodename}{run}\n")
     handle.flush()
     return handle

@@ -89,5 +89,7 @@ save_all_states: bool = True      # write the full resumable checkpoint (False: 
 save_every_steps: int = 0         # also checkpoint every this many steps (0: at the end of each epoch only)
 async_save: bool = True           # write checkpoints in a background thread: a save stalls the step only for a copy
                                   # of the state to host memory (counted in the --dry-run memory plan)
-resume: bool | str = False        # True: continue the run in `output`; a path: start from that run folder (also
-                                  # arcface_torch's), checkpoint.json or bare backbone.pth into a new output
+resume: bool | str = False        # True: continue the run in `output`; "auto": continue it if there is one, else start
+                                  # it (a script that starts and restarts the same command); a path: start from that
+                                  # run folder (also arcface_torch's), checkpoint.json or bare backbone.pth into a new
+                                  # output. torchrun's restarts of a run continue it whatever this says

@@ -11,6 +11,7 @@ either way the next batch is staged while the current one is in use (facedata/st
 from __future__ import annotations
 
 import logging
+import signal
 from collections.abc import Iterator
 
 import torch
@@ -85,6 +86,13 @@ def _collate_encoded(samples: list):
     return _first_error(samples) or samples
 
 
+def _ignore_stop_signals(worker_id: int) -> None:
+    """A Ctrl-C on the terminal, or a scheduler's SIGTERM to every process of a job, reaches the data workers
+    too: they leave stopping to the training process, which ends them itself once it has stopped cleanly."""
+    for number in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1):
+        signal.signal(number, signal.SIG_IGN)
+
+
 def _raise_errors(batches):
     for batch in batches:
         if isinstance(batch, DataError):
@@ -115,7 +123,8 @@ class FaceLoader:
         collate = _collate_encoded if decode_on_device else _collate
         self._loader = DataLoader(_EpochIndexed(dataset, encoded=decode_on_device), batch_sampler=self.order,
                                   num_workers=num_workers, collate_fn=collate, pin_memory=pin,
-                                  persistent_workers=num_workers > 0, generator=torch.Generator().manual_seed(seed))
+                                  persistent_workers=num_workers > 0, generator=torch.Generator().manual_seed(seed),
+                                  worker_init_fn=_ignore_stop_signals)
         self.skipped = 0
 
     def __len__(self) -> int:

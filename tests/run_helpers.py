@@ -15,9 +15,12 @@ import json
 import logging
 import multiprocessing
 import os
+import signal
+import socket
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
@@ -90,12 +93,13 @@ def _environment(env: Mapping[str, str] | None) -> dict[str, str]:
 
 def start_cli(data: Path, output: Path, *overrides: str, nproc: int = 2, resume: bool = False,
               base: Sequence[str] = QUIET, env: Mapping[str, str] | None = None,
-              nan_steps: str | None = None) -> subprocess.Popen:
+              nan_steps: str | None = None, own_group: bool = False) -> subprocess.Popen:
     """`torchrun --nproc_per_node <nproc> train.py ...` (`python train.py ...` for nproc 0), started, not
-    awaited: starting costs seconds of imports, so tests start independent runs side by side."""
+    awaited: starting costs seconds of imports, so tests start independent runs side by side. `own_group`:
+    in a process group of its own, which os.killpg(process.pid, ...) signals as a terminal or scheduler would."""
     command = _command(nproc, nan_steps) + arguments(data, output, *overrides, resume=resume, base=base)
     return subprocess.Popen(command, cwd=ROOT, env=_environment(env), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True)
+                            text=True, process_group=0 if own_group else None)
 
 
 def run_cli(data: Path, output: Path, *overrides: str, nproc: int = 0, resume: bool = False,
@@ -149,6 +153,48 @@ def run_child(data: Path, output: Path, *overrides: str, resume: bool = False,
     child.join(timeout)
     assert child.exitcode is not None, f"training did not end within {timeout} s"
     return child.exitcode, stderr_path.read_text()
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def descendants(pid: int) -> list[int]:
+    """Every process below `pid` (torchrun starts its workers in sessions of their own, out of reach of a
+    process-group kill)."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:  # the process ended meanwhile
+            continue
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+def kill_node(node: subprocess.Popen) -> None:
+    """SIGKILL a launcher and all its workers at once, as a node that loses power."""
+    for pid in [node.pid, *descendants(node.pid)]:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def wait_for_log(output: Path, text: str, running: Callable[[], bool], timeout: float = 300) -> None:
+    """Until `text` appears in `output`'s training.log; fails if the run ends first (`running()` turns false)."""
+    deadline = time.monotonic() + timeout
+    log = output / "training.log"
+    while text not in (log.read_text() if log.exists() else ""):
+        assert running() and time.monotonic() < deadline, f"the run ended, or {timeout} s passed, before {text!r}"
+        time.sleep(0.01)
 
 
 def file_states(folder: Path) -> dict[str, tuple[str, int, int]]:

@@ -7,8 +7,6 @@ import json
 import os
 import re
 import shutil
-import signal
-import socket
 import subprocess
 import sys
 import time
@@ -17,16 +15,10 @@ from pathlib import Path
 import pytest
 
 from checkpoint.pointer import POINTER_NAME
-from tests.run_helpers import INFO, ROOT, arguments, load_run, run_cli
+from tests.run_helpers import INFO, ROOT, arguments, free_port, kill_node, load_run, run_cli
 
 OVERRIDES = ("save_every_steps=1", "num_epoch=100")  # a save after every step; never ends on its own
 pytestmark = pytest.mark.slow  # six training processes on two cores
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def start_node(node_rank: int, port: int, data: Path, output: Path) -> subprocess.Popen:
@@ -35,33 +27,6 @@ def start_node(node_rank: int, port: int, data: Path, output: Path) -> subproces
                *arguments(data, output, *OVERRIDES)]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     return subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-
-
-def descendants(pid: int) -> list[int]:
-    """Every process below `pid` (torchrun starts its workers in sessions of their own, out of reach of a
-    process-group kill)."""
-    children: dict[int, list[int]] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:  # the process ended meanwhile
-            continue
-        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
-    found, todo = [], [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            found.append(child)
-            todo.append(child)
-    return found
-
-
-def kill_node(node: subprocess.Popen) -> None:
-    """SIGKILL a launcher and all its workers at once, as a node that loses power."""
-    for pid in [node.pid, *descendants(node.pid)]:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
 
 
 def published_step(output: Path) -> int:

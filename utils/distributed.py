@@ -64,9 +64,10 @@ def lost_peer(error: BaseException) -> str | None:
     on an error of its own, which it reports itself); None for any other error."""
     if world() < 2:
         return None
-    # NCCL and the TCP store raise DistError; gloo raises a RuntimeError with its source position first.
+    # NCCL and the TCP store raise DistError; gloo raises a RuntimeError with its source position first,
+    # "closed" when the peer's socket was shut, "reset" when its machine dropped the connection.
     text = str(error)
-    if not isinstance(error, dist.DistError) and "Connection closed by peer" not in text:
+    if not isinstance(error, dist.DistError) and not re.search(r"Connection (closed|reset) by peer", text):
         return None
     return re.sub(r"^\[[^\]]*\]\s*", "", text).split(". ")[0].strip()
 
@@ -76,12 +77,20 @@ def cleanup() -> None:
         dist.destroy_process_group()
 
 
-def all_reduce_max(tensor: torch.Tensor) -> torch.Tensor:
+def all_reduce_max(tensor: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
     """`tensor`'s element-wise maximum over ranks, in place (used to agree on decisions such as skipping
-    a step). The tensor lives where the backend needs it: on this rank's GPU for NCCL."""
+    a step). The tensor lives where the group's backend needs it: on this rank's GPU for NCCL."""
     if is_initialized():
-        dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+        dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group)
     return tensor
+
+
+def host_group() -> dist.ProcessGroup | None:
+    """A group whose collectives take CPU tensors, for decisions that should not wait for the device: the
+    default group when it is gloo (None), else a new gloo group beside NCCL. Collective."""
+    if not is_initialized() or dist.get_backend() == "gloo":
+        return None
+    return dist.new_group(backend="gloo")
 
 
 def broadcast_object(obj, src: int = 0, group=None):

@@ -64,3 +64,12 @@ def first_host(nodelist: str) -> str:
     """The first host of a Slurm host list: 'gpu[007-009,012],cpu01' -> 'gpu007', 'r[1-2]-n[01-04]' -> 'r1-n01'."""
     first = re.match(r"(?:[^,\[]|\[[^\]]*\])+", nodelist.strip())[0]  # up to the first comma outside brackets
     return re.sub(r"\[([^\],-]+)[^\]]*\]", r"\1", first)  # each range: its first value
+
+
+def torchrun_run_id() -> str | None:
+    """The id of the torchrun run this process belongs to (`--rdzv-id`; a fresh one for each `--standalone`
+    or single-node launch), the same in every process torchrun starts for that run, restarts included;
+    None outside torchrun and for torchrun's placeholder "none" (a multi-node launch without --rdzv-id),
+    which cannot tell one run from another."""
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID")
+    return None if run_id in (None, "none") else run_id

@@ -1,5 +1,6 @@
 """Training log: rank 0 writes `output/training.log` and stdout in arcface_torch's style, and
-TensorBoard scalars under `output/tensorboard`; other ranks only report warnings and errors."""
+TensorBoard scalars under `output/tensorboard`; other ranks report warnings and errors on stderr, and
+add their errors to training.log."""
 from __future__ import annotations
 
 import contextlib
@@ -18,24 +19,39 @@ LOG_NAME = "training.log"
 LOG_FORMAT = "Training: %(asctime)s-%(message)s"
 
 
+class _RunLog(logging.FileHandler):
+    """training.log, told apart from the terminal's handlers so that a line can go to the file alone."""
+
+
 def setup_logging(output_dir: str) -> logging.Logger:
     """Configure the root logger for this process (idempotent: earlier handlers are replaced)."""
     root = logging.getLogger()
     for handler in list(root.handlers):
         root.removeHandler(handler)
         handler.close()
+    run_log = _RunLog(os.path.join(output_dir, LOG_NAME), delay=True)  # other ranks open it for an error only
     if is_main():
         root.setLevel(logging.INFO)
-        handlers = [logging.FileHandler(os.path.join(output_dir, LOG_NAME)), logging.StreamHandler(sys.stdout)]
+        handlers = [run_log, logging.StreamHandler(sys.stdout)]
         formatter = logging.Formatter(LOG_FORMAT)
     else:
         root.setLevel(logging.WARNING)
-        handlers = [logging.StreamHandler(sys.stderr)]
+        run_log.setLevel(logging.ERROR)
+        handlers = [logging.StreamHandler(sys.stderr), run_log]
         formatter = logging.Formatter(f"Training[rank {rank()}]: %(asctime)s-%(message)s")
     for handler in handlers:
         handler.setFormatter(formatter)
         root.addHandler(handler)
     return root
+
+
+def log_to_file_only(message: str) -> None:
+    """`message` as an error in training.log alone, when this process writes one: for lines already
+    printed on the terminal (`error: ...`), so that the log says why the run ended."""
+    record = logging.getLogger("train").makeRecord("train", logging.ERROR, __file__, 0, message, None, None)
+    for handler in logging.getLogger().handlers:
+        if isinstance(handler, _RunLog):
+            handler.handle(record)
 
 
 def format_duration(seconds: float) -> str:

@@ -1,0 +1,180 @@
+"""Elastic runs: two localhost "nodes" (two torchrun launchers, one process each, `--nnodes=1:2`, c10d
+rendezvous, `--max-restarts`) train one run; a node is SIGKILLed mid-run, and torchrun restarts the
+survivor, which continues from the last checkpoint on its own (no --resume, no edited config); in the
+second run the node comes back and the run grows to two processes again. Plus what decides that a start
+continues a run: resume="auto", and the torchrun run id the run folder's lock remembers.
+
+40 two-view records, batch 2: 10 steps per epoch on 2 processes, 20 on 1; 4 epochs; a save every 2 steps.
+The rendezvous store is held by the test, as a real job's must be held by a machine that outlives the nodes.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+from torch.distributed import TCPStore
+
+from checkpoint.run_dir import AUTO, LOCK_NAME, continues_torchrun_run, lock_run_dir, resolve_resume
+from checkpoint.sharded import POINTER_NAME
+from tests.run_helpers import ROOT, arguments, descendants, free_port, kill_node, load_run, scalars
+
+SAVE_EVERY, EPOCHS, LR = 2, 4, 0.1  # QUIET's lr; no warmup
+OVERRIDES = ("batch_size=2", f"save_every_steps={SAVE_EVERY}", f"num_epoch={EPOCHS}")
+pytestmark = pytest.mark.slow  # torchrun's rendezvous rounds and restarts: ~2 minutes of mostly waiting
+
+
+class Node:
+    """One torchrun launcher ("node") with one training process; its output goes to a file to read while it runs."""
+
+    def __init__(self, name: str, job: SimpleNamespace) -> None:
+        self.log = job.output.parent / f"{name}.out"
+        command = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1:2", "--nproc_per_node=1",
+                   "--max-restarts=3", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{job.port}",
+                   f"--rdzv-id={job.run_id}", "--rdzv-conf=last_call_timeout=10,keep_alive_interval=1,"
+                   "keep_alive_max_attempt=3", "train.py",
+                   *arguments(job.data, job.output, *OVERRIDES, f"max_steps={job.max_steps}")]
+        # A node that joins a run again needs torchrun's per-round store (see the README, "Elastic runs").
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+        self.process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=self.log.open("w"),
+                                        stderr=subprocess.STDOUT)
+
+    def output(self) -> str:
+        return self.log.read_text()
+
+    def worker(self) -> int:
+        (pid,) = descendants(self.process.pid)
+        return pid
+
+    def finished(self, timeout: float = 400) -> None:
+        assert self.process.wait(timeout) == 0, self.output()[-4000:]
+
+
+def published(output: Path) -> dict:
+    try:
+        return json.loads((output / POINTER_NAME).read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def wait_until(condition, nodes: list[Node], what: str, timeout: float = 300) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert all(node.process.poll() is None for node in nodes), f"a node ended before {what}"
+        assert time.monotonic() < deadline, f"no {what} within {timeout} s"
+        time.sleep(0.05)
+
+
+def start_job(data: Path, output: Path, max_steps: int, nodes: list[Node]) -> SimpleNamespace:
+    """A job of two nodes, added to `nodes`, and the rendezvous store they meet at: held here, as a real job's
+    is held by a machine that outlives any node (torchrun would host it in whichever launcher came first)."""
+    port = free_port()
+    job = SimpleNamespace(data=data, output=output, port=port, run_id=uuid.uuid4().hex, max_steps=max_steps,
+                          store=TCPStore("127.0.0.1", port, is_master=True, multi_tenant=True, wait_for_workers=False))
+    nodes += [Node(f"{output.name}-a", job), Node(f"{output.name}-b", job)]
+    return job
+
+
+def saved_by(processes: int, job: SimpleNamespace) -> bool:
+    return published(job.output).get("world_size") == processes and published(job.output)["global_step"] >= 2
+
+
+@pytest.fixture(scope="module")
+def runs(data, tmp_path_factory) -> SimpleNamespace:
+    root, nodes = tmp_path_factory.mktemp("elastic"), []
+    try:
+        lost = start_job(data, root / "lost", 30, nodes)
+        grown = start_job(data, root / "grown", 24, nodes)
+        survivor, dead, first, gone = nodes
+        for job, pair in ((lost, (survivor, dead)), (grown, (first, gone))):
+            wait_until(lambda job=job: saved_by(2, job), list(pair), "a checkpoint of two processes")
+            kill_node(pair[1].process)
+        wait_until(lambda: saved_by(1, grown), [first], "a checkpoint of the survivor alone")
+        # Hold the survivor still while the node comes back, so that the run has not ended before it joins;
+        # torchrun stops the survivor for the new rendezvous with a SIGTERM, delivered once it runs again.
+        os.kill(first.worker(), signal.SIGSTOP)
+        stops_before = first.output().count("closing signal SIGTERM")
+        nodes.append(Node("grown-b2", grown))
+        wait_until(lambda: first.output().count("closing signal SIGTERM") > stops_before, [first, nodes[-1]],
+                   "the survivor stopped for the returning node")
+        os.kill(first.worker(), signal.SIGCONT)
+        for node in (survivor, first, nodes[-1]):
+            node.finished()
+    finally:
+        for node in nodes:
+            if node.process.poll() is None:
+                kill_node(node.process)  # whatever a failure left running
+    return SimpleNamespace(lost=lost.output, grown=grown.output)
+
+
+def restart_line(before: str, after: int, step: int) -> str:
+    return (f"torchrun restarted this run (a process or node was lost, or one joined): {before} -> {after} "
+            f"process(es); it continues from its last checkpoint, at global step {step}; steps taken after that "
+            f"checkpoint before the restart are trained again (at most save_every_steps={SAVE_EVERY})")
+
+
+def test_the_survivor_of_a_lost_node_finishes_alone_from_the_last_checkpoint(runs):
+    log = (runs.lost / "training.log").read_text()
+    renumbered = re.search(r"resuming a run of 2 process\(es\) and 10 steps per epoch with 1 and 20: step (\d+) "
+                           r"becomes step (\d+);", log)
+    assert renumbered is not None, log[-3000:]
+    saved, resumed = int(renumbered.group(1)), int(renumbered.group(2))
+    assert resumed == 2 * saved
+    two_processes = log[log.rindex("2 process(es), 10 steps per epoch", 0, renumbered.start()):renumbered.start()]
+    assert "error: " in two_processes  # why the survivor's process stopped, in the log
+    reached = max(int(step) for step in re.findall(r"Global Step: (\d+) ", two_processes))
+    assert saved <= reached <= saved + SAVE_EVERY  # at most save_every_steps lost
+    assert restart_line("2 process(es)", 1, resumed) in log
+    final = load_run(runs.lost)
+    assert final["world_size"] == 1 and final["progress"]["global_step"] == 30
+    # the LR schedule goes on at the renumbered step: logged at 1-based step s, the LR of step s - 1 of 20 x 4
+    lr_logged = scalars(runs.lost, "learning_rate")
+    for step in range(resumed + 1, 31):
+        assert lr_logged[step] == pytest.approx(LR * (1 - (step - 1) / (20 * EPOCHS)) ** 2, rel=1e-6), step
+
+
+def test_a_node_that_comes_back_grows_the_run_at_the_next_restart_losing_nothing(runs):
+    log = (runs.grown / "training.log").read_text()
+    assert restart_line("2 process(es)", 1, int(re.findall(r"with 1 and 20: step \d+ becomes step (\d+)", log)[0])) \
+        in log
+    preempted = re.findall(r"preempted at global step (\d+): checkpoint saved; --resume continues", log)
+    assert preempted, log[-3000:]
+    stopped = int(preempted[-1])  # torchrun stopped the survivor with a SIGTERM for the new rendezvous
+    grown = re.search(rf"resuming a run of 1 process\(es\) and 20 steps per epoch with 2 and 10: step {stopped} "
+                      r"becomes step (\d+);", log)
+    assert grown is not None, log[-3000:]
+    assert int(grown.group(1)) == round(stopped / 2)
+    assert restart_line("1 process(es)", 2, int(grown.group(1))) in log
+    final = load_run(runs.grown)
+    assert final["world_size"] == 2 and final["progress"]["global_step"] == 24
+
+
+def test_resume_auto_starts_a_fresh_folder_and_continues_a_run(tmp_path):
+    assert resolve_resume(str(tmp_path / "new"), AUTO) is None
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "training.log").write_text("a run that stopped before its first save\n")
+    assert resolve_resume(str(tmp_path / "run"), AUTO) is None
+    (tmp_path / "run" / POINTER_NAME).write_text("{}")
+    assert resolve_resume(str(tmp_path / "run"), AUTO) == ("checkpoint", tmp_path / "run" / POINTER_NAME)
+
+
+def test_only_the_torchrun_run_that_last_held_a_run_folder_continues_it(tmp_path):
+    output = str(tmp_path / "run")
+    lock_run_dir(output, "job-7").close()
+    assert not continues_torchrun_run(output, "job-7")  # nothing saved yet: a restart starts the run afresh
+    (tmp_path / "run" / POINTER_NAME).write_text("{}")
+    assert continues_torchrun_run(output, "job-7")
+    assert not continues_torchrun_run(output, "job-8")  # another launch into a run folder is refused as ever
+    assert not continues_torchrun_run(output, None)
+    lock_run_dir(output).close()  # taken over by a run outside torchrun
+    assert (tmp_path / "run" / LOCK_NAME).read_text() == f"pid {os.getpid()} on {socket.gethostname()}\n"
+    assert not continues_torchrun_run(output, "job-7")

@@ -1,0 +1,98 @@
+"""Stopping a run between two steps, on a signal: a scheduler's preemption notice or the user's Ctrl-C.
+
+SIGTERM and SIGUSR1 (what SLURM, Kubernetes and spot-instance notices send; torchrun forwards
+SIGTERM to every worker) ask the run to save a checkpoint and stop; SIGINT (Ctrl-C) asks it to stop
+without saving, and a second Ctrl-C stops it at once. A signal only records the request: the
+training loop reads it at each step boundary, where every rank agrees on the strongest request any
+rank received (a signal to one rank stops them all at the same step), so no signal ever lands in the
+middle of a step or of a save. Repeated SIGTERMs or SIGUSR1s, as a scheduler or torchrun may send them
+while the run saves, change nothing. Before the steps begin, and after they end, there is nothing to
+wait for: a Ctrl-C stops the run at once (KeyboardInterrupt); a SIGTERM before the first step stops it
+after that step, and one after the last step changes nothing (the final checkpoint is saved by then).
+"""
+from __future__ import annotations
+
+import logging
+import os
+import signal
+from enum import IntEnum
+from types import FrameType, TracebackType
+
+import torch
+
+from utils.distributed import all_reduce_max, host_group
+
+log = logging.getLogger(__name__)
+
+EXIT_PREEMPTED = os.EX_TEMPFAIL  # 75, "temporary failure: try again", for a scheduler to requeue on
+EXIT_INTERRUPTED = 128 + signal.SIGINT  # 130, what a shell reports for a command stopped by Ctrl-C
+
+
+class StopRequest(IntEnum):
+    """What the signals received ask of the run; ranks agree on the largest."""
+
+    NONE = 0
+    INTERRUPT = 1  # Ctrl-C: stop at the step boundary without saving
+    PREEMPT = 2    # SIGTERM, SIGUSR1: save a checkpoint at the step boundary, then stop
+
+
+_REQUESTS = {signal.SIGINT: StopRequest.INTERRUPT, signal.SIGTERM: StopRequest.PREEMPT,
+             signal.SIGUSR1: StopRequest.PREEMPT}
+
+
+class RunStopped(Exception):
+    """The run stopped at a step boundary because a signal asked it to; `exit_code` says how."""
+
+    def __init__(self, message: str, exit_code: int) -> None:
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
+class StopSignals:
+    """While inside `with StopSignals() as signals:`, SIGTERM, SIGUSR1 and SIGINT are requests that
+    `signals.agreed()` turns into one decision for every rank; outside, they act as they did before,
+    except that once a stop was asked for, the process ignores SIGTERM and SIGUSR1 until it exits.
+
+    Collective to create (it may create the process group that carries the decision)."""
+
+    def __init__(self) -> None:
+        self.requested = StopRequest.NONE
+        self.stepping = False  # set by the training loop while it runs steps: a Ctrl-C waits for the step's end
+        self._interrupted = False
+        self._group = host_group()
+        self._previous: dict[int, object] = {}
+
+    def __enter__(self) -> StopSignals:
+        self._previous = {number: signal.signal(number, self._receive) for number in _REQUESTS}
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, error: BaseException | None,
+                 traceback: TracebackType | None) -> None:
+        for number, handler in self._previous.items():
+            # A process stopped by a signal has saved and is leaving: a later SIGTERM (torchrun ends the other
+            # workers as soon as one exits, a scheduler may repeat itself) must not cut its exit short.
+            stopping = self.requested != StopRequest.NONE and number != signal.SIGINT
+            signal.signal(number, signal.SIG_IGN if stopping else handler)
+
+    def _receive(self, number: int, frame: FrameType | None) -> None:
+        if number == signal.SIGINT:
+            if self._interrupted or not self.stepping:
+                raise KeyboardInterrupt  # nothing to wait for, or the user insists: every file written stays whole
+            self._interrupted = True
+        request = _REQUESTS[number]
+        if request <= self.requested:
+            return
+        self.requested = request
+        if not self.stepping:  # before the first step (which it stops after) or after the last: nothing to say
+            return
+        if request == StopRequest.INTERRUPT:
+            log.info("Ctrl-C: stopping after this step without saving (Ctrl-C again stops at once; SIGTERM or "
+                     "SIGUSR1 instead would save first)")
+        else:
+            log.info("%s: saving a checkpoint after this step, then stopping", signal.Signals(number).name)
+
+    def agreed(self) -> StopRequest:
+        """The strongest request any rank has received. Collective: every rank calls it at each step boundary.
+
+        It travels through a host-side (gloo) group, so that asking costs the step no wait for the device."""
+        return StopRequest(int(all_reduce_max(torch.tensor(float(self.requested)), group=self._group).item()))
