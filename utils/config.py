@@ -169,6 +169,9 @@ def _check_values(values: dict) -> None:
     for key in _POSITIVE:
         if values[key] < 1:
             raise ConfigError(f"config key {key!r} must be at least 1, not {values[key]}")
+    if values["batch_size"] * values["num_views"] < 2:
+        raise ConfigError("batch_size=1 with num_views=1 puts one image in each step, and the embedding's BatchNorm "
+                          "needs two or more; raise batch_size")
     if values["fp16"] and values["bf16"]:
         raise ConfigError("config keys 'fp16' and 'bf16' are both True; choose one (--set bf16=False)")
     _check_margins(values["margin_list"], values["margin_scale"])
