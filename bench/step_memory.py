@@ -4,14 +4,14 @@ against (tests/test_memory_plan.py) and compared with (bench/bench_scale.py, ben
     python -m bench.step_memory configs/synthetic_pair.py --set network=r18 --case "batch_size=16" \\
         --case "batch_size=32 bf16=True" [--device cuda] [--json]
 
-Per case the training state and loader are built as train.py builds them, and two optimizer steps run
-(`training.step.train_step`) of which the second is measured. Markers at the step's edges, around each
-micro-batch's backbone forward (module hooks) and where the embeddings' gradient arrives (a tensor
-hook) split it into the plan's moments; the device's own accounting gives the bytes alive at each
-marker and the peak between two: the CUDA caching allocator's statistics on a GPU, torch.profiler's
-record of every CPU allocation on a CPU (its allocation events carry their sizes and times). The
-tensors the plan sizes by arithmetic (parameters, gradients, optimizer state) are measured as they are.
-Under torchrun or a process group every rank measures; rank 0's figures are printed.
+Per case the training state and loader are built as train.py builds them, and optimizer steps run
+(`training.step.train_step`) until one was taken; the step after it is measured. Markers at the
+step's edges, around each micro-batch's backbone forward (module hooks) and where the embeddings'
+gradient arrives (a tensor hook) split it into the plan's moments; the device's own accounting gives
+the bytes alive at each marker and the peak between two: the CUDA caching allocator's statistics on
+a GPU, torch.profiler's record of every CPU allocation on a CPU (its allocation events carry their
+sizes and times). The tensors the plan sizes by arithmetic (parameters, gradients, optimizer state)
+are measured as they are. Under torchrun every rank measures; rank 0's figures are printed.
 """
 from __future__ import annotations
 
@@ -30,11 +30,11 @@ from torch.profiler import ProfilerActivity, profile, record_function
 from dataset import build_dataset, build_loader
 from training.memory_plan import memory_plan
 from training.state import TrainingState, build_training_state, wrap_in_ddp
-from training.step import train_step
+from training.step import StepOutcome, train_step
 from utils.config import load_config
 from utils.distributed import init_distributed, is_main, rank, world
 
-STEPS = 2  # the first creates the optimizer state; the second is measured
+MAX_STEPS = 12  # steps run until one was taken (fp16 skips its first ones: the grad scale backs off)
 
 
 @dataclass
@@ -143,15 +143,19 @@ def measure(cfg: SimpleNamespace, device: torch.device) -> dict[str, int]:
         marks.mark("ddp end")
         _hook_markers(state, marks, inputs, gradients)
         torch.manual_seed(cfg.seed + 1 + rank())
-        for step, micro_batches in enumerate(loader.steps(0, STEPS, cfg.gradient_acc)):
-            marks.mark(f"step {step}")
-            train_step(state, micro_batches, cfg)
-            marks.mark(f"step {step} end")
+        taken = False
+        for measured_step, micro_batches in enumerate(loader.steps(0, MAX_STEPS, cfg.gradient_acc)):
+            marks.mark(f"step {measured_step}")
+            outcome = train_step(state, micro_batches, cfg)[1]
+            marks.mark(f"step {measured_step} end")
+            if taken:  # the optimizer state exists: this step was the one measured
+                break
+            taken = outcome == StepOutcome.TAKEN
         optimizer_state = {parameter: _nbytes(value for value in state.optimizer.state[parameter].values()
                                               if value.shape == parameter.shape)
                            for parameter in state.optimizer.state}
     backbone = list(state.backbone.parameters())
-    last, measured_step = STEPS * cfg.gradient_acc, STEPS - 1  # the measured step and its last micro-batch
+    last = (measured_step + 1) * cfg.gradient_acc  # the measured step's last micro-batch
     centre_gradient = gradients[state.pfc.weight]
     # The forward's input, normalised just before the backbone is called, is held through the backward.
     start = marks.at(f"forward {last}") - inputs[last - 1]
@@ -181,8 +185,8 @@ def measure(cfg: SimpleNamespace, device: torch.device) -> dict[str, int]:
 
 
 def compare(cfg: SimpleNamespace, device: torch.device) -> dict[str, dict[str, int | None]]:
-    """{"plan": bytes by item, "measured": bytes by item} for this process (planned before anything is built)."""
-    plan = memory_plan(cfg, cfg.num_classes, world())
+    """{"plan": bytes by item (rank 0 only, planned before anything is built), "measured": bytes by item}."""
+    plan = memory_plan(cfg, cfg.num_classes, world()) if is_main() else {}
     return {"plan": plan, "measured": measure(cfg, device)}
 
 

@@ -38,7 +38,14 @@ from torch.utils.weak import WeakIdKeyDictionary
 from backbones import get_model
 from utils.image import IMAGE_SIZE, normalize
 
-Trace = tuple[int, list[int]]  # bytes held after the forward, and alive after each allocation, of one step
+
+@dataclass(frozen=True)
+class _Trace:
+    """Bytes of one traced step of the backbone."""
+
+    held: int         # alive when the forward ends, as the step's softmax starts
+    released: int     # freed when the step's autocast ends: weight casts that no backward keeps
+    live: list[int]   # alive after each allocation (where every peak is)
 
 
 class BackboneMemory:
@@ -52,44 +59,53 @@ class BackboneMemory:
     second trace comes with the first question about another.
     """
 
-    def __init__(self, parameters: int, trainable: int, buffers: int, trace: Callable[[int], Trace]) -> None:
+    def __init__(self, parameters: int, trainable: int, buffers: int, trace: Callable[[int], _Trace]) -> None:
         self.parameters = parameters  # every parameter
         self.trainable = trainable    # the parameters that get a gradient (and optimizer state)
         self.buffers = buffers        # BatchNorm statistics and other buffers
         self._trace = trace
-        self._traces: dict[int, Trace] = {}
-        self._affine: tuple[tuple[int, int], tuple[tuple[int, int], ...]] | None = None
+        self._traces: dict[int, _Trace] = {}
+        self._peaks: tuple[tuple[int, int], ...] = ()
 
     def held(self, batch_size: int) -> int:
-        """Left by the forward for the backward: activations, the normalised batch, the embeddings."""
-        if batch_size in self._traced(batch_size):
-            return self._traces[batch_size][0]
-        fixed, per_record = self._amounts()[0]
-        return fixed + per_record * batch_size
+        """Left by the forward for the backward: activations, the normalised batch, the embeddings; and
+        autocast's weight casts, until the step's autocast ends."""
+        return self._amount(batch_size, "held")
+
+    def released(self, batch_size: int) -> int:
+        """Of `held`, freed when the step's autocast ends (casts that checkpointing did not keep)."""
+        return self._amount(batch_size, "released")
 
     def peak(self, batch_size: int) -> int:
         """The forward's and backward's largest, parameter gradients included."""
         if batch_size in self._traced(batch_size):
-            return max(self._traces[batch_size][1])
-        return max(fixed + per_record * batch_size for fixed, per_record in self._amounts()[1])
+            return max(self._traces[batch_size].live)
+        if not self._peaks:
+            (first, one), (_, other) = self._two_traces()
+            if len(one.live) != len(other.live):
+                raise RuntimeError(f"tracing at {first} and {first + 1} records allocated {len(one.live)} and "
+                                   f"{len(other.live)} times: the network's operators depend on the batch size")
+            self._peaks = _upper_front(_through(first, *amounts) for amounts in zip(one.live, other.live, strict=True))
+        return max(fixed + per_record * batch_size for fixed, per_record in self._peaks)
 
-    def _traced(self, batch_size: int) -> dict[int, Trace]:
+    def _amount(self, batch_size: int, name: str) -> int:
+        if batch_size in self._traced(batch_size):
+            return getattr(self._traces[batch_size], name)
+        (first, one), (_, other) = self._two_traces()
+        fixed, per_record = _through(first, getattr(one, name), getattr(other, name))
+        return fixed + per_record * batch_size
+
+    def _traced(self, batch_size: int) -> dict[int, _Trace]:
         if not self._traces:
             self._traces[batch_size] = self._trace(batch_size)
         return self._traces
 
-    def _amounts(self) -> tuple[tuple[int, int], tuple[tuple[int, int], ...]]:
-        """(fixed, per record) of the bytes held, and of those alive after each allocation that can be the largest."""
-        if self._affine is None:
-            first = next(iter(self._traces))
+    def _two_traces(self) -> list[tuple[int, _Trace]]:
+        """The first batch size traced and one record more."""
+        first = next(iter(self._traces))
+        if first + 1 not in self._traces:
             self._traces[first + 1] = self._trace(first + 1)
-            (held, live), (more_held, more_live) = self._traces[first], self._traces[first + 1]
-            if len(live) != len(more_live):
-                raise RuntimeError(f"tracing at {first} and {first + 1} records allocated {len(live)} and "
-                                   f"{len(more_live)} times: the network's operators depend on the batch size")
-            self._affine = (_through(first, held, more_held), _upper_front(
-                _through(first, one, other) for one, other in zip(live, more_live, strict=True)))
-        return self._affine
+        return [(first, self._traces[first]), (first + 1, self._traces[first + 1])]
 
 
 def backbone_memory(network: str, network_kwargs: dict, embedding_size: int, dropout: float,
@@ -296,7 +312,7 @@ class _TracedNetwork:
                                                 functools.partial(self._trace, precision, num_views=num_views))
         return self.memories[key]
 
-    def _trace(self, precision: torch.dtype | None, batch_size: int, num_views: int) -> Trace:
+    def _trace(self, precision: torch.dtype | None, batch_size: int, num_views: int) -> _Trace:
         autocast = (torch.autocast("cpu", dtype=precision) if precision is not None else contextlib.nullcontext())
         try:
             with self.fake, self.live:
@@ -306,11 +322,12 @@ class _TracedNetwork:
                     flat = normalize(images).reshape(batch_size * num_views, 3, IMAGE_SIZE, IMAGE_SIZE)
                     with autocast:
                         embeddings = self.model(flat)
-                        held = count.live  # the step's softmax runs inside its autocast, with the casts cached
+                        held = count.live  # the step's softmax starts inside its autocast, with the casts cached
                     self.autocast_cache.clear()
+                    released = held - count.live
                     self.in_backward = True
                     embeddings.backward(torch.empty_like(embeddings))
-                    return held, count.after_each_allocation
+                    return _Trace(held, released, count.after_each_allocation)
         finally:
             self.in_backward = False
             self.gradients.clear()

@@ -36,7 +36,7 @@ from utils.image import IMAGE_SIZE
 
 FLOAT32, HALF, INDEX = 4, 2, 8
 IMAGE_BYTES = 3 * IMAGE_SIZE * IMAGE_SIZE  # one uint8 view
-MAX_PROCESSES = 1 << 16
+MAX_PROCESSES = 8192
 GIB = 2 ** 30
 
 PERSISTENT = ("class_centres", "centre_optimizer_state", "backbone_parameters", "backbone_optimizer_state",
@@ -58,8 +58,11 @@ def memory_plan(cfg: SimpleNamespace, num_classes: int | None, world_size: int) 
     if num_classes is not None:
         rows = class_range(num_classes, 0, world_size)[1]
         centres = rows * cfg.embedding_size * FLOAT32
+        forward, backward = _softmax_peaks(cfg, rows, world_size)
+        # The step's autocast ends between the softmax's forward and backward, freeing the backbone's
+        # weight casts that no backward keeps (under checkpointing): the backward peaks above less.
         plan.update(class_centres=centres, centre_gradient=centres, centre_optimizer_state=states * centres,
-                    logits_buffer=_softmax_peak(cfg, rows, world_size))
+                    logits_buffer=max(forward, backward - backbone.released(cfg.batch_size)))
     plan.update(
         backbone_parameters=backbone.parameters + 2 * backbone.buffers,
         backbone_optimizer_state=states * backbone.trainable,
@@ -91,9 +94,9 @@ def _optimizer_states(cfg: SimpleNamespace) -> int:
     return 1 if cfg.momentum else 0
 
 
-def _softmax_peak(cfg: SimpleNamespace, rows: int, world_size: int) -> int:
-    """PartialFC's peak over one forward and backward, above what was alive when it started, from the
-    buffers partial_fc.py allocates in turn. N rows: every rank's embeddings of every view; C columns:
+def _softmax_peaks(cfg: SimpleNamespace, rows: int, world_size: int) -> tuple[int, int]:
+    """PartialFC's peaks in its forward and in its backward, above what was alive when it started, from
+    the buffers partial_fc.py allocates in turn. N rows: every rank's embeddings of every view; C columns:
     the centres of the step (sampled: every positive class, topped up to sample_rate of the rows)."""
     local = cfg.batch_size * cfg.num_views
     n, d = local * world_size, cfg.embedding_size
@@ -112,8 +115,8 @@ def _softmax_peak(cfg: SimpleNamespace, rows: int, world_size: int) -> int:
     else:
         forward = nc + filter_mask
         gemms = nc + nd + cd
-    backward = max(gemms, nc + nd + cd + centre_gradient)
-    return beside + max(forward, backward)
+    projection = 4 * columns * FLOAT32  # the normalisation's backward: a few values per centre
+    return beside + forward, beside + max(gemms, nc + nd + cd + centre_gradient + projection)
 
 
 @dataclass(frozen=True)
@@ -137,10 +140,9 @@ def fit(cfg: SimpleNamespace, num_classes: int, world_size: int, available: int)
         return memory_plan(SimpleNamespace(**{**vars(cfg), "batch_size": batch_size}), num_classes,
                            processes)["total"]
 
-    most = min(num_classes, MAX_PROCESSES)
-    fewest = None
-    if total(cfg.batch_size, most) <= available:
-        fewest = next(p for p in range(1, most + 1) if total(cfg.batch_size, p) <= available)
+    # Not a bisection: more processes hold fewer centres each, but the softmax's rows (the global batch) grow.
+    fewest = next((processes for processes in range(1, min(num_classes, MAX_PROCESSES) + 1)
+                   if total(cfg.batch_size, processes) <= available), None)
     return Fit(available, total(cfg.batch_size, world_size),
                _largest(lambda batch_size: total(batch_size, world_size) <= available), fewest)
 
@@ -178,8 +180,8 @@ def describe(plan: dict[str, int | None], cfg: SimpleNamespace) -> str:
         lines += [f"    {item.replace('_', ' '):<{width}}{_amount(plan[item])}" for item in items]
     peak = max(alive, key=lambda when: _known(plan, alive[when]))
     lines.append(f"  {'total':<{width + 2}}{_amount(plan['total'])}  (the step's peak: held throughout + {peak})")
-    lines += [f"  {key.replace('_', ' '):<{width + 2}}{_amount(value)}  (within the moments above, or not on the "
-              "device)" for key, value in plan.items() if key not in shown]
+    lines += [f"  {key.replace('_', ' '):<{width + 2}}{_amount(value)}  (not in the total on its own)"
+              for key, value in plan.items() if key not in shown]
     return "\n".join(lines)
 
 
