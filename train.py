@@ -111,8 +111,8 @@ def dry_run_report(cfg: SimpleNamespace, world_size: int, as_json: bool, availab
         verdict = "pass --device-memory SIZE (e.g. 80GiB) to see whether it fits"
     else:
         verdict = "set num_classes to see whether it fits"
-    return (f"{keys}\n\nmemory per process (rank 0 of {world_size}), batch_size {cfg.batch_size} x "
-            f"{cfg.num_views} view(s):\n{describe(plan, cfg)}\n{verdict}")
+    return (f"{keys}\n\nmemory per process, {world_size} process(es) (rank 0's: it holds the most centres), "
+            f"batch_size {cfg.batch_size} x {cfg.num_views} view(s):\n{describe(plan, cfg)}\n{verdict}")
 
 
 def _device_memory(args: argparse.Namespace) -> int | None:
