@@ -11,6 +11,8 @@ Rows:
   ones, compared tensor for tensor: the README's promise of bitwise resume on GPUs.
 - bench_pfc: PartialFC fp16 at 1M and 4M classes, sample rate 1.0 and 0.1: ms per step and peak
   memory as ratios to a dense nn.Linear + margin + cross-entropy where that fits.
+- memory plan: the --dry-run memory plan of r50 and of vit_b (checkpointed) at 128 x 2 views in fp16
+  against a real step (bench/step_memory.py): the total planned / the peak allocated, and plan/peak per item.
 - gpu decode: GPU-decoded batches against CPU-decoded ones (tests/test_loader.py's GPU tests).
 
 `--tiny` runs every row on the CPU with tiny shapes: a smoke test of this script, not a measurement.
@@ -18,12 +20,15 @@ Rows:
 from __future__ import annotations
 
 import argparse
+import json
 import re
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+from bench.step_memory import ratios
 
 ROOT = Path(__file__).resolve().parent.parent
 SPEED = re.compile(r"Speed ([\d.]+) samples/sec ([\d.]+) images/sec   Loss ([\d.]+)")
@@ -106,6 +111,33 @@ def bench_pfc(tiny: bool) -> list[tuple[str, str]]:
     return [(f"bench_pfc {' '.join(line.split()[:2])}", " ".join(line.split()[2:])) for line in lines]
 
 
+# bench.step_memory's configurations: the memory plan of each against a real step (one process).
+MEMORY_PLAN_CASES = {
+    "r50 fp16, 128 x 2 views, 1M classes at 10%": "network=r50 fp16=True batch_size=128 num_classes=1000000 "
+                                                  "sample_rate=0.1",
+    "vit_b fp16 (checkpointed), 128 x 2 views, 100k classes": "network=vit_b fp16=True batch_size=128 "
+                                                              "num_classes=100000",
+}
+TINY_MEMORY_PLAN = ["network=r18", "network_kwargs={'width_mult':0.0625}", "batch_size=2", "num_classes=1000"]
+
+
+def memory_plan(tiny: bool) -> list[tuple[str, str]]:
+    """The --dry-run memory plan against what a real step allocates (bench/step_memory.py): the total and
+    plan/peak per item, from the CUDA caching allocator's statistics."""
+    command = [sys.executable, "-m", "bench.step_memory", "configs/synthetic_pair.py", "--json"]
+    for item in ["rec=synthetic", "embedding_size=512", "num_workers=0", "optimizer=sgd", "network_kwargs={}",
+                 *(TINY_MEMORY_PLAN if tiny else [])]:
+        command += ["--set", item]
+    for case in ([] if tiny else MEMORY_PLAN_CASES.values()):
+        command += ["--case", case]
+    status, out = sh(command + ([] if tiny else ["--device", "cuda"]), 400)
+    results = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+    if status or not results:
+        return [("memory plan", f"FAILED (exit {status}): {out.strip().splitlines()[-1:]}")]
+    names = ["tiny r18 on the CPU"] if tiny else list(MEMORY_PLAN_CASES)
+    return [(f"memory plan {name}", ratios(result)) for name, result in zip(names, results, strict=True)]
+
+
 def gpu_decode(tiny: bool) -> tuple[str, str]:
     if tiny:
         return "gpu decode vs cpu decode", "skipped (needs a GPU)"
@@ -130,6 +162,7 @@ def main(argv=None) -> int:
                               "dali=True"))
         rows.append(deterministic_resume(work / "pairs", work / "resume"))
         rows += bench_pfc(args.tiny)
+        rows += memory_plan(args.tiny)
         rows.append(gpu_decode(args.tiny))
     width = max(len(name) for name, _ in rows)
     print(f"{'check':<{width}}  result")

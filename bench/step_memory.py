@@ -201,6 +201,15 @@ def table(case: str, result: dict[str, dict[str, int | None]]) -> str:
     return "\n".join(lines)
 
 
+def ratios(result: dict[str, dict[str, int | None]]) -> str:
+    """One line: the total planned and measured, and plan/measured of every item measured above zero."""
+    plan, measured = result["plan"], result["measured"]
+    items = ", ".join(f"{item.replace('_', ' ')} {plan[item] / measured[item]:.2f}" for item in measured
+                      if item != "total" and measured[item] and plan.get(item) is not None)
+    return (f"total plan {plan['total'] / 2 ** 30:.2f} GiB / peak {measured['total'] / 2 ** 30:.2f} GiB = "
+            f"{plan['total'] / measured['total']:.2f}; {items}")
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("config")
