@@ -31,6 +31,7 @@ from dataset import build_dataset, build_loader
 from training.memory_plan import memory_plan
 from training.state import TrainingState, build_training_state, wrap_in_ddp
 from training.step import StepOutcome, train_step
+from utils.cli import exit_on_user_error
 from utils.config import load_config
 from utils.distributed import init_distributed, is_main, rank, world
 
@@ -220,13 +221,13 @@ def main(argv=None) -> int:
     parser.add_argument("--json", action="store_true", help="one JSON object per case and line")
     args = parser.parse_args(argv)
     device = torch.device("cuda", torch.cuda.current_device()) if args.device == "cuda" else torch.device("cpu")
-    init_distributed(device, timeout_minutes=10)
-    for case in args.case or [""]:
-        cfg = load_config(args.config, [*args.set, *case.split()])
-        result = compare(cfg, device)
-        if is_main():
-            print(json.dumps({"case": case, **result}) if args.json else table(case or "(as configured)", result),
-                  flush=True)
+    with exit_on_user_error():
+        init_distributed(device, timeout_minutes=10)
+        for case in args.case or [""]:
+            result = compare(load_config(args.config, [*args.set, *case.split()]), device)
+            if is_main():
+                print(json.dumps({"case": case, **result}) if args.json else table(case or "(as configured)", result),
+                      flush=True)
     return 0
 
 

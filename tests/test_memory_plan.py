@@ -1,13 +1,12 @@
 """The memory plan (--dry-run, the start-up warning) against what real steps allocate.
 
-One child process (bench/step_memory.py) builds each configuration below as train.py does, runs two
-real steps on the CPU and measures the second: torch.profiler's record of every CPU allocation gives
-the bytes alive at markers around the backbone's forward and the softmax and the step's peak, and the
+One child process (bench/step_memory.py) builds each configuration below as train.py does, runs real
+steps on the CPU and measures one: torch.profiler's record of every CPU allocation gives the bytes
+alive at markers around the backbone's forward and the softmax and the step's peak, and the
 parameters, gradients and optimizer state are measured as they are. Between them the configurations
-vary every config key the plan reads (checked below by recording what it reads). Tolerance: the items
-the plan sizes by arithmetic exactly; the traced and softmax items, the batch and the total within 15%
-(measured: within 4%, but for CPU bfloat16 convolutions, whose im2col buffers GPU kernels do not have:
-the backward and total of r18 in bf16 at 0.90).
+vary every config key the plan reads (checked below by recording what it reads); one more runs on two
+processes under torchrun. Tolerance: the items the plan sizes by arithmetic exactly, the others as
+TOLERANCE says.
 """
 from __future__ import annotations
 
@@ -30,8 +29,9 @@ BASE = ["rec=synthetic", "num_classes=600", "num_image=48", "embedding_size=32",
 CASES = {
     "r18 fp32, 2 views, SGD": "",
     "r18 bf16, 10% of the centres, AdamW": "bf16=True sample_rate=0.1 optimizer=adamw",
-    "mbf fp32, 1 view, dropout, SGD without momentum": "network=mbf network_kwargs={'width_mult':0.25} num_views=1 batch_size=3 "
-                                                       "dropout=0.2 momentum=0.0 num_classes=1000 embedding_size=64",
+    "mbf fp32, 1 view, dropout, SGD without momentum": "network=mbf network_kwargs={'width_mult':0.25} num_views=1 "
+                                                       "batch_size=3 dropout=0.2 momentum=0.0 num_classes=1000 "
+                                                       "embedding_size=64",
     "vit_t fp16, 2 micro-batches, inter-class filtering": "network=vit_t network_kwargs={'width_mult':0.125} "
                                                           "fp16=True gradient_acc=2 "
                                                           "interclass_filtering_threshold=0.3",
@@ -41,9 +41,11 @@ CASES = {
 }
 EXACT = ("class_centres", "centre_gradient", "centre_optimizer_state", "backbone_parameters", "backbone_gradients",
          "backbone_optimizer_state")
-# DDP's buckets: the plan counts their gradient copy; DDP allocates a few more bytes beside (0.7% here).
-ESTIMATED = ("activations", "logits_buffer", "backbone_backward", "ddp_gradient_buckets", "batch", "total")
-TOLERANCE = 0.15
+# plan/measured may be this far from 1: measured within 1.5% but for the softmax's small terms (6-10% of
+# its peak in these tiny configurations) and CPU bf16 convolutions' im2col buffers (the backward and
+# total of r18 in bf16: 0.91, 0.92), and DDP's few bytes beside its buckets (0.7%).
+TOLERANCE = {"activations": 0.05, "batch": 0.02, "ddp_gradient_buckets": 0.05, "logits_buffer": 0.15,
+             "backbone_backward": 0.15, "total": 0.15}
 
 
 def config(case: str = "") -> SimpleNamespace:
@@ -81,8 +83,8 @@ def measured() -> dict[str, dict]:
 def assert_close_to_a_real_step(result: dict) -> None:
     plan, real = result["plan"], result["measured"]
     assert {item: plan[item] for item in EXACT} == {item: real[item] for item in EXACT}
-    ratios = {item: plan[item] / real[item] for item in ESTIMATED if real[item]}
-    assert all(abs(ratio - 1) <= TOLERANCE for ratio in ratios.values()), ratios
+    ratios = {item: plan[item] / real[item] for item in TOLERANCE if real[item]}
+    assert all(abs(ratio - 1) <= TOLERANCE[item] for item, ratio in ratios.items()), ratios
 
 
 @pytest.mark.parametrize("name", CASES)
