@@ -154,8 +154,11 @@ def test_the_dry_run_says_whether_it_fits_and_the_largest_batch_and_fewest_proce
     (["--device-memory", "80GiB"],
      "error: --device-memory only applies with --dry-run (a run uses its device's own size); add --dry-run, or "
      "leave --device-memory out\n"),
+    (["--dry-run", "--set", "batch_size=1", "--set", "num_views=1"],
+     "error: batch_size=1 with num_views=1 puts one image in each step, and the embedding's BatchNorm needs two or "
+     "more; raise batch_size\n"),
 ])
-def test_a_device_memory_that_is_not_an_amount_or_not_for_a_dry_run_is_one_line(capsys, arguments, message):
+def test_a_bad_device_memory_or_a_one_image_step_is_one_error_line(capsys, arguments, message):
     assert train.main([str(ROOT / CONFIG), *arguments]) == 1
     assert capsys.readouterr().err == message
 
