@@ -72,11 +72,11 @@ def memory_plan(cfg: SimpleNamespace, num_classes: int | None, world_size: int) 
         backbone_backward=backbone.peak(cfg.batch_size),
         backbone_gradients=backbone.trainable,
     )
-    plan["total"] = _known(plan, PERSISTENT) + max(_known(plan, items) for items in moments(cfg).values())
+    plan["total"] = _known(plan, PERSISTENT) + max(_known(plan, items) for items in _moments(cfg).values())
     return plan
 
 
-def moments(cfg: SimpleNamespace) -> dict[str, tuple[str, ...]]:
+def _moments(cfg: SimpleNamespace) -> dict[str, tuple[str, ...]]:
     """The items alive at each moment a step can peak."""
     if cfg.gradient_acc == 1:
         return MOMENTS
@@ -170,7 +170,7 @@ def device_bytes(device: torch.device) -> int:
 
 def describe(plan: dict[str, int | None], cfg: SimpleNamespace) -> str:
     """The plan as aligned lines of GiB, grouped by when the items are alive."""
-    alive = moments(cfg)
+    alive = _moments(cfg)
     groups = {"held throughout": PERSISTENT, **alive}
     shown = {item for items in groups.values() for item in items} | {"total"}
     width = max(len(key) for key in plan) + 2
