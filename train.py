@@ -29,7 +29,7 @@ from checkpoint.restored import Restored
 from checkpoint.run_dir import AUTO, continues_torchrun_run, lock_run_dir, resolve_resume
 from dataset import FaceLoader, build_dataset, build_loader
 from eval.callback import VerificationCallback, check_val_targets
-from training.memory_plan import describe, device_bytes, memory_plan, processes_that_fit
+from training.memory_plan import describe, describe_fit, device_bytes, fit, memory_plan
 from training.state import StepCounter, TrainingState, architecture, build_training_state, wrap_in_ddp
 from training.step import StepOutcome, train_step
 from utils.cli import report
@@ -40,6 +40,7 @@ from utils.errors import ConfigError, TrainingError, UserError
 from utils.launcher import adopt_srun_environment, launched_rank, local_process, torchrun_run_id
 from utils.log import SpeedLogger, log_to_file_only, setup_logging
 from utils.metrics import Metrics, open_metrics
+from utils.sizes import parse_size
 from utils.stop import EXIT_INTERRUPTED, EXIT_PREEMPTED, RunStopped, StopRequest, StopSignals
 
 log = logging.getLogger("train")
@@ -56,6 +57,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--world-size", type=int, default=None, metavar="N",
                         help="with --dry-run: plan for N processes (default: WORLD_SIZE, else 1)")
     parser.add_argument("--json", action="store_true", help="with --dry-run: one JSON object {config, memory}")
+    parser.add_argument("--device-memory", metavar="SIZE",
+                        help="with --dry-run: memory per process, e.g. 80GiB (default: this machine's GPU, if any); "
+                             "says whether the run fits, the largest batch_size and the fewest processes that fit")
     return parser.parse_args(argv)
 
 
@@ -65,10 +69,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         adopt_srun_environment()  # before anything reads RANK: `srun python train.py` tells only Slurm's variables
         cfg = load_config(args.config, args.set + (["resume=True"] if args.resume else []))
-        planned = planned_world_size(args.dry_run, args.world_size, args.json, os.environ)
         if args.dry_run:
-            print(dry_run_report(cfg, planned, args.json))
+            print(dry_run_report(cfg, planned_world_size(args.world_size, os.environ), args.json, _device_memory(args)))
             return 0
+        _refuse_report_options(args)
         check_data_path(cfg)
         check_val_targets(cfg.val_targets, cfg.rec)  # before any model is built (minutes for a large one)
         device = choose_device(cfg.device, *local_process())
@@ -115,13 +119,42 @@ def _report_interrupt(output: str | None) -> None:
     log_to_file_only(line)
 
 
-def dry_run_report(cfg: SimpleNamespace, world_size: int, as_json: bool) -> str:
-    """The resolved configuration and the memory plan of one process of `world_size`."""
+def dry_run_report(cfg: SimpleNamespace, world_size: int, as_json: bool, available: int | None) -> str:
+    """The resolved configuration and the memory plan of one process of `world_size`; with `available`
+    bytes per process, whether it fits and the largest batch_size and fewest processes that would."""
     plan = memory_plan(cfg, cfg.num_classes, world_size)
+    result = None if available is None or cfg.num_classes is None else fit(cfg, cfg.num_classes, world_size,
+                                                                           available)
     if as_json:
-        return json.dumps({"config": vars(cfg), "memory": {"world_size": world_size, **plan}})
+        verdict = {} if result is None else {
+            "device_memory": available, "fits": result.fits, "largest_batch_size": result.largest_batch_size,
+            "fewest_processes": result.fewest_processes}
+        return json.dumps({"config": vars(cfg), "memory": {"world_size": world_size, **plan, **verdict}})
     keys = "\n".join(f"{key} = {value!r}" for key, value in vars(cfg).items())
-    return f"{keys}\n\nmemory per process, {world_size} process(es) (activations not included):\n{describe(plan)}"
+    if result is not None:
+        verdict = describe_fit(result, cfg, world_size)
+    elif available is None:
+        verdict = "pass --device-memory SIZE (e.g. 80GiB) to see whether it fits"
+    else:
+        verdict = "set num_classes to see whether it fits"
+    return (f"{keys}\n\nmemory per process, {world_size} process(es) (rank 0's: it holds the most centres), "
+            f"batch_size {cfg.batch_size} x {cfg.num_views} view(s):\n{describe(plan, cfg)}\n{verdict}")
+
+
+def _device_memory(args: argparse.Namespace) -> int | None:
+    """Bytes per process to plan for: --device-memory, else this machine's GPU, else unknown."""
+    if args.device_memory is None:
+        return device_bytes(torch.device("cuda", 0)) if torch.cuda.is_available() else None
+    return parse_size(args.device_memory, "--device-memory")
+
+
+def _refuse_report_options(args: argparse.Namespace) -> None:
+    """--world-size, --json and --device-memory shape the --dry-run report alone: without it, one would
+    be silently ignored."""
+    for name in ("world_size", "json", "device_memory"):
+        if getattr(args, name) not in (None, False):
+            option = "--" + name.replace("_", "-")
+            raise ConfigError(f"{option} only shapes the --dry-run report; add --dry-run, or drop {option} to train")
 
 
 def _share_cpu(num_workers: int) -> None:
@@ -223,16 +256,16 @@ def _log_restart(restored: Restored | None, counter: StepCounter, save_every_ste
 
 
 def _check_memory(cfg: SimpleNamespace, num_classes: int, device: torch.device) -> None:
-    """Log the memory plan; warn, with what would fit, when it exceeds what this process may use."""
+    """Log the memory plan; warn, with what would fit, when it exceeds what this process may use. Rank 0
+    alone: it holds the most centres, and its log is the run's."""
+    if not is_main():
+        return
     plan, available = memory_plan(cfg, num_classes, world()), device_bytes(device)
-    log.info("memory plan per process: %.2f GiB (class centres %.2f GiB), %.2f GiB available on %s",
-             plan["total"] / 2 ** 30, plan["class_centres"] / 2 ** 30, available / 2 ** 30, device)
+    log.info("memory plan per process: %.2f GiB (activations %.2f GiB, class centres %.2f GiB), %.2f GiB available "
+             "on %s", plan["total"] / 2 ** 30, plan["activations"] / 2 ** 30, plan["class_centres"] / 2 ** 30,
+             available / 2 ** 30, device)
     if plan["total"] > available:
-        fits = processes_that_fit(cfg, num_classes, world(), available)
-        advice = f"use {fits} processes or more" if fits else "use a smaller network"
-        log.warning("the memory plan (%.2f GiB per process) exceeds the %.2f GiB available on %s: lower sample_rate "
-                    "(now %g) or batch_size, or %s", plan["total"] / 2 ** 30, available / 2 ** 30, device,
-                    cfg.sample_rate, advice)
+        log.warning("the memory plan %s", describe_fit(fit(cfg, num_classes, world(), available), cfg, world()))
 
 
 def _steps_per_epoch(loader: FaceLoader, gradient_acc: int) -> int:

@@ -16,8 +16,9 @@ what grows: 2 steps and a save, then a second run that resumes from that checkpo
 more step. Per process it reports the peak resident memory above the interpreter's baseline (after
 imports, before training: VmHWM - VmRSS), the seconds of the save and of the load, and the
 `--dry-run` memory plan of the same configuration as a ratio of that peak. A last row saves on 4
-processes at the largest C and resumes on 2. GPU figures would need the same script with `--device
-cuda` processes on a GPU machine: there the centres, logits and optimizer state live in GPU memory
+processes at the largest C and resumes on 2. Then, per item of the plan, the plan against one real
+step on 1 process at each C (bench/step_memory.py). GPU figures would need the same script with
+`--device cuda` processes on a GPU machine: there the centres, logits and optimizer state live in GPU memory
 and the host holds only the staging of the save.
 """
 from __future__ import annotations
@@ -32,6 +33,7 @@ import time
 from pathlib import Path
 
 import train
+from bench.step_memory import table
 from checkpoint import checkpointer, manifest, sharded
 from training.memory_plan import memory_plan
 from utils.config import load_config
@@ -173,7 +175,24 @@ def main(argv=None) -> int:
         if (classes, 1) in peaks and (classes, most) in peaks:
             print(f"C = {classes}: {most}-process peak / 1-process peak = "
                   f"{peaks[classes, most] / peaks[classes, 1]:.2f} (target <= 0.35 at C = 1M)")
+    print_items(args.classes)
     return 0
+
+
+def print_items(classes: list[int]) -> None:
+    """The plan per item against what one real step allocates on 1 process (bench/step_memory.py)."""
+    command = [sys.executable, "-m", "bench.step_memory", "configs/synthetic_pair.py", "--json"]
+    for item in SETTINGS:
+        command += ["--set", item]
+    for count in classes:
+        command += ["--case", f"num_classes={count}"]
+    done = subprocess.run(command, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True,
+                          text=True, check=True)
+    print("\nper item, 1 process: the plan against one real step (tensor bytes from torch.profiler's allocation "
+          "record)")
+    for line in done.stdout.splitlines():
+        result = json.loads(line)
+        print(table(f"C = {result['case'].split('=')[1]}", result))
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """The device check: what only a GPU can show, a table printed row by row as each check finishes
 (bench/gpu_check.sh). Every check runs in processes of its own under its own time budget (BUDGETS,
-seconds on one H200, 465 in all): one that overruns prints "timed out" and the next one starts.
+seconds on one H200, 510 in all): one that overruns prints "timed out" and the next one starts.
 It stops in its first seconds, with the reason, when CUDA cannot be used.
 
 Rows:
@@ -22,6 +22,8 @@ Rows:
 - decode and overlap: bench.decode_overlap, GPU decoding time per batch and how much of it the step hides.
 - bench_pfc: PartialFC fp16 at 1M and 4M classes, sample rate 1.0 and 0.1: ms per step and peak memory
   as ratios to a dense nn.Linear + margin + cross-entropy where that fits.
+- memory plan: the --dry-run memory plan of r50 and of vit_b (checkpointed) at 128 x 2 views in fp16
+  against a real step (bench/step_memory.py): the total planned / the peak allocated, and plan/peak per item.
 - gpu decode vs cpu decode: GPU-decoded batches against CPU-decoded ones (tests/test_loader.py's GPU tests).
 
 `--tiny` runs every row on the CPU with tiny shapes and four times the budgets: a smoke test of this
@@ -30,6 +32,7 @@ script, not a measurement.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import re
 import subprocess
@@ -41,6 +44,7 @@ from pathlib import Path
 
 import torch
 
+from bench.step_memory import ratios
 from tests.run_helpers import CONFIG, FP16_ON_CPU, arguments
 from utils.device import cuda_unavailable_reason
 
@@ -49,7 +53,7 @@ SPEED = re.compile(r"Speed ([\d.]+) samples/sec ([\d.]+) images/sec   Loss ([\d.
 PEAK = re.compile(r"peak GPU memory ([\d.]+) GiB")
 BUDGETS = {"check_pfc": 30, "data": 40, "train 2 views": 45, "train 1 view": 35, "train dali": 45,
            "torchrun resume": 75, "host syncs": 25, "memory growth": 30, "pfc precision": 15, "decode": 25,
-           "bench_pfc": 40, "gpu decode": 30}  # check_pfc runs twice: 465 s in all
+           "bench_pfc": 40, "memory plan": 45, "gpu decode": 30}  # check_pfc runs twice: 510 s in all
 TINY_SLACK = 4  # a loaded CPU is slower than an H200
 NAME_WIDTH = 44
 Rows = Iterator[tuple[str, str]]
@@ -233,6 +237,36 @@ def bench_pfc(run: Runner) -> Rows:
         yield f"bench_pfc {' '.join(line.split()[:2])}", " ".join(line.split()[2:])
 
 
+# bench.step_memory's configurations: the memory plan of each against a real step (one process).
+MEMORY_PLAN_CASES = {
+    "r50 fp16, 128 x 2 views, 1M classes at 10%": "network=r50 fp16=True batch_size=128 num_classes=1000000 "
+                                                  "sample_rate=0.1",
+    "vit_b fp16 (checkpointed), 128 x 2 views, 100k classes": "network=vit_b fp16=True batch_size=128 "
+                                                              "num_classes=100000",
+}
+TINY_MEMORY_PLAN = ["network=r18", "network_kwargs={'width_mult':0.0625}", "batch_size=2", "num_classes=1000"]
+
+
+def memory_plan(run: Runner) -> Rows:
+    """The --dry-run memory plan against what a real step allocates (bench/step_memory.py): the total and
+    plan/peak per item, from the CUDA caching allocator's statistics."""
+    run.budget("memory plan")
+    command = [sys.executable, "-m", "bench.step_memory", "configs/synthetic_pair.py", "--json", *device_args(run)]
+    for item in ["rec=synthetic", "embedding_size=512", "num_workers=0", "optimizer=sgd", "network_kwargs={}",
+                 *(TINY_MEMORY_PLAN if run.tiny else [])]:
+        command += ["--set", item]
+    for case in ([] if run.tiny else MEMORY_PLAN_CASES.values()):
+        command += ["--case", case]
+    status, out = run.sh(command)
+    results = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+    if status or not results:
+        yield "memory plan", failed(status, out)
+        return
+    names = ["tiny r18 on the CPU"] if run.tiny else list(MEMORY_PLAN_CASES)
+    for name, result in zip(names, results, strict=True):
+        yield f"memory plan {name}", ratios(result)
+
+
 def gpu_decode(run: Runner) -> Rows:
     if run.tiny:
         yield "gpu decode vs cpu decode", "skipped (needs a GPU)"
@@ -266,6 +300,7 @@ def checks(run: Runner, work: Path) -> list[Callable[[], Rows]]:
         lambda: one_line(run, "decode", "gpu decode per batch, overlap with the step",
                          ["-m", "bench.decode_overlap", "--rec", str(pairs), *decode]),
         lambda: bench_pfc(run),
+        lambda: memory_plan(run),
         lambda: gpu_decode(run),
     ]
 

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The device check: what only a GPU can show, a table printed row by row as each check finishes, each
-# check within its own budget (465 s in all on one H200; bench/gpu_check.py lists the rows and budgets).
+# check within its own budget (510 s in all on one H200; bench/gpu_check.py lists the rows and budgets).
 # Stops in its first seconds, with the reason, when CUDA cannot be used.
 #
 #   bash bench/gpu_check.sh              # on a machine with a GPU (installs nothing: run `make test` first)

@@ -1,53 +1,101 @@
-"""What one training process holds, in bytes, computed from the configuration alone.
+"""What one training process holds on its device, in bytes, from the configuration alone: no GPU, no
+data, seconds for any network. `train.py CONFIG --dry-run` prints it (with `--device-memory`, whether
+it fits and what would); a run's start-up log warns with the same numbers when it exceeds the device.
 
-The classifier's share is exact arithmetic on PartialFC's buffers (its centre rows, their gradient
-and optimizer state, the (N, C) logits buffer of one forward with the temporaries around it); the
-backbone's is its parameters, gradients and optimizer state, counted on the meta device (nothing is
-allocated). Activations of the backbone are not included: they depend on the network's internals and
-the batch, not on the number of identities. `train.py CONFIG --dry-run` prints the plan; a run's
-start-up log warns when it exceeds the device. The total is the device's; `host_checkpoint_staging`
-is host memory on top of it.
+Items, by how they are counted:
+- arithmetic: class_centres, centre_gradient, centre_optimizer_state (rank 0's rows: it holds the most);
+  logits_buffer, PartialFC's own peak above what was alive when it started (the (N, C) buffer and what
+  lives beside it, from partial_fc.py's buffers in turn); batch, the step's micro-batches and the one
+  the loader stages ahead.
+- the network on the meta device: backbone_parameters (with its BatchNorm statistics twice: a skipped
+  step puts them back), backbone_gradients, backbone_optimizer_state, ddp_gradient_buckets (DDP's flat
+  copy of the gradients, with more than one process).
+- traced on fake tensors (training/backbone_trace.py): activations, what the backbone's forward leaves for
+  the backward, held while the softmax runs; backbone_backward, the backbone's forward and backward at
+  their peak (activations, their gradients, parameter gradients).
+
+The items are not all alive at once. `PERSISTENT` ones are held throughout; the step peaks at one of the
+`MOMENTS`, the softmax or the backbone's backward (with gradient_acc > 1, the last micro-batch's, with
+the gradients of those before it: `ACCUMULATED`): total = persistent + the larger moment. A new item is
+one entry in `memory_plan` and its name in one of these (an item in none is shown beside the total,
+not in it: host_checkpoint_staging, the host memory an async save's copy of the state holds).
+tests/test_memory_plan.py compares every item and the total with what real steps allocate.
 """
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from types import SimpleNamespace
 
 import torch
 
-from backbones import get_model
-from partial_fc import COLUMN_CHUNK_ELEMENTS, class_range
+from partial_fc import class_range
+from training.backbone_trace import backbone_memory
+from training.state import precision
+from utils.image import IMAGE_SIZE
 
-FLOAT32 = 4
+FLOAT32, HALF, INDEX = 4, 2, 8
+IMAGE_BYTES = 3 * IMAGE_SIZE * IMAGE_SIZE  # one uint8 view
+MAX_PROCESSES = 8192
+GIB = 2 ** 30
+
+PERSISTENT = ("class_centres", "centre_optimizer_state", "backbone_parameters", "backbone_optimizer_state",
+              "ddp_gradient_buckets", "batch")
+MOMENTS = {"at the softmax": ("activations", "logits_buffer"),
+           "in the backbone's backward": ("centre_gradient", "backbone_backward")}
+ACCUMULATED = {"at the softmax": ("centre_gradient", "backbone_gradients"),
+               "in the backbone's backward": ("backbone_gradients",)}
 
 
 def memory_plan(cfg: SimpleNamespace, num_classes: int | None, world_size: int) -> dict[str, int | None]:
-    """Bytes per process (rank 0, which holds the most centres), by item, and the total. Classifier
-    items are None when the number of classes is unknown (num_classes None: read from the data)."""
+    """Bytes per process (rank 0) by item, and the total: the step's peak. Classifier items are None when
+    the number of classes is unknown (num_classes None: read from the data); the total then leaves them out."""
+    backbone = backbone_memory(cfg.network, cfg.network_kwargs, cfg.embedding_size, cfg.dropout, precision(cfg),
+                               cfg.num_views)
     states = _optimizer_states(cfg)
-    backbone = _backbone_parameters(cfg) * FLOAT32
-    plan: dict[str, int | None] = {"class_centres": None, "centre_gradient": None, "centre_optimizer_state": None,
-                                   "logits_buffer": None}
+    plan: dict[str, int | None] = dict.fromkeys(("class_centres", "centre_gradient", "centre_optimizer_state",
+                                                 "logits_buffer"))
     if num_classes is not None:
         rows = class_range(num_classes, 0, world_size)[1]
         centres = rows * cfg.embedding_size * FLOAT32
+        forward, backward = _softmax_peaks(cfg, rows, world_size)
+        # The step's autocast ends between the softmax's forward and backward, freeing the backbone's
+        # weight casts that no backward keeps (under checkpointing): the backward peaks above less.
         plan.update(class_centres=centres, centre_gradient=centres, centre_optimizer_state=states * centres,
-                    logits_buffer=_softmax_bytes(cfg, rows, world_size))
-    plan.update(backbone_parameters=backbone, backbone_gradients=backbone, backbone_optimizer_state=states * backbone)
-    plan["total"] = sum(value for value in plan.values() if value is not None)
-    plan["host_checkpoint_staging"] = _staging_bytes(cfg, plan)
+                    logits_buffer=max(forward, backward - backbone.released(cfg.batch_size)))
+    plan.update(
+        backbone_parameters=backbone.parameters + 2 * backbone.buffers,
+        backbone_optimizer_state=states * backbone.trainable,
+        ddp_gradient_buckets=backbone.trainable if world_size > 1 else 0,
+        batch=(cfg.gradient_acc + 1) * cfg.batch_size * (cfg.num_views * IMAGE_BYTES + INDEX),
+        activations=backbone.held(cfg.batch_size),
+        backbone_backward=backbone.peak(cfg.batch_size),
+        backbone_gradients=backbone.trainable,
+    )
+    plan["total"] = _known(plan, PERSISTENT) + max(_known(plan, items) for items in _moments(cfg).values())
+    plan["host_checkpoint_staging"] = _staging_bytes(cfg, plan, backbone.parameters + backbone.buffers)
     return plan
 
 
-def _staging_bytes(cfg: SimpleNamespace, plan: dict[str, int | None]) -> int | None:
+def _staging_bytes(cfg: SimpleNamespace, plan: dict[str, int | None], backbone_state: int) -> int | None:
     """Host memory (not in the device total) for an async save's copy of the state: the centres, the
-    backbone and both optimizer states, held from the first save on (checkpoint/background.py)."""
+    backbone's state_dict and both optimizer states, held from the first save on (checkpoint/background.py)."""
     if not (cfg.async_save and cfg.save_all_states):
         return 0
     if plan["class_centres"] is None:
         return None
-    return sum(plan[key] for key in ("class_centres", "centre_optimizer_state", "backbone_parameters",
-                                     "backbone_optimizer_state"))
+    return plan["class_centres"] + plan["centre_optimizer_state"] + backbone_state + plan["backbone_optimizer_state"]
+
+
+def _moments(cfg: SimpleNamespace) -> dict[str, tuple[str, ...]]:
+    """The items alive at each moment a step can peak."""
+    if cfg.gradient_acc == 1:
+        return MOMENTS
+    return {when: items + ACCUMULATED[when] for when, items in MOMENTS.items()}
+
+
+def _known(plan: dict[str, int | None], items: tuple[str, ...]) -> int:
+    return sum(plan[item] or 0 for item in items)
 
 
 def _optimizer_states(cfg: SimpleNamespace) -> int:
@@ -57,37 +105,70 @@ def _optimizer_states(cfg: SimpleNamespace) -> int:
     return 1 if cfg.momentum else 0
 
 
-def processes_that_fit(cfg: SimpleNamespace, num_classes: int, world_size: int, available: int) -> int | None:
-    """A process count (world_size doubled until it fits) whose plan fits in `available` bytes; None if
-    even 8192 processes do not (the backbone alone is too large)."""
-    candidate = world_size
-    while candidate <= 8192:
-        if memory_plan(cfg, num_classes, candidate)["total"] <= available:
-            return candidate
-        candidate *= 2
-    return None
+def _softmax_peaks(cfg: SimpleNamespace, rows: int, world_size: int) -> tuple[int, int]:
+    """PartialFC's peaks in its forward and in its backward, above what was alive when it started, from
+    the buffers partial_fc.py allocates in turn. N rows: every rank's embeddings of every view; C columns:
+    the centres of the step (sampled: every positive class, topped up to sample_rate of the rows)."""
+    local = cfg.batch_size * cfg.num_views
+    n, d = local * world_size, cfg.embedding_size
+    num_sample = int(cfg.sample_rate * rows)
+    sampled = cfg.sample_rate < 1.0 and num_sample < rows
+    columns = max(num_sample, min(rows, cfg.batch_size * world_size)) if sampled else rows
+    nc, nd, cd = n * columns * FLOAT32, n * d * FLOAT32, columns * d * FLOAT32
+    # The views stacked and normalised, the normalised rows of every rank, the centres' norms and 1/norms,
+    # and when sampling the sampled indices and centres: all alive through the softmax's backward.
+    beside = 2 * local * d * FLOAT32 + nd + 2 * columns * FLOAT32 + (columns * (INDEX + d * FLOAT32) if sampled else 0)
+    centre_gradient = rows * d * FLOAT32 if sampled else 0  # sampled: a zero (rows, D) matrix besides the C rows'
+    filter_mask = n * columns if cfg.interclass_filtering_threshold > 0 else 0  # the (N, C) boolean mask
+    if cfg.fp16 or cfg.bf16:  # the GEMMs in half precision, their results brought to float32
+        forward = max((nd + cd + nc) * HALF // FLOAT32 + nc, nc + filter_mask)
+        gemms = nc + (nc + nd + cd) * HALF // FLOAT32 + nd + cd
+    else:
+        forward = nc + filter_mask
+        gemms = nc + nd + cd
+    projection = 4 * columns * FLOAT32  # the normalisation's backward: a few values per centre
+    return beside + forward, beside + max(gemms, nc + nd + cd + centre_gradient + projection)
 
 
-def _softmax_bytes(cfg: SimpleNamespace, rows: int, world_size: int) -> int:
-    """One forward's (N, C) float32 buffer over the sampled columns, with what lives beside it at its peak:
-    the GEMM's half-precision result under fp16/bf16, the chunked exp temporaries, and with sampling the
-    gathered centres and their gradient."""
-    samples = cfg.batch_size * cfg.num_views * world_size  # every rank's embeddings of every view
-    # Sampling keeps int(sample_rate * rows) centres, or every positive class of the step when they are more
-    # (sample_rate 0: only those): at most one per label of the global batch, in the worst case all on this rank.
-    labels = cfg.batch_size * world_size
-    columns = rows if cfg.sample_rate >= 1.0 else min(rows, max(int(cfg.sample_rate * rows), labels))
-    logits = samples * columns * FLOAT32
-    half_copy = samples * columns * 2 if cfg.fp16 or cfg.bf16 else 0
-    chunk = min(samples * columns, COLUMN_CHUNK_ELEMENTS) * FLOAT32
-    sampled_centres = 2 * columns * cfg.embedding_size * FLOAT32 if columns < rows else 0
-    return logits + max(half_copy, chunk) + sampled_centres
+@dataclass(frozen=True)
+class Fit:
+    """Whether a plan fits in `available` bytes per process, and what would."""
+
+    available: int
+    total: int
+    largest_batch_size: int  # at the planned number of processes; 0: not even one record
+    fewest_processes: int | None  # at the configured batch size; None: no number of processes
+
+    @property
+    def fits(self) -> bool:
+        return self.total <= self.available
 
 
-def _backbone_parameters(cfg: SimpleNamespace) -> int:
-    with torch.device("meta"):
-        model = get_model(cfg.network, num_features=cfg.embedding_size, dropout=cfg.dropout, **cfg.network_kwargs)
-    return sum(p.numel() for p in model.parameters())
+def fit(cfg: SimpleNamespace, num_classes: int, world_size: int, available: int) -> Fit:
+    """The plan against `available` bytes: the largest batch_size whose plan fits on `world_size`
+    processes, and the fewest processes on which the configured batch_size fits."""
+    def total(batch_size: int, processes: int) -> int:
+        return memory_plan(SimpleNamespace(**{**vars(cfg), "batch_size": batch_size}), num_classes,
+                           processes)["total"]
+
+    # Not a bisection: more processes hold fewer centres each, but the softmax's rows (the global batch) grow.
+    fewest = next((processes for processes in range(1, min(num_classes, MAX_PROCESSES) + 1)
+                   if total(cfg.batch_size, processes) <= available), None)
+    return Fit(available, total(cfg.batch_size, world_size),
+               _largest(lambda batch_size: total(batch_size, world_size) <= available), fewest)
+
+
+def _largest(fits) -> int:
+    """The largest n >= 1 with fits(n) (fits: true up to some n, false beyond), 0 if none."""
+    if not fits(1):
+        return 0
+    low, high = 1, 2
+    while fits(high):
+        low, high = high, 2 * high
+    while high - low > 1:
+        middle = (low + high) // 2
+        low, high = (middle, high) if fits(middle) else (low, middle)
+    return low
 
 
 def device_bytes(device: torch.device) -> int:
@@ -98,11 +179,37 @@ def device_bytes(device: torch.device) -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // local_processes
 
 
-def describe(plan: dict[str, int | None]) -> str:
-    """The plan as aligned lines of GiB."""
-    width = max(len(key) for key in plan)
+def describe(plan: dict[str, int | None], cfg: SimpleNamespace) -> str:
+    """The plan as aligned lines of GiB, grouped by when the items are alive."""
+    alive = _moments(cfg)
+    groups = {"held throughout": PERSISTENT, **alive}
+    shown = {item for items in groups.values() for item in items} | {"total"}
+    width = max(len(key) for key in plan) + 2
     lines = []
-    for key, value in plan.items():
-        amount = "unknown (set num_classes)" if value is None else f"{value / 2 ** 30:10.3f} GiB"
-        lines.append(f"  {key.replace('_', ' '):<{width}}  {amount}")
+    for when, items in groups.items():
+        lines.append(f"  {when}:")
+        lines += [f"    {item.replace('_', ' '):<{width}}{_amount(plan[item])}" for item in items]
+    peak = max(alive, key=lambda when: _known(plan, alive[when]))
+    lines.append(f"  {'total':<{width + 2}}{_amount(plan['total'])}  (the step's peak: held throughout + {peak})")
+    lines += [f"  {key.replace('_', ' '):<{width + 2}}{_amount(value)}  (not in the total on its own)"
+              for key, value in plan.items() if key not in shown]
     return "\n".join(lines)
+
+
+def _amount(value: int | None) -> str:
+    return "unknown (set num_classes)" if value is None else f"{value / GIB:10.3f} GiB"
+
+
+def describe_fit(result: Fit, cfg: SimpleNamespace, world_size: int) -> str:
+    """One line: fits or not in the memory available, and the largest batch and fewest processes that fit."""
+    largest = (f"the largest batch_size that fits on {world_size} process(es) is {result.largest_batch_size}"
+               if result.largest_batch_size else
+               f"not even batch_size 1 fits on {world_size} process(es)")
+    if result.fits:
+        return (f"fits: {result.total / GIB:.2f} GiB of {result.available / GIB:.2f} GiB per process; "
+                f"{largest}")
+    processes = (f"batch_size {cfg.batch_size} fits from {result.fewest_processes} processes on"
+                 if result.fewest_processes else
+                 f"no number of processes fits batch_size {cfg.batch_size} (the backbone's share alone is too large)")
+    return (f"does not fit: {result.total / GIB:.2f} GiB planned, {result.available / GIB:.2f} GiB per process; "
+            f"{largest}, or {processes}; or lower sample_rate (now {cfg.sample_rate:g})")

@@ -186,6 +186,9 @@ def _check_values(values: dict) -> None:
         if values[key] < 0:
             raise ConfigError(f"config key {key!r} must not be negative, not {values[key]}; see configs/base.py")
     check_network_options(values["network_kwargs"], "config key 'network_kwargs'")
+    if values["batch_size"] * values["num_views"] < 2:
+        raise ConfigError("batch_size=1 with num_views=1 puts one image in each step, and the embedding's BatchNorm "
+                          "needs two or more; raise batch_size")
     if values["fp16"] and values["bf16"]:
         raise ConfigError("config keys 'fp16' and 'bf16' are both True; choose one (--set bf16=False)")
     _check_margins(values["margin_list"], values["margin_scale"])
@@ -229,12 +232,8 @@ def check_data_path(cfg: SimpleNamespace) -> None:
                           "holding train.rec/train.idx, e.g. --set rec=/data/ms1mv3")
 
 
-def planned_world_size(dry_run: bool, world_size: int | None, as_json: bool, environ: Mapping[str, str]) -> int:
-    """train.py's --world-size and --json (options of --dry-run alone): the number of processes to plan
-    for, from --world-size, else WORLD_SIZE, else 1."""
-    if not dry_run and (world_size is not None or as_json):
-        option = "--world-size" if world_size is not None else "--json"
-        raise ConfigError(f"{option} only shapes the --dry-run report; add --dry-run, or drop {option} to train")
+def planned_world_size(world_size: int | None, environ: Mapping[str, str]) -> int:
+    """The number of processes a --dry-run plans for: --world-size, else WORLD_SIZE, else 1."""
     if world_size is None:
         text = environ.get("WORLD_SIZE", "1")
         if not text.strip().isdigit():

@@ -1,0 +1,179 @@
+"""The memory plan (--dry-run, the start-up warning) against what real steps allocate.
+
+One child process (bench/step_memory.py) builds each configuration below as train.py does, runs real
+steps on the CPU and measures one: torch.profiler's record of every CPU allocation gives the bytes
+alive at markers around the backbone's forward and the softmax and the step's peak, and the
+parameters, gradients and optimizer state are measured as they are. Between them the configurations
+vary every config key the plan reads (checked below by recording what it reads); one more runs on two
+processes under torchrun. Tolerance: the items the plan sizes by arithmetic exactly, the others as
+TOLERANCE says.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import pytest
+
+import train
+from tests.run_helpers import QUIET, ROOT, run_here
+from training.memory_plan import fit, memory_plan
+from utils.config import load_config
+
+CONFIG = "configs/synthetic_pair.py"
+BASE = ["rec=synthetic", "num_classes=600", "num_image=48", "embedding_size=32", "num_workers=0", "optimizer=sgd",
+        "momentum=0.9", "network=r18", "network_kwargs={'width_mult':0.0625}", "batch_size=2"]
+CASES = {
+    "r18 fp32, 2 views, SGD": "",
+    "r18 bf16, 10% of the centres, AdamW": "bf16=True sample_rate=0.1 optimizer=adamw",
+    "mbf fp32, 1 view, dropout, SGD without momentum": "network=mbf network_kwargs={'width_mult':0.25} num_views=1 "
+                                                       "batch_size=3 dropout=0.2 momentum=0.0 num_classes=1000 "
+                                                       "embedding_size=64",
+    "vit_t fp16, 2 micro-batches, inter-class filtering": "network=vit_t network_kwargs={'width_mult':0.125} "
+                                                          "fp16=True gradient_acc=2 "
+                                                          "interclass_filtering_threshold=0.3",
+    "vit_t bf16, checkpointed blocks replayed, sampled": "network=vit_t bf16=True sample_rate=0.1 "
+                                                         "network_kwargs={'width_mult':0.125,'using_checkpoint':True,"
+                                                         "'drop_path_rate':0.0}",
+}
+EXACT = ("class_centres", "centre_gradient", "centre_optimizer_state", "backbone_parameters", "backbone_gradients",
+         "backbone_optimizer_state")
+# plan/measured may be this far from 1: measured within 1.5% but for the softmax's small terms (6-10% of
+# its peak in these tiny configurations) and CPU bf16 convolutions' im2col buffers (the backward and
+# total of r18 in bf16: 0.91, 0.92), and DDP's few bytes beside its buckets (0.7%).
+TOLERANCE = {"activations": 0.05, "batch": 0.02, "ddp_gradient_buckets": 0.05, "logits_buffer": 0.15,
+             "backbone_backward": 0.15, "total": 0.15}
+
+
+def config(case: str = "") -> SimpleNamespace:
+    return load_config(ROOT / CONFIG, [*BASE, *case.split()])
+
+
+TWO_PROCESSES = "num_classes=601 sample_rate=0.5"  # rank 0 holds 301 of the 601 classes
+
+
+def step_memory(*cases: str, processes: int = 0) -> subprocess.Popen:
+    """bench.step_memory measuring `cases` in one process (or under torchrun), started."""
+    launcher = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={processes}"] if processes else []
+    command = [sys.executable, *launcher, "-m", "bench.step_memory", CONFIG, "--json"]
+    for item in BASE:
+        command += ["--set", item]
+    for case in cases:
+        command += ["--case", case]
+    return subprocess.Popen(command, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+
+
+@pytest.fixture(scope="module")
+def measured() -> dict[str, dict]:
+    """{case: {"plan": bytes by item, "measured": bytes by item}}: CASES from one process, the last on two
+    (rank 0's), started side by side."""
+    one, two = step_memory(*CASES.values()), step_memory(TWO_PROCESSES, processes=2)
+    results = {}
+    for process in (one, two):
+        out, err = process.communicate(timeout=900)
+        assert process.returncode == 0, err[-3000:]
+        results.update((line["case"], line) for line in map(json.loads, out.splitlines()))
+    return {name: results[case] for name, case in {**CASES, "two processes": TWO_PROCESSES}.items()}
+
+
+def assert_close_to_a_real_step(result: dict) -> None:
+    plan, real = result["plan"], result["measured"]
+    assert {item: plan[item] for item in EXACT} == {item: real[item] for item in EXACT}
+    ratios = {item: plan[item] / real[item] for item in TOLERANCE if real[item]}
+    assert all(abs(ratio - 1) <= TOLERANCE[item] for item, ratio in ratios.items()), ratios
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_each_planned_item_is_what_a_real_step_allocates(measured, name):
+    assert_close_to_a_real_step(measured[name])
+
+
+class _Reading(SimpleNamespace):
+    """A configuration that notes every key read from it."""
+
+    def __getattribute__(self, key: str):
+        if not key.startswith("_"):
+            object.__getattribute__(self, "_read").add(key)
+        return super().__getattribute__(key)
+
+
+def test_the_cases_vary_every_config_key_the_plan_reads():
+    reading = _Reading(**vars(config()), _read=set())
+    memory_plan(reading, reading.num_classes, 1)
+    read = reading._read
+    configs = [vars(config(case)) for case in CASES.values()]
+    assert {"network", "batch_size", "num_views", "sample_rate", "bf16", "optimizer"} <= read  # it does record
+    assert [key for key in sorted(read) if len({repr(c[key]) for c in configs}) < 2] == []
+
+
+def test_on_two_processes_rank_0_plans_its_centres_the_global_batch_and_the_ddp_buckets(measured):
+    result = measured["two processes"]
+    assert result["plan"]["class_centres"] == 301 * 32 * 4
+    assert result["measured"]["ddp_gradient_buckets"] > 0
+    assert_close_to_a_real_step(result)
+
+
+def dry_run(capsys, *extra: str) -> tuple[int, str, str]:
+    status = train.main([str(ROOT / CONFIG), "--dry-run", *extra])
+    out, err = capsys.readouterr()
+    return status, out, err
+
+
+def test_the_dry_run_says_whether_it_fits_and_the_largest_batch_and_fewest_processes_that_do(capsys):
+    settings = ["--set", "network=r18", "--set", "num_classes=2000000", "--set", "batch_size=128",
+                "--world-size", "8"]
+    status, out, _ = dry_run(capsys, *settings)
+    assert status == 0
+    assert "  at the softmax:\n    activations" in out and "\n  total " in out
+    assert "pass --device-memory SIZE (e.g. 80GiB) to see whether it fits" in out
+    cfg = load_config(ROOT / CONFIG, ["network=r18", "num_classes=2000000", "batch_size=128"])
+    total = memory_plan(cfg, 2_000_000, 8)["total"]
+
+    def planned(batch_size: int, processes: int) -> int:
+        return memory_plan(SimpleNamespace(**{**vars(cfg), "batch_size": batch_size}), 2_000_000, processes)["total"]
+
+    for available, verdict in ((total + 2 ** 30, "fits: "), (total - 1, "does not fit: ")):
+        status, out, _ = dry_run(capsys, *settings, "--device-memory", f"{available}B", "--json")
+        memory = json.loads(out)["memory"]
+        largest, fewest = memory["largest_batch_size"], memory["fewest_processes"]
+        assert memory["fits"] == (verdict == "fits: ")
+        assert planned(largest, 8) <= available < planned(largest + 1, 8)
+        assert planned(128, fewest) <= available and all(planned(128, p) > available for p in range(1, fewest))
+        status, out, _ = dry_run(capsys, *settings, "--device-memory", f"{available}B")
+        assert f"\n{verdict}" in out and f"the largest batch_size that fits on 8 process(es) is {largest}" in out
+    assert fewest > 8 and f"batch_size 128 fits from {fewest} processes on" in out
+
+
+@pytest.mark.parametrize(("arguments", "message"), [
+    (["--dry-run", "--device-memory", "80 gigs"],
+     "error: --device-memory '80 gigs' is not an amount of memory; write it like 80GiB, 80GB or 81920MiB\n"),
+    (["--device-memory", "80GiB"],
+     "error: --device-memory only shapes the --dry-run report; add --dry-run, or drop --device-memory to train\n"),
+    (["--dry-run", "--set", "batch_size=1", "--set", "num_views=1"],
+     "error: batch_size=1 with num_views=1 puts one image in each step, and the embedding's BatchNorm needs two or "
+     "more; raise batch_size\n"),
+])
+def test_a_bad_device_memory_or_a_one_image_step_is_one_error_line(capsys, arguments, message):
+    assert train.main([str(ROOT / CONFIG), *arguments]) == 1
+    assert capsys.readouterr().err == message
+
+
+def test_a_run_that_does_not_fit_warns_with_the_largest_batch_and_fewest_processes(data, tmp_path, monkeypatch):
+    """On a CPU a process may use the machine's memory shared by its local processes: so many of them
+    that the tiny run does not fit."""
+    settings = ["max_steps=1", "num_epoch=1"]
+    cfg = load_config(ROOT / CONFIG, [f"rec={data}", *QUIET, *settings])
+    available = memory_plan(cfg, 20, 1)["total"] * 3 // 4
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", str(memory // available))
+    status, _ = run_here(data, tmp_path / "run", *settings)
+    assert status == 0
+    log = (tmp_path / "run" / "training.log").read_text()
+    result = fit(cfg, 20, 1, memory // (memory // available))
+    assert not result.fits and 0 < result.largest_batch_size < 4
+    assert (f"the memory plan does not fit: {result.total / 2 ** 30:.2f} GiB planned" in log
+            and f"the largest batch_size that fits on 1 process(es) is {result.largest_batch_size}" in log)
