@@ -2,14 +2,26 @@
 PY := .venv/bin/python
 STAMP := .venv/.installed
 
-.PHONY: test lint demo bench mutants clean-venv
+.PHONY: test lint demo bench mutants clean-venv FORCE
+
+# The project itself goes in editable (pyproject.toml), so that `python tools/x.py` finds its packages in
+# this checkout. The stamp names the checkout it was installed from: a venv shared with another checkout
+# (or moved) is pointed back at this one.
+EDITABLE := .venv/.editable
+INSTALLED_FROM := $(shell cat $(EDITABLE) 2>/dev/null)
 
 $(STAMP): requirements.txt requirements-dev.txt
 	test -x $(PY) || python3 -m venv .venv
 	$(PY) -m pip install -q -r requirements-dev.txt
 	touch $(STAMP)
 
-lint: $(STAMP)
+$(EDITABLE): $(STAMP) pyproject.toml $(if $(filter $(CURDIR),$(INSTALLED_FROM)),,FORCE)
+	$(PY) -m pip install -q --no-deps -e .
+	echo $(CURDIR) > $(EDITABLE)
+
+FORCE:
+
+lint: $(EDITABLE)
 	$(PY) -m ruff check .
 	.venv/bin/lint-imports --no-cache --no-logo
 
@@ -17,13 +29,13 @@ test: lint
 	$(PY) -m pytest -q tests
 
 # Mutation testing (minutes per module, not part of `make test`): per module, mutants, killed, survived.
-mutants: $(STAMP)
+mutants: $(EDITABLE)
 	$(PY) -m tests.mutants $(MODULES)
 
-demo: $(STAMP)
+demo: $(EDITABLE)
 	$(PY) -m tools.demo
 
-bench: $(STAMP)
+bench: $(EDITABLE)
 	$(PY) -m bench.bench_pfc
 	$(PY) -m bench.bench_backbones
 	$(PY) -m bench.bench_data

@@ -267,7 +267,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     add_network_arguments(parser)
     parser.add_argument("--root", required=True, help="IJB folder holding meta/ and loose_crop/")
     parser.add_argument("--target", default="IJBC", help="IJBC or IJBB: the meta file prefix")
-    parser.add_argument("--batch-size", type=int, default=128)
+    parser.add_argument("--batch-size", type=int, default=128,
+                        help="images per forward pass (memory only: the scores do not depend on it)")
     parser.add_argument("--workers", type=int, default=min(8, os.cpu_count() or 1),
                         help="processes decoding and aligning images")
     parser.add_argument("--no-flip", action="store_true", help="embed the images only, not their mirror images")

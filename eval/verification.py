@@ -260,8 +260,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     add_network_arguments(parser)
     parser.add_argument("--bins", nargs="+", required=True, type=Path, help=".bin verification sets to evaluate")
-    parser.add_argument("--batch-size", type=int, default=64)
-    parser.add_argument("--nfolds", type=int, default=10)
+    parser.add_argument("--batch-size", type=int, default=64,
+                        help="images per forward pass (memory only: the scores do not depend on it)")
+    parser.add_argument("--nfolds", type=int, default=10,
+                        help="cross-validation folds of the accuracy (upstream: 10); each fold's threshold is "
+                             "chosen on the others")
     args = parser.parse_args(argv)
 
     with exit_on_user_error():
