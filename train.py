@@ -17,13 +17,14 @@ import logging
 import os
 import sys
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
 
 import torch
 
 from backbones.trained import BACKBONE_NAME
-from checkpoint.checkpointer import Checkpointer
+from checkpoint.checkpointer import RUN_CONFIG_NAME, Checkpointer, resumed_overrides
 from checkpoint.run_dir import lock_run_dir, resolve_resume
 from dataset import FaceLoader, build_dataset, build_loader
 from eval.callback import VerificationCallback, check_val_targets
@@ -59,7 +60,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     try:
-        cfg = load_config(args.config, args.set + (["resume=True"] if args.resume else []))
+        overrides = args.set + (["resume=True"] if args.resume else [])
+        cfg = load_config(args.config, overrides)
+        kept = resumed_overrides(cfg.output, cfg.resume) if cfg.resume else []
+        if kept:  # what the run was started with, unless said otherwise now
+            overrides = kept + overrides
+            cfg = load_config(args.config, overrides)
         if args.dry_run:
             print(dry_run_report(cfg, args.world_size or int(os.environ.get("WORLD_SIZE", "1")), args.json))
             return 0
@@ -71,7 +77,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if device.type == "cpu":
             _share_cpu(cfg.num_workers)
         try:
-            train(cfg, device)
+            train(cfg, device, RunSettings(args.config, overrides, kept))
         except Exception as error:
             if (failure := lost_peer(error)) is None:
                 raise
@@ -118,29 +124,42 @@ def _count_nonfinite(outcome: StepOutcome, counter: StepCounter, cfg, checkpoint
     counter.nonfinite_in_a_row += 1
     counter.nonfinite_total += 1
     what = "loss" if outcome == StepOutcome.LOSS_NONFINITE else "gradient"
-    log.warning("Global Step %d: non-finite %s, step skipped (%d in a row, %d in this run)", counter.global_step,
+    log.warning("Global Step %d: non-finite %s, step skipped (%d in a row, %d in this run)", counter.shown_step,
                 what, counter.nonfinite_in_a_row, counter.nonfinite_total)
     if counter.nonfinite_in_a_row >= cfg.max_nonfinite_steps:
-        raise TrainingError(f"stopped at global step {counter.global_step}: {counter.nonfinite_in_a_row} "
+        raise TrainingError(f"stopped at global step {counter.shown_step}: {counter.nonfinite_in_a_row} "
                             f"non-finite losses in a row (max_nonfinite_steps={cfg.max_nonfinite_steps}); "
                             f"{checkpointer.last_good()}; lower lr, try bf16 instead of fp16, or check the data")
 
 
-def train(cfg: SimpleNamespace, device: torch.device) -> dict[str, float]:
+@dataclass(frozen=True)
+class RunSettings:
+    """Where `cfg` came from: the config file and every --set override applied (those `kept` from the run's
+    earlier start first); a resume of this run keeps them."""
+
+    config_file: str
+    overrides: Sequence[str] = ()
+    kept: Sequence[str] = ()
+
+
+def train(cfg: SimpleNamespace, device: torch.device, settings: RunSettings) -> dict[str, float]:
     """Run training as configured; returns the final verification accuracies (rank 0; {} elsewhere)."""
     source = agreed(lambda: resolve_resume(cfg.output, cfg.resume))
     lock = agreed(lambda: lock_run_dir(cfg.output), share=False)
     try:
-        return _train_in_folder(cfg, device, source)
+        return _train_in_folder(cfg, device, source, settings)
     finally:
         if lock is not None:
             lock.close()
 
 
-def _train_in_folder(cfg: SimpleNamespace, device: torch.device, source) -> dict[str, float]:
+def _train_in_folder(cfg: SimpleNamespace, device: torch.device, source, settings: RunSettings) -> dict[str, float]:
     """Config -> data -> training state -> resume -> loop (with its saves) in the locked run folder."""
     setup_logging(cfg.output)
     log.info("config: %s", ", ".join(f"{k}={v!r}" for k, v in sorted(vars(cfg).items())))
+    if settings.kept:
+        log.info("kept from the run's earlier start (%s): --set %s; give --set again to change one",
+                 RUN_CONFIG_NAME, " --set ".join(settings.kept))
     log.info("device %s, backend %s, %d process(es) on %d node(s)", describe_device(device), backend(), world(),
              nodes())
     if cfg.fp16 and device.type == "cpu":
@@ -155,21 +174,31 @@ def _train_in_folder(cfg: SimpleNamespace, device: torch.device, source) -> dict
     _check_memory(cfg, dataset.num_classes, device)
     state = build_training_state(cfg, dataset.num_classes, device, counter.steps_per_epoch)
     checkpointer = Checkpointer(cfg.output, state, loader, architecture(cfg, dataset.num_classes), vars(cfg),
-                                save_every_steps=cfg.save_every_steps, save_all_states=cfg.save_all_states)
+                                save_every_steps=cfg.save_every_steps, save_all_states=cfg.save_all_states,
+                                config_file=settings.config_file, overrides=settings.overrides)
     torch.manual_seed(cfg.seed + 1 + rank())  # per-rank streams for centre sampling and dropout
-    if source:
-        checkpointer.resume(source, counter)  # replaces those streams with the saved ones
+    renumbering = checkpointer.resume(source, counter) if source else None  # replaces those streams
     wrap_in_ddp(state, device)
     total_steps = counter.steps_per_epoch * cfg.num_epoch
     stop = min(total_steps, cfg.max_steps) if cfg.max_steps else total_steps
     log.info("%d records, %d classes, %d process(es), %d steps per epoch, %d steps in all, starting at step %d",
              len(dataset), dataset.num_classes, world(), counter.steps_per_epoch, total_steps, counter.global_step)
+    if counter.shown_offset:
+        log.info("max_steps=%d counts steps of the LR schedule (%d per epoch now): this run stops at its step %d, "
+                 "shown in the log and TensorBoard as step %d", cfg.max_steps, counter.steps_per_epoch, stop,
+                 stop + counter.shown_offset)
+    if counter.global_step >= stop:
+        log.warning("nothing was trained: the run resumed at global step %d%s, already at or past the end of "
+                    "training (step %d: max_steps=%d, num_epoch=%d); raise max_steps or num_epoch to train on",
+                    counter.global_step, f" ({renumbering.describe()})" if renumbering else "", stop, cfg.max_steps,
+                    cfg.num_epoch)
+        return {}
     metrics = open_metrics(cfg)
     try:
         results = _loop(cfg, state, loader, counter, checkpointer, stop, metrics)
     finally:
         metrics.close()  # flushes the last scalars, also when the run stops on an error
-    log.info("training finished at global step %d: %s", counter.global_step,
+    log.info("training finished at global step %d: %s", counter.shown_step,
              ", ".join(f"{name} Accuracy-Flip {acc:.5f}" for name, acc in results.items()) or "no val_targets")
     if device.type == "cuda":
         log.info("peak GPU memory %.2f GiB", torch.cuda.max_memory_allocated(device) / 2 ** 30)
@@ -198,12 +227,14 @@ def _steps_per_epoch(loader: FaceLoader, gradient_acc: int) -> int:
 
 def _loop(cfg, state: TrainingState, loader: FaceLoader, counter: StepCounter, checkpointer: Checkpointer,
           stop: int, metrics: Metrics) -> dict[str, float]:
-    """Steps counter.global_step .. stop - 1: train, log, verify, save. The final verification accuracies."""
-    verification = VerificationCallback(cfg.verbose, cfg.val_targets, cfg.rec, metrics=metrics)
-    speed = SpeedLogger(cfg.frequent, stop, cfg.batch_size * world() * cfg.gradient_acc, cfg.num_views,
-                        metrics=metrics, start_step=counter.global_step)
+    """Steps counter.global_step .. stop - 1: train, log, verify, save. The final verification accuracies.
+    Log lines, verification and TensorBoard count shown steps (StepCounter.shown_step)."""
+    verification = VerificationCallback(cfg.verbose, cfg.val_targets, cfg.rec, metrics=metrics,
+                                        highest=counter.best_accuracy)
+    speed = SpeedLogger(cfg.frequent, stop + counter.shown_offset, cfg.batch_size * world() * cfg.gradient_acc,
+                        cfg.num_views, metrics=metrics, start_step=counter.shown_step)
     grad_scale = state.scaler.get_scale if state.scaler.is_enabled() else None
-    results, verified_at = {}, -1
+    results = {}
     state.backbone.train()  # verification leaves it in train mode again
     start = counter.global_step
     for step, micro_batches in enumerate(loader.steps(start, stop, cfg.gradient_acc), start=start):
@@ -212,18 +243,18 @@ def _loop(cfg, state: TrainingState, loader: FaceLoader, counter: StepCounter, c
         counter.global_step = step + 1
         _count_nonfinite(outcome, counter, cfg, checkpointer)
         if outcome != StepOutcome.LOSS_NONFINITE:  # a skipped fp16 overflow step still has a loss worth logging
-            speed(counter.global_step, losses, epoch, lr, grad_scale)
+            speed(counter.shown_step, losses, epoch, lr, grad_scale)
+        final = counter.global_step == stop
         with speed.paused():
-            accuracy = verification(counter.global_step, state.backbone)
-            final = counter.global_step == stop
+            # The last step is always verified, before the last save: model.json records its thresholds.
+            accuracy = (verification.evaluate_now(state.backbone, counter.shown_step) if final
+                        else verification(counter.shown_step, state.backbone))
+            if accuracy is not None:
+                results = accuracy
+                counter.best_accuracy, counter.verification = verification.highest, verification.operating_points
             if checkpointer.after_step(counter, final) and is_main():
-                name = "Final" if final else f"step{counter.global_step}"
+                name = "Final" if final else f"step{counter.shown_step}"
                 metrics.log_artifact(Path(cfg.output) / BACKBONE_NAME, name)
-        if accuracy is not None:
-            results, verified_at = accuracy, counter.global_step
-    if verified_at != counter.global_step:
-        with speed.paused():
-            results = verification.evaluate_now(state.backbone, counter.global_step)
     return results
 
 

@@ -3,11 +3,11 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from torch import nn
 
-from eval.verification import VerificationSet, load_bin, test
+from eval.verification import VerificationSet, flip_fused, load_bin, operating_point, test
 from utils.distributed import agreed, is_main
 from utils.errors import ConfigError
 from utils.image import IMAGE_SIZE
@@ -40,12 +40,15 @@ class VerificationCallback:
     """Every ``every`` steps (config key ``verbose``), accuracy on each ``.bin`` set, logged as upstream logs it
     and written to ``metrics`` (TensorBoard, W&B) when given.
 
-    Only the main rank loads and evaluates; on the others every call does nothing.
+    ``highest``: Accuracy-Highest per set so far (a resumed run's, so that it goes on from there);
+    ``operating_points`` holds each set's threshold of the last evaluation (eval.verification.operating_point),
+    which the run records with its model. Only the main rank loads and evaluates; on the others every call
+    does nothing.
     """
 
     def __init__(self, every: int, val_targets: Sequence[str], rec_prefix: str,
                  image_size: tuple[int, int] = (IMAGE_SIZE, IMAGE_SIZE), batch_size: int = 64,
-                 metrics: Metrics | None = None) -> None:
+                 metrics: Metrics | None = None, highest: Mapping[str, float] | None = None) -> None:
         if every < 1:
             raise ValueError(f"every={every}: verification needs a positive interval of steps")
         self.every = every
@@ -53,13 +56,14 @@ class VerificationCallback:
         self.metrics = metrics
         self.sets: dict[str, VerificationSet] = {}
         self.highest: dict[str, float] = {}
+        self.operating_points: dict[str, dict] = {}
         self.last_step = 0
         agreed(lambda: check_val_targets(val_targets, rec_prefix))
         if is_main():
             for target in val_targets:
                 name, path = resolve_target(target, rec_prefix)
                 self.sets[name] = load_bin(path, image_size)
-                self.highest[name] = 0.0
+                self.highest[name] = (highest or {}).get(name, 0.0)
 
     def __call__(self, global_step: int, backbone: nn.Module) -> dict[str, float] | None:
         """``{name: Accuracy-Flip}`` when ``global_step`` is a positive multiple of ``every``, else None."""
@@ -76,8 +80,10 @@ class VerificationCallback:
         step = self.last_step if global_step is None else global_step
         results = {}
         for name, data_set in self.sets.items():
-            _, _, accuracy, std, xnorm, _ = test(data_set, backbone, self.batch_size, 10)
+            _, _, accuracy, std, xnorm, embeddings = test(data_set, backbone, self.batch_size, 10)
             self.highest[name] = max(self.highest[name], accuracy)
+            self.operating_points[name] = {**operating_point(flip_fused(embeddings), data_set[1]),
+                                           "by": f"training, step {step}"}
             logger.info("[%s][%d]XNorm: %f", name, step, xnorm)
             logger.info("[%s][%d]Accuracy-Flip: %1.5f+-%1.5f", name, step, accuracy, std)
             logger.info("[%s][%d]Accuracy-Highest: %1.5f", name, step, self.highest[name])

@@ -33,10 +33,10 @@ from scipy import sparse
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
-from eval.alignment import align_face
 from eval.cli import add_network_arguments, check_positive, open_network, output_prefix
 from eval.embedding import embed_batches, eval_mode, unwrap
 from eval.roc import roc_points, save_roc_plot, tar_at_far
+from facedata.alignment import align_face
 from utils.cli import exit_on_user_error
 from utils.errors import ConfigError, DataError
 from utils.image import IMAGE_SIZE
