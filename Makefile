@@ -5,19 +5,20 @@ STAMP := .venv/.installed
 .PHONY: test lint demo bench mutants clean-venv FORCE
 
 # The project itself goes in editable (pyproject.toml), so that `python tools/x.py` finds its packages in
-# this checkout. The stamp names the checkout it was installed from: a venv shared with another checkout
-# (or moved) is pointed back at this one.
+# this checkout. Installed again when pyproject.toml changes, and when the venv's install is missing or points
+# at another checkout (a venv shared between checkouts, or moved).
 EDITABLE := .venv/.editable
-INSTALLED_FROM := $(shell cat $(EDITABLE) 2>/dev/null)
+INSTALLED_FROM := $(shell $(PY) -I -c 'import importlib.metadata as m, json; \
+	print(json.loads(m.distribution("pairface").read_text("direct_url.json"))["url"])' 2>/dev/null)
 
 $(STAMP): requirements.txt requirements-dev.txt
 	test -x $(PY) || python3 -m venv .venv
 	$(PY) -m pip install -q -r requirements-dev.txt
 	touch $(STAMP)
 
-$(EDITABLE): $(STAMP) pyproject.toml $(if $(filter $(CURDIR),$(INSTALLED_FROM)),,FORCE)
+$(EDITABLE): $(STAMP) pyproject.toml $(if $(filter file://$(CURDIR),$(INSTALLED_FROM)),,FORCE)
 	$(PY) -m pip install -q --no-deps -e .
-	echo $(CURDIR) > $(EDITABLE)
+	touch $(EDITABLE)
 
 FORCE:
 
