@@ -62,7 +62,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         overrides = args.set + (["resume=True"] if args.resume else [])
         cfg = load_config(args.config, overrides)
-        kept = resumed_overrides(cfg.output, cfg.resume) if cfg.resume else []
+        kept = resumed_overrides(cfg.output, cfg.resume, overrides) if cfg.resume else []
         if kept:  # what the run was started with, unless said otherwise now
             overrides = kept + overrides
             cfg = load_config(args.config, overrides)

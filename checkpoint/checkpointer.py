@@ -32,6 +32,7 @@ from checkpoint.sharded import POINTER_NAME, restore_state, save_state
 from dataset import FaceLoader
 from training.state import StepCounter, TrainingState
 from utils.atomic import atomic_save, write_bytes
+from utils.config import override_key
 from utils.distributed import broadcast_object, is_main, world
 from utils.errors import ConfigError
 from utils.lr_scheduler import jump_to_step
@@ -68,10 +69,10 @@ class Renumbering:
                 f"where this one has {self.steps_per_epoch}")
 
 
-def resumed_overrides(output: str, resume: bool | str) -> list[str]:
-    """The `--set` overrides (KEY=VALUE) a resumed run was started or last resumed with, from its
-    config.json: applied before the ones given now, they keep what was said. [] when the run has none
-    (a bare backbone, arcface_torch's folder, an earlier version's run)."""
+def resumed_overrides(output: str, resume: bool | str, said_now: Sequence[str]) -> list[str]:
+    """The `--set` overrides (KEY=VALUE) a resumed run was started or last resumed with (its config.json)
+    whose keys `said_now` does not set again: applied before those, they keep what was said. [] when the
+    run has none (a bare backbone, arcface_torch's folder, an earlier version's run)."""
     location = Path(output if resume is True else resume)
     if location.is_file() and location.name != POINTER_NAME:  # weights to start from, not a run to continue
         return []
@@ -85,12 +86,13 @@ def resumed_overrides(output: str, resume: bool | str) -> list[str]:
     except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError) as error:
         raise ConfigError(f"cannot read {path} ({type(error).__name__}: {error}), which keeps the --set overrides "
                           "the run was started with; remove it and give them again with --set") from None
-    return overrides
+    said = {override_key(item) for item in said_now}
+    return [item for item in overrides if override_key(item) not in said]
 
 
 def _kept(overrides: Sequence[str]) -> list[str]:
     """The overrides a later resume keeps: the last one of each key, where-keys left out."""
-    last = {item.partition("=")[0].strip(): item for item in overrides}
+    last = {override_key(item): item for item in overrides}
     return [item for key, item in last.items() if key not in _WHERE_KEYS]
 
 

@@ -11,7 +11,7 @@ from backbones.trained import BACKBONE_NAME
 from checkpoint.arcface import MARKERS, MODEL_FILE, marker_for
 from checkpoint.legacy import LEGACY_FORMAT, LEGACY_NAME, read_legacy
 from checkpoint.sharded import POINTER_NAME
-from utils.errors import CheckpointError, RunDirError
+from utils.errors import CheckpointError, RunDirError, located
 
 LOCK_NAME = ".lock"
 # What makes a folder a run worth guarding, in the order a resume prefers them: arcface_torch's rank
@@ -26,6 +26,10 @@ def resolve_resume(output: str, resume: bool | str) -> tuple[str, Path] | None:
     folder; `resume=True` continues the run already in `output`.
     """
     if resume is True:
+        if not Path(output).is_dir():
+            raise CheckpointError(f"--resume continues the run in the output folder, but {located(output)} does not "
+                                  "exist; start without --resume, or point output at the run's folder "
+                                  "(--set output=<folder>)")
         return find_resume_source(output)
     held = _run_files(Path(output))
     source = find_resume_source(resume) if resume else None
@@ -50,7 +54,7 @@ def find_resume_source(location: str | os.PathLike) -> tuple[str, Path]:
                                   f"{BACKBONE_NAME}; start a new run without --resume, or point resume at a checkpoint")
         location = found[0]
     elif not location.is_file():
-        raise CheckpointError(f"resume source {location} does not exist; point resume at a run folder, "
+        raise CheckpointError(f"resume source {located(location)} does not exist; point resume at a run folder, "
                               f"a {POINTER_NAME} or a backbone .pth file")
     if location.suffix == ".json":
         return "checkpoint", location

@@ -9,7 +9,7 @@ from torch import nn
 
 from eval.verification import VerificationSet, flip_fused, load_bin, operating_point, test
 from utils.distributed import agreed, is_main
-from utils.errors import ConfigError
+from utils.errors import ConfigError, located
 from utils.image import IMAGE_SIZE
 from utils.metrics import Metrics
 
@@ -31,7 +31,7 @@ def check_val_targets(targets: Sequence[str], rec_prefix: str) -> None:
     for target in targets:
         _, path = resolve_target(target, rec_prefix)
         if not os.path.isfile(path):
-            raise ConfigError(f"val_targets entry {target!r}: no verification set at {path}; put "
+            raise ConfigError(f"val_targets entry {target!r}: no verification set at {located(path)}; put "
                               f"{os.path.basename(path)} in {rec_prefix or 'the rec folder'}, list its full path, "
                               "or remove it from val_targets")
 

@@ -32,7 +32,7 @@ from eval.cli import EvaluatedNetwork, add_network_arguments, check_positive, op
 from eval.embedding import embed_images
 from eval.roc import roc_points, save_roc_plot, tar_at_far
 from utils.cli import exit_on_user_error
-from utils.errors import ConfigError, DataError
+from utils.errors import ConfigError, DataError, located
 from utils.image import IMAGE_SIZE
 
 logger = logging.getLogger(__name__)
@@ -91,7 +91,7 @@ def load_bin(path: str | os.PathLike, image_size: tuple[int, int] = (IMAGE_SIZE,
     """
     path = os.fspath(path)
     if not os.path.isfile(path):
-        raise DataError(f"verification set {path} does not exist; check the path (or val_targets / rec)")
+        raise DataError(f"verification set {located(path)} does not exist; check the path (or val_targets / rec)")
     fix = "pass a .bin as insightface ships them or tools.make_bin writes them"
     try:
         bins, issame = _read_pickle(path)
