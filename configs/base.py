@@ -65,7 +65,8 @@ max_grad_norm: float = 5.0        # backbone gradient clipped to this L2 norm be
 num_epoch: int = 20               # passes over the data
 warmup_epoch: int = 0             # linear warmup from 0 to lr, then polynomial (power 2) decay to 0 at the end
 max_steps: int = 0                # stop after this many optimizer steps (0: run num_epoch); the LR schedule still
-                                  # spans num_epoch
+                                  # spans num_epoch. Steps of that schedule: renumbered by a resume on another
+                                  # batch size or world size (the log says which shown step it is then)
 max_nonfinite_steps: int = 10     # this many non-finite losses in a row stop the run (each one skips its step)
 
 # --- logging and evaluation ---------------------------------------------------------------
@@ -87,4 +88,5 @@ output: str | None = None         # run folder (log, TensorBoard, checkpoint, ba
 save_all_states: bool = True      # write the full resumable checkpoint (False: only backbone.pth)
 save_every_steps: int = 0         # also checkpoint every this many steps (0: at the end of each epoch only)
 resume: bool | str = False        # True: continue the run in `output`; a path: start from that run folder (also
-                                  # arcface_torch's), checkpoint.json or bare backbone.pth into a new output
+                                  # arcface_torch's), checkpoint.json or bare backbone.pth into a new output.
+                                  # Continuing a run keeps the --set values it was started with (config.json)
