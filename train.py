@@ -24,7 +24,7 @@ from types import SimpleNamespace
 import torch
 
 from backbones.trained import BACKBONE_NAME
-from checkpoint.checkpointer import RUN_CONFIG_NAME, Checkpointer, resumed_overrides
+from checkpoint.checkpointer import RUN_CONFIG_NAME, Checkpointer, Renumbering, resumed_overrides
 from checkpoint.run_dir import lock_run_dir, resolve_resume
 from dataset import FaceLoader, build_dataset, build_loader
 from eval.callback import VerificationCallback, check_val_targets
@@ -183,15 +183,7 @@ def _train_in_folder(cfg: SimpleNamespace, device: torch.device, source, setting
     stop = min(total_steps, cfg.max_steps) if cfg.max_steps else total_steps
     log.info("%d records, %d classes, %d process(es), %d steps per epoch, %d steps in all, starting at step %d",
              len(dataset), dataset.num_classes, world(), counter.steps_per_epoch, total_steps, counter.global_step)
-    if counter.shown_offset:
-        log.info("max_steps=%d counts steps of the LR schedule (%d per epoch now): this run stops at its step %d, "
-                 "shown in the log and TensorBoard as step %d", cfg.max_steps, counter.steps_per_epoch, stop,
-                 stop + counter.shown_offset)
-    if counter.global_step >= stop:
-        log.warning("nothing was trained: the run resumed at global step %d%s, already at or past the end of "
-                    "training (step %d: max_steps=%d, num_epoch=%d); raise max_steps or num_epoch to train on",
-                    counter.global_step, f" ({renumbering.describe()})" if renumbering else "", stop, cfg.max_steps,
-                    cfg.num_epoch)
+    if not _steps_left(cfg, counter, stop, renumbering):
         return {}
     metrics = open_metrics(cfg)
     try:
@@ -203,6 +195,21 @@ def _train_in_folder(cfg: SimpleNamespace, device: torch.device, source, setting
     if device.type == "cuda":
         log.info("peak GPU memory %.2f GiB", torch.cuda.max_memory_allocated(device) / 2 ** 30)
     return results
+
+
+def _steps_left(cfg: SimpleNamespace, counter: StepCounter, stop: int, renumbering: Renumbering | None) -> bool:
+    """Whether a resumed run has steps left before `stop`; says what max_steps means when the shown steps are
+    not the schedule's, and why nothing is trained when none are left."""
+    if counter.shown_offset:
+        log.info("max_steps=%d counts steps of the LR schedule (%d per epoch now): this run stops at its step %d, "
+                 "shown in the log and TensorBoard as step %d", cfg.max_steps, counter.steps_per_epoch, stop,
+                 stop + counter.shown_offset)
+    if counter.global_step < stop:
+        return True
+    log.warning("nothing was trained: the run resumed at global step %d%s, already at or past the end of training "
+                "(step %d: max_steps=%d, num_epoch=%d); raise max_steps or num_epoch to train on", counter.global_step,
+                f" ({renumbering.describe()})" if renumbering else "", stop, cfg.max_steps, cfg.num_epoch)
+    return False
 
 
 def _check_memory(cfg: SimpleNamespace, num_classes: int, device: torch.device) -> None:

@@ -47,7 +47,7 @@ _SCHEDULE_EFFECTS = {
     "num_epoch": "the LR schedule now spans another number of epochs: the LR from this step on differs from the "
                  "original plan",
     "warmup_epoch": "the warmup now ends at another epoch: the LR from this step on differs from the original plan",
-    "lr": "every LR from this step on is scaled by the same factor",
+    "lr": "every LR from this step on is scaled by new / old",
     **dict.fromkeys(("batch_size", "gradient_acc"), "an epoch has another number of steps: the step is renumbered "
                     "(the same fraction of training), this epoch's data order differs, and lr (for the global batch) "
                     "now spreads over another number of samples"),
@@ -220,8 +220,10 @@ def _log_config_changes(saved: Mapping, current: Mapping) -> None:
     changed = [key for key in sorted(current) if _differs(saved, current, key) and key not in _WHERE_KEYS]
     for key in changed:
         if key in _SCHEDULE_EFFECTS:
-            log.warning("config changed on resume: %s %r -> %r: %s", key, saved[key], current[key],
-                        _SCHEDULE_EFFECTS[key])
+            effect = _SCHEDULE_EFFECTS[key]
+            if key == "lr" and saved[key]:
+                effect += f" = {current[key] / saved[key]:g}"
+            log.warning("config changed on resume: %s %r -> %r: %s", key, saved[key], current[key], effect)
     others = [f"{key}: {saved[key]!r} -> {current[key]!r}" for key in changed if key not in _SCHEDULE_EFFECTS]
     if others:
         log.info("config changed on resume: %s", "; ".join(others))

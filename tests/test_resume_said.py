@@ -84,7 +84,7 @@ def test_a_change_that_moves_the_schedule_is_a_warning_naming_its_effect_and_the
     log = run.logs["C"]
     assert ("config changed on resume: batch_size 4 -> 8: an epoch has another number of steps: the step is "
             "renumbered (the same fraction of training), this epoch's data order differs") in log
-    assert "config changed on resume: lr 0.1 -> 0.05: every LR from this step on is scaled by the same factor" in log
+    assert "config changed on resume: lr 0.1 -> 0.05: every LR from this step on is scaled by new / old = 0.5" in log
     lr = scalars(run.output, "learning_rate")
     for shown, step in ((6, 3), (7, 4)):  # 5 steps per epoch now, 200 in all, from lr 0.05
         assert lr[shown] == pytest.approx(scheduled_lr(0.05, step - 1, 200), rel=1e-6), shown
