@@ -23,6 +23,7 @@ from torchvision.io import decode_image
 from backbones import get_model
 from facedata.alignment import ARCFACE_TEMPLATE
 from facedata.recordio import RecordReader, unpack
+from tests.test_pack_tools import exits_with
 from tools import inference, make_bin, pack_rec
 
 NAMES = ("ann", "bob", "cyd")
@@ -152,16 +153,6 @@ def test_stretching_is_said_once_per_tool_and_only_by_resize(photos, model_folde
         assert make_bin.main([str(photos), str(tmp_path / f"{fit}.bin"), "--random", "2", fit]) == 0
         assert inference.main([str(photos / "ann" / "0.png"), "--model", str(model_folder), fit]) == 0
         assert "warning" not in capsys.readouterr().err and not caplog.text
-
-
-def exits_with(capsys, main, argv) -> str:
-    """`main(argv)` ends with status 1 and one `error: ...` line, no traceback; that line."""
-    with pytest.raises(SystemExit) as stop:
-        main(argv)
-    err = capsys.readouterr().err
-    errors = [line for line in err.splitlines() if line.startswith("error: ")]
-    assert stop.value.code == 1 and len(errors) == 1 and "Traceback" not in err, err
-    return errors[0]
 
 
 def test_a_bad_landmarks_file_and_a_relative_missing_folder_are_one_sentence(photos, tmp_path, capsys, monkeypatch):
