@@ -40,6 +40,7 @@ from dataset import (
     Preparation,
     PreparedFace,
     add_preparation_arguments,
+    encode,
     preparation_from_args,
     scan_identities,
     stretch_warning,
@@ -180,12 +181,7 @@ def encode_face(path: Path, preparation: Preparation) -> tuple[bytes, PreparedFa
         size, source_format = image.size, image.format
     if preparation.landmarks is None and size == (IMAGE_SIZE, IMAGE_SIZE) and source_format in ("JPEG", "PNG"):
         return data, None
-    out = io.BytesIO()
-    if source_format == "JPEG":
-        Image.fromarray(face.pixels).save(out, format="JPEG", quality=JPEG_QUALITY)
-    else:
-        Image.fromarray(face.pixels).save(out, format="PNG")
-    return out.getvalue(), face
+    return encode(face.pixels, "jpeg" if source_format == "JPEG" else "png", JPEG_QUALITY), face
 
 
 def encode_pairs(pairs: Sequence[Pair], preparation: Preparation, stream: TextIO | None = None
