@@ -253,7 +253,8 @@ def test_train_v2_resumes_through_torchrun_on_three_processes(data, sources, tmp
     assert ("imported arcface_torch checkpoint (train_v2, 2 ranks, global step 10): backbone, 21 class centres, "
             "SGD momentum, LR schedule") in log
     assert "resuming a run of 2 process(es) and 5 steps per epoch with 3 and 3: step 10 becomes step 6" in log
-    assert "config differs from the checkpoint's: lr: 0.1 -> 0.0; momentum: 0.9 -> 0.0" in log
+    assert "config changed on resume: lr 0.1 -> 0.0: every LR from this step on is scaled by new / old = 0" in log
+    assert "config changed on resume: momentum: 0.9 -> 0.0" in log
     run = load_run(output, INFO21)
     assert run["world_size"] == 3 and run["progress"]["global_step"] == 7
     expected = reference(sources.train_v2_sgd)
