@@ -70,11 +70,15 @@ class Preparation:
         with _open_photo(Path(path)) as image:
             if self.landmarks is None:
                 return fit_photo(image, self.fit)
-            points = self.landmarks.get(self._name(Path(path)))
-            if points is None:
+            name = self._name(Path(path))
+            if name not in self.landmarks:
                 raise FaceImageError(f"{path} has no line in landmarks file {self.landmarks_file}; add its five "
-                                     f"points ('{self._name(Path(path))} x1 y1 ... x5 y5') or leave the photo out")
-            return PreparedFace(_aligned(image, points))
+                                     f"points ('{name} x1 y1 ... x5 y5') or leave the photo out")
+            try:
+                return PreparedFace(_aligned(image, self.landmarks[name]))
+            except ValueError as error:
+                raise FaceImageError(f"{path} cannot be aligned by its line in landmarks file {self.landmarks_file} "
+                                     f"({error}); fix that line") from None
 
     def _name(self, path: Path) -> str:
         return os.path.normpath(path if self.root is None else os.path.relpath(path, self.root))

@@ -165,6 +165,10 @@ def test_a_bad_landmarks_file_and_a_relative_missing_folder_are_one_sentence(pho
             "... x5 y5') or leave the photo out") in exits_with(
         capsys, pack_rec.main, [str(photos), str(tmp_path / "rec"), "--landmarks", str(points), "--workers", "1"])
     assert not (tmp_path / "rec" / "train.rec").exists()
+    points.write_text("ann/0.png 5 5 5 5 5 5 5 5 5 5\n")  # five points on one: no similarity maps them apart
+    assert (f"{photos / 'ann' / '0.png'} cannot be aligned by its line in landmarks file {points} (the landmarks all "
+            "sit on one point; a face needs five distinct landmarks); fix that line") in exits_with(
+        capsys, pack_rec.main, [str(photos), str(tmp_path / "rec"), "--landmarks", str(points), "--workers", "1"])
     monkeypatch.chdir(tmp_path)
     assert f"image folder faces (looked up from {tmp_path}) does not exist" in exits_with(
         capsys, make_bin.main, ["faces", "x.bin", "--random", "1"])
