@@ -187,15 +187,21 @@ class Checkpointer:
 
     def save(self, counter: StepCounter, final: bool = False) -> None:
         if self.save_all_states:
-            if is_main():  # first: a crash before the checkpoint is published leaves what was said, not less
-                atomic_save(json.dumps(self.run_config, indent=2).encode(), Path(self.output) / RUN_CONFIG_NAME,
-                            write=write_bytes)
             progress = broadcast_object(counter.saved())  # rank 0's: only it verifies
             folder = save_state(self.output, self.state, progress, self.loader.state_dict(), self.architecture,
                                 self.config)
+            if is_main():
+                self._write_run_config()
             log.log(self._save_log_level(counter, final), "saved %s at global step %d", folder, counter.shown_step)
         save_backbone(self.state.backbone, self.output, self.architecture, counter.verification)
         self._saved_at = counter.global_step
+
+    def _write_run_config(self) -> None:
+        """config.json, once a checkpoint of this start is published (a failed save leaves the old one as it
+        was), and only when it says something new."""
+        path, content = Path(self.output) / RUN_CONFIG_NAME, json.dumps(self.run_config, indent=2).encode()
+        if not path.is_file() or path.read_bytes() != content:
+            atomic_save(content, path, write=write_bytes)
 
     def _save_log_level(self, counter: StepCounter, final: bool) -> int:
         """INFO for the last save and at most one save per ten log lines (`frequent` steps each); DEBUG for
