@@ -2,14 +2,27 @@
 PY := .venv/bin/python
 STAMP := .venv/.installed
 
-.PHONY: test lint demo bench mutants clean-venv
+.PHONY: test lint demo bench mutants clean-venv FORCE
+
+# The project itself goes in editable (pyproject.toml), so that `python tools/x.py` finds its packages in
+# this checkout. Installed again when pyproject.toml changes, and when the venv's install is missing or points
+# at another checkout (a venv shared between checkouts, or moved).
+EDITABLE := .venv/.editable
+INSTALLED_FROM := $(shell $(PY) -I -c 'import importlib.metadata as m, json; \
+	print(json.loads(m.distribution("pairface").read_text("direct_url.json"))["url"])' 2>/dev/null)
 
 $(STAMP): requirements.txt requirements-dev.txt
 	test -x $(PY) || python3 -m venv .venv
 	$(PY) -m pip install -q -r requirements-dev.txt
 	touch $(STAMP)
 
-lint: $(STAMP)
+$(EDITABLE): $(STAMP) pyproject.toml $(if $(filter file://$(CURDIR),$(INSTALLED_FROM)),,FORCE)
+	$(PY) -m pip install -q --no-deps -e .
+	touch $(EDITABLE)
+
+FORCE:
+
+lint: $(EDITABLE)
 	$(PY) -m ruff check .
 	.venv/bin/lint-imports --no-cache --no-logo
 
@@ -17,13 +30,13 @@ test: lint
 	$(PY) -m pytest -q tests
 
 # Mutation testing (minutes per module, not part of `make test`): per module, mutants, killed, survived.
-mutants: $(STAMP)
+mutants: $(EDITABLE)
 	$(PY) -m tests.mutants $(MODULES)
 
-demo: $(STAMP)
+demo: $(EDITABLE)
 	$(PY) -m tools.demo
 
-bench: $(STAMP)
+bench: $(EDITABLE)
 	$(PY) -m bench.bench_pfc
 	$(PY) -m bench.bench_backbones
 	$(PY) -m bench.bench_data

@@ -17,6 +17,7 @@ import logging
 import os
 import sys
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
 from typing import NoReturn
@@ -24,8 +25,9 @@ from typing import NoReturn
 import torch
 
 from backbones.trained import BACKBONE_NAME
-from checkpoint.checkpointer import Checkpointer, last_good
+from checkpoint.checkpointer import Checkpointer, Renumbering, last_good
 from checkpoint.restored import Restored
+from checkpoint.run_config import RUN_CONFIG_NAME, resumed_overrides
 from checkpoint.run_dir import AUTO, continues_torchrun_run, lock_run_dir, resolve_resume
 from dataset import FaceLoader, build_dataset, build_loader
 from eval.callback import VerificationCallback, check_val_targets
@@ -68,7 +70,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     cfg = None
     try:
         adopt_srun_environment()  # before anything reads RANK: `srun python train.py` tells only Slurm's variables
-        cfg = load_config(args.config, args.set + (["resume=True"] if args.resume else []))
+        overrides = args.set + (["resume=True"] if args.resume else [])
+        cfg = load_config(args.config, overrides)
+        kept = resumed_overrides(cfg.output, cfg.resume, overrides) if cfg.resume else []
+        if kept:  # what the run was started with, unless said otherwise now
+            overrides = kept + overrides
+            cfg = load_config(args.config, overrides)
         if args.dry_run:
             print(dry_run_report(cfg, planned_world_size(args.world_size, os.environ), args.json, _device_memory(args)))
             return 0
@@ -77,7 +84,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         check_val_targets(cfg.val_targets, cfg.rec)  # before any model is built (minutes for a large one)
         device = choose_device(cfg.device, *local_process())
         configure_numerics(device, cfg.tf32, cfg.deterministic)
-        _train_in_process_group(cfg, device)
+        _train_in_process_group(cfg, device, RunSettings(args.config, overrides, kept))
     except UserError as error:
         # Config errors happen identically on every process, before the process group exists: one copy is enough.
         if launched_rank() == 0 or not isinstance(error, ConfigError):
@@ -92,14 +99,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
-def _train_in_process_group(cfg: SimpleNamespace, device: torch.device) -> None:
+def _train_in_process_group(cfg: SimpleNamespace, device: torch.device, settings: RunSettings) -> None:
     """train() among the processes of the job, with stop signals caught until the process group is gone."""
     init_distributed(device, cfg.timeout_minutes)
     if device.type == "cpu":
         _share_cpu(cfg.num_workers)
     try:
         with StopSignals() as signals:
-            train(cfg, device, signals)
+            train(cfg, device, settings, signals)
     except Exception as error:
         if (failure := lost_peer(error)) is None:
             raise
@@ -178,15 +185,26 @@ def _count_nonfinite(outcome: StepOutcome, counter: StepCounter, cfg) -> None:
     counter.nonfinite_in_a_row += 1
     counter.nonfinite_total += 1
     what = "loss" if outcome == StepOutcome.LOSS_NONFINITE else "gradient"
-    log.warning("Global Step %d: non-finite %s, step skipped (%d in a row, %d in this run)", counter.global_step,
+    log.warning("Global Step %d: non-finite %s, step skipped (%d in a row, %d in this run)", counter.shown_step,
                 what, counter.nonfinite_in_a_row, counter.nonfinite_total)
     if counter.nonfinite_in_a_row >= cfg.max_nonfinite_steps:
-        raise TrainingError(f"stopped at global step {counter.global_step}: {counter.nonfinite_in_a_row} "
+        raise TrainingError(f"stopped at global step {counter.shown_step}: {counter.nonfinite_in_a_row} "
                             f"non-finite losses in a row (max_nonfinite_steps={cfg.max_nonfinite_steps}); "
                             f"{last_good(cfg.output)}; lower lr, try bf16 instead of fp16, or check the data")
 
 
-def train(cfg: SimpleNamespace, device: torch.device, signals: StopSignals) -> dict[str, float]:
+@dataclass(frozen=True)
+class RunSettings:
+    """Where `cfg` came from: the config file and every --set override applied (those `kept` from the run's
+    earlier start first); a resume of this run keeps them."""
+
+    config_file: str
+    overrides: Sequence[str] = ()
+    kept: Sequence[str] = ()
+
+
+def train(cfg: SimpleNamespace, device: torch.device, settings: RunSettings,
+          signals: StopSignals) -> dict[str, float]:
     """Run training as configured; returns the final verification accuracies (rank 0; {} elsewhere).
 
     A start that torchrun makes again for the same run (after a lost process or node, or when a node
@@ -195,17 +213,20 @@ def train(cfg: SimpleNamespace, device: torch.device, signals: StopSignals) -> d
     source = agreed(lambda: resolve_resume(cfg.output, AUTO if restarted else cfg.resume))
     lock = agreed(lambda: lock_run_dir(cfg.output, torchrun_run_id()), share=False)
     try:
-        return _train_in_folder(cfg, device, source, restarted, signals)
+        return _train_in_folder(cfg, device, source, restarted, settings, signals)
     finally:
         if lock is not None:
             lock.close()
 
 
-def _train_in_folder(cfg: SimpleNamespace, device: torch.device, source, restarted: bool,
+def _train_in_folder(cfg: SimpleNamespace, device: torch.device, source, restarted: bool, settings: RunSettings,
                      signals: StopSignals) -> dict[str, float]:
     """Config -> data -> training state -> resume -> loop (with its saves) in the locked run folder."""
     setup_logging(cfg.output)
     log.info("config: %s", ", ".join(f"{k}={v!r}" for k, v in sorted(vars(cfg).items())))
+    if settings.kept:
+        log.info("kept from the run's earlier start (%s): --set %s; give --set again to change one",
+                 RUN_CONFIG_NAME, " --set ".join(settings.kept))
     log.info("device %s, backend %s, %d process(es) on %d node(s)", describe_device(device), backend(), world(),
              nodes())
     if cfg.fp16 and device.type == "cpu":
@@ -221,7 +242,8 @@ def _train_in_folder(cfg: SimpleNamespace, device: torch.device, source, restart
     state = build_training_state(cfg, dataset.num_classes, device, counter.steps_per_epoch)
     checkpointer = Checkpointer(cfg.output, state, loader, architecture(cfg, dataset.num_classes), vars(cfg),
                                 save_every_steps=cfg.save_every_steps, save_all_states=cfg.save_all_states,
-                                async_save=cfg.async_save)
+                                async_save=cfg.async_save, config_file=settings.config_file,
+                                overrides=settings.overrides)
     torch.manual_seed(cfg.seed + 1 + rank())  # per-rank streams for centre sampling and dropout
     restored = checkpointer.resume(source, counter) if source else None  # replaces those streams with the saved ones
     if restarted:
@@ -231,6 +253,8 @@ def _train_in_folder(cfg: SimpleNamespace, device: torch.device, source, restart
     stop = min(total_steps, cfg.max_steps) if cfg.max_steps else total_steps
     log.info("%d records, %d classes, %d process(es), %d steps per epoch, %d steps in all, starting at step %d",
              len(dataset), dataset.num_classes, world(), counter.steps_per_epoch, total_steps, counter.global_step)
+    if not _steps_left(cfg, counter, stop, checkpointer.renumbering):
+        return {}
     metrics = open_metrics(cfg)
     try:
         results = _loop(cfg, state, loader, counter, checkpointer, stop, metrics, signals)
@@ -239,7 +263,7 @@ def _train_in_folder(cfg: SimpleNamespace, device: torch.device, source, restart
         raise
     finally:
         metrics.close()  # flushes the last scalars, also when the run stops on an error or a signal
-    log.info("training finished at global step %d: %s", counter.global_step,
+    log.info("training finished at global step %d: %s", counter.shown_step,
              ", ".join(f"{name} Accuracy-Flip {acc:.5f}" for name, acc in results.items()) or "no val_targets")
     if device.type == "cuda":
         log.info("peak GPU memory %.2f GiB", torch.cuda.max_memory_allocated(device) / 2 ** 30)
@@ -252,7 +276,22 @@ def _log_restart(restored: Restored | None, counter: StepCounter, save_every_ste
     lost = f"save_every_steps={save_every_steps}" if save_every_steps else "an epoch, as save_every_steps=0"
     log.info("torchrun restarted this run (a process or node was lost, or one joined): %s -> %d process(es); it "
              "continues from its last checkpoint, at global step %d; steps taken after that checkpoint before the "
-             "restart are trained again (at most %s)", before, world(), counter.global_step, lost)
+             "restart are trained again (at most %s)", before, world(), counter.shown_step, lost)
+
+
+def _steps_left(cfg: SimpleNamespace, counter: StepCounter, stop: int, renumbering: Renumbering | None) -> bool:
+    """Whether a resumed run has steps left before `stop`; says what max_steps means when the shown steps are
+    not the schedule's, and why nothing is trained when none are left."""
+    if counter.shown_offset:
+        log.info("max_steps=%d counts steps of the LR schedule (%d per epoch now): this run stops at its step %d, "
+                 "shown in the log and TensorBoard as step %d", cfg.max_steps, counter.steps_per_epoch, stop,
+                 stop + counter.shown_offset)
+    if counter.global_step < stop:
+        return True
+    log.warning("nothing was trained: the run resumed at global step %d%s, already at or past the end of training "
+                "(step %d: max_steps=%d, num_epoch=%d); raise max_steps or num_epoch to train on", counter.global_step,
+                f" ({renumbering.describe()})" if renumbering else "", stop, cfg.max_steps, cfg.num_epoch)
+    return False
 
 
 def _check_memory(cfg: SimpleNamespace, num_classes: int, device: torch.device) -> None:
@@ -278,12 +317,14 @@ def _steps_per_epoch(loader: FaceLoader, gradient_acc: int) -> int:
 def _loop(cfg, state: TrainingState, loader: FaceLoader, counter: StepCounter, checkpointer: Checkpointer,
           stop: int, metrics: Metrics, signals: StopSignals) -> dict[str, float]:
     """Steps counter.global_step .. stop - 1: train, log, verify, save; stop between two steps when a
-    signal asks (RunStopped). The final verification accuracies."""
-    verification = VerificationCallback(cfg.verbose, cfg.val_targets, cfg.rec, metrics=metrics)
-    speed = SpeedLogger(cfg.frequent, stop, cfg.batch_size * world() * cfg.gradient_acc, cfg.num_views,
-                        metrics=metrics, start_step=counter.global_step)
+    signal asks (RunStopped). The final verification accuracies. Log lines, verification and TensorBoard
+    count shown steps (StepCounter.shown_step)."""
+    verification = VerificationCallback(cfg.verbose, cfg.val_targets, cfg.rec, metrics=metrics,
+                                        highest=counter.best_accuracy)
+    speed = SpeedLogger(cfg.frequent, stop + counter.shown_offset, cfg.batch_size * world() * cfg.gradient_acc,
+                        cfg.num_views, metrics=metrics, start_step=counter.shown_step)
     grad_scale = state.scaler.get_scale if state.scaler.is_enabled() else None
-    results, verified_at = {}, -1
+    results = {}
     state.backbone.train()  # verification leaves it in train mode again
     start = counter.global_step
     signals.stepping = True
@@ -294,33 +335,33 @@ def _loop(cfg, state: TrainingState, loader: FaceLoader, counter: StepCounter, c
             counter.global_step = step + 1
             _count_nonfinite(outcome, counter, cfg)
             if outcome != StepOutcome.LOSS_NONFINITE:  # a skipped fp16 overflow step still has a loss worth logging
-                speed(counter.global_step, losses, epoch, lr, grad_scale)
+                speed(counter.shown_step, losses, epoch, lr, grad_scale)
             final = counter.global_step == stop
             if (request := signals.agreed()) and not final:  # at the last step, finishing is the quicker stop
                 _stop(request, counter, checkpointer)
             with speed.paused():
-                accuracy = verification(counter.global_step, state.backbone)
+                # The last step is always verified, before the last save: model.json records its thresholds.
+                accuracy = (verification.evaluate_now(state.backbone, counter.shown_step) if final
+                            else verification(counter.shown_step, state.backbone))
+                if accuracy is not None:
+                    results = accuracy
+                    counter.best_accuracy, counter.verification = verification.highest, verification.operating_points
                 if checkpointer.after_step(counter, final) and cfg.save_artifacts and cfg.using_wandb:
                     checkpointer.wait_for_save()  # the artifact is the published backbone.pth
                     if is_main():
-                        name = "Final" if final else f"step{counter.global_step}"
+                        name = "Final" if final else f"step{counter.shown_step}"
                         metrics.log_artifact(Path(cfg.output) / BACKBONE_NAME, name)
-            if accuracy is not None:
-                results, verified_at = accuracy, counter.global_step
     except KeyboardInterrupt:  # a second Ctrl-C
-        raise _stopped(f"stopped at once by a second Ctrl-C after global step {counter.global_step}, without "
+        raise _stopped(f"stopped at once by a second Ctrl-C after global step {counter.shown_step}, without "
                        f"saving; {last_good(cfg.output)}", EXIT_INTERRUPTED) from None
     finally:
         signals.stepping = False
-    if verified_at != counter.global_step:
-        with speed.paused():
-            results = verification.evaluate_now(state.backbone, counter.global_step)
     return results
 
 
 def _stop(request: StopRequest, counter: StepCounter, checkpointer: Checkpointer) -> NoReturn:
     """Stop between two steps, as every rank agreed: preempted (save first) or interrupted by Ctrl-C."""
-    step = counter.global_step
+    step = counter.shown_step
     if request == StopRequest.PREEMPT:
         checkpointer.save_for_exit(counter)
         saved = ("checkpoint saved; --resume continues" if checkpointer.save_all_states else

@@ -4,9 +4,11 @@ folder, or a ``.pth`` file.
 A run folder written by train.py holds ``backbone.pth`` (the plain backbone state_dict with CPU
 tensors, as arcface_torch saves it, so either project loads the other's with strict=True) and
 ``model.json`` (``network``, ``network_kwargs``, ``embedding_size``, ``num_classes``: what
-``save_backbone`` is given). Given the folder, or a ``.pth`` with a ``model.json`` beside it,
-nothing else is needed. A bare ``.pth`` (e.g. from arcface_torch) needs its network and the options
-it was trained with: ``--network r50 --network-kw width_mult=0.25 num_features=256``.
+``save_backbone`` is given; and ``verification``: per verification set, the operating point of the
+model's last verification, during training or by eval.verification, which tools.inference's verdict
+uses). Given the folder, or a ``.pth`` with a ``model.json`` beside it, nothing else is needed. A bare
+``.pth`` (e.g. from arcface_torch) needs its network and the options it was trained with:
+``--network r50 --network-kw width_mult=0.25 num_features=256``.
 """
 from __future__ import annotations
 
@@ -25,7 +27,7 @@ from backbones.weights import load_backbone, read_state_dict, suggest_network
 from utils.atomic import atomic_save, write_bytes
 from utils.config import check_network_options
 from utils.distributed import is_main
-from utils.errors import ConfigError, WeightsError
+from utils.errors import ConfigError, WeightsError, located
 
 BACKBONE_NAME = "backbone.pth"
 MODEL_INFO_NAME = "model.json"
@@ -36,14 +38,35 @@ def cpu_state_dict(module: nn.Module) -> dict[str, torch.Tensor]:
     return {key: value.detach().cpu().clone() for key, value in module.state_dict().items()}
 
 
-def save_backbone(backbone: nn.Module, output_dir: str | os.PathLike, architecture: Mapping) -> Path:
-    """Write `output_dir/backbone.pth` and `model.json` (rank 0 only; other ranks return the path untouched)."""
+def save_backbone(backbone: nn.Module, output_dir: str | os.PathLike, architecture: Mapping,
+                  verification: Mapping | None = None) -> Path:
+    """Write `output_dir/backbone.pth` and `model.json` (rank 0 only; other ranks return the path untouched).
+    `verification`: {set name: operating point} of the last verification, if any."""
     path = Path(output_dir) / BACKBONE_NAME
     if is_main():
-        atomic_save(json.dumps(dict(architecture), indent=2).encode(), path.parent / MODEL_INFO_NAME,
-                    write=write_bytes)
+        _write_model_info(path.parent / MODEL_INFO_NAME, model_info(architecture, verification))
         atomic_save(cpu_state_dict(backbone), path)
     return path
+
+
+def record_verification(saved: SavedBackbone, verification: Mapping) -> Path | None:
+    """Put `verification` ({set name: operating point}) in the model.json beside `saved`'s weights, replacing
+    the one recorded before; the file written, or None when the weights have no model.json (a bare .pth)."""
+    info_path = saved.weights.parent / MODEL_INFO_NAME
+    if not info_path.is_file():
+        return None
+    info = {key: value for key, value in json.loads(info_path.read_text()).items() if key != "verification"}
+    _write_model_info(info_path, model_info(info, verification))
+    return info_path
+
+
+def model_info(architecture: Mapping, verification: Mapping | None) -> dict:
+    """model.json's content: the architecture, and the last verification's operating points if any."""
+    return {**architecture, **({"verification": dict(verification)} if verification else {})}
+
+
+def _write_model_info(path: Path, info: Mapping) -> None:
+    atomic_save(json.dumps(dict(info), indent=2).encode(), path, write=write_bytes)
 
 
 @dataclass(frozen=True)
@@ -53,6 +76,7 @@ class SavedBackbone:
     weights: Path
     network: str
     options: dict[str, object] = field(default_factory=dict)
+    verification: dict[str, dict] = field(default_factory=dict)  # model.json's, see the module doc
 
     def describe(self) -> str:
         """``r18 (width_mult=0.125, num_features=32) from output/backbone.pth``."""
@@ -75,8 +99,9 @@ def parse_network_kw(items: Sequence[str]) -> dict[str, object]:
     return options
 
 
-def _read_model_info(path: Path) -> tuple[str, dict[str, object]]:
-    """``(network, get_model options)`` from a model.json; the embedding size becomes num_features."""
+def _read_model_info(path: Path) -> tuple[str, dict[str, object], dict[str, dict]]:
+    """``(network, get_model options, verification)`` from a model.json; the embedding size becomes
+    num_features."""
     fix = "pass the .pth file with --network NAME instead, or the run folder train.py wrote"
     try:
         info = json.loads(path.read_text())
@@ -93,13 +118,13 @@ def _read_model_info(path: Path) -> tuple[str, dict[str, object]]:
         check_network_options(options, str(path))
     except ConfigError as error:
         raise WeightsError(f"{error}; {fix}") from None
-    return info["network"], options
+    verification = info.get("verification", {})
+    return info["network"], options, verification if isinstance(verification, dict) else {}
 
 
-def _merge(info_path: Path, saved: tuple[str, dict[str, object]], network: str | None,
+def _merge(info_path: Path, saved_network: str, saved_options: dict[str, object], network: str | None,
            options: Mapping[str, object]) -> tuple[str, dict[str, object]]:
     """model.json's network and options, plus command-line ones that do not contradict them."""
-    saved_network, saved_options = saved
     if network is not None and network != saved_network:
         raise ConfigError(f"--network {network} contradicts {info_path}, which says {saved_network}; drop --network "
                           "(a run folder names its own network)")
@@ -123,17 +148,19 @@ def find_saved_backbone(path: str | Path, network: str | None = None,
     elif path.is_file():
         weights = path
     else:
-        raise WeightsError(f"weights file {path} does not exist; pass a run folder written by train.py or a "
-                           "backbone .pth file")
+        raise WeightsError(f"weights file {located(path)} does not exist; pass a run folder written by train.py or "
+                           "a backbone .pth file")
     info_path = weights.parent / MODEL_INFO_NAME
+    verification = {}
     if info_path.is_file():
-        network, options = _merge(info_path, _read_model_info(info_path), network, options)
+        saved_network, saved_options, verification = _read_model_info(info_path)
+        network, options = _merge(info_path, saved_network, saved_options, network, options)
     elif network is None:
         suggestion = suggest_network(read_state_dict(weights))
         hint = f" (it fits {suggestion})" if suggestion else ""
         raise ConfigError(f"{weights} is a bare backbone without a {MODEL_INFO_NAME} beside it; pass --network NAME "
                           f"and the options it was trained with as --network-kw KEY=VALUE{hint}")
-    return SavedBackbone(weights=weights, network=network, options=options)
+    return SavedBackbone(weights=weights, network=network, options=options, verification=verification)
 
 
 def load_saved_backbone(path: str | Path, network: str | None = None, options: Mapping[str, object] | None = None,

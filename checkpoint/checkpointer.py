@@ -4,7 +4,9 @@ A run folder holds:
 - the training state (`checkpoint.json` naming a `checkpoint-<step>/` folder: checkpoint/sharded.py),
   resumable exactly on the same world size and on any other;
 - `backbone.pth` and `model.json` (backbones/trained.py): the plain backbone state_dict, as
-  arcface_torch saves it, and the network it belongs to.
+  arcface_torch saves it, the network it belongs to and its last verification's operating points;
+- `config.json` (checkpoint/run_config.py): the config file and the `--set` overrides the run was
+  started (or last resumed) with, so that `--resume` keeps what was said without it being said again.
 
 A run also resumes from a folder arcface_torch wrote (checkpoint/arcface.py), from an earlier
 version's `checkpoint.pt` (checkpoint/legacy.py) or from a bare backbone .pth, on any world size.
@@ -18,7 +20,8 @@ from __future__ import annotations
 import json
 import logging
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 from backbones import load_backbone
@@ -29,13 +32,40 @@ from checkpoint.legacy import restore_legacy
 from checkpoint.pointer import POINTER_NAME
 from checkpoint.restored import Restored
 from checkpoint.rng import set_rng_state
+from checkpoint.run_config import WHERE_KEYS, write_run_config
 from checkpoint.sharded import restore_state, stage_state, write_state
 from dataset import FaceLoader
 from training.state import StepCounter, TrainingState
-from utils.distributed import agreed, checkpoint_group, world
+from utils.distributed import agreed, checkpoint_group, is_main, world
 from utils.lr_scheduler import jump_to_step
 
 log = logging.getLogger(__name__)
+
+# Changes on resume that move the LR schedule or the data order, and what each does.
+_SCHEDULE_EFFECTS = {
+    "num_epoch": "the LR schedule now spans another number of epochs: the LR from this step on differs from the "
+                 "original plan",
+    "warmup_epoch": "the warmup now ends at another epoch: the LR from this step on differs from the original plan",
+    "lr": "every LR from this step on is scaled by new / old",
+    **dict.fromkeys(("batch_size", "gradient_acc"), "an epoch has another number of steps: the step is renumbered "
+                    "(the same fraction of training), this epoch's data order differs, and lr (for the global batch) "
+                    "now spreads over another number of samples"),
+}
+
+
+@dataclass(frozen=True)
+class Renumbering:
+    """A resume on another world size, batch size or accumulation: the saved step and epoch length, and
+    the step of this run's schedule it became."""
+
+    saved_step: int
+    saved_steps_per_epoch: int
+    steps_per_epoch: int
+    step: int
+
+    def describe(self) -> str:
+        return (f"step {self.saved_step} of the saved run, which had {self.saved_steps_per_epoch} steps per epoch "
+                f"where this one has {self.steps_per_epoch}")
 
 
 class Checkpointer:
@@ -53,7 +83,7 @@ class Checkpointer:
 
     def __init__(self, output: str, state: TrainingState, loader: FaceLoader, architecture: Mapping,
                  config: Mapping, *, save_every_steps: int = 0, save_all_states: bool = True,
-                 async_save: bool = False) -> None:
+                 async_save: bool = False, config_file: str = "", overrides: Sequence[str] = ()) -> None:
         self.output, self.state, self.loader = output, state, loader
         self.architecture, self.config = dict(architecture), dict(config)
         self.save_every_steps, self.save_all_states = save_every_steps, save_all_states
@@ -61,7 +91,10 @@ class Checkpointer:
         self._waiting = False  # a save fell inside a non-finite streak
         self._staging = HostStaging() if async_save and save_all_states else None
         self._group = checkpoint_group() if self._staging else None  # the writer thread's own collectives
-        self._in_flight: tuple[BackgroundSave, int] | None = None
+        self._in_flight: tuple[BackgroundSave, int, int] | None = None  # the save, its shown step, its log level
+        self.config_file, self.overrides = str(config_file), list(overrides)
+        self._logged_save_at: int | None = None  # the step of the last save logged at info level
+        self.renumbering: Renumbering | None = None  # how resume() renumbered the saved step, if it did
 
     def resume(self, source: tuple[str, Path], counter: StepCounter) -> Restored | None:
         """Load `source` ((kind, file) from find_resume_source) into the run and `counter`; what was
@@ -76,30 +109,45 @@ class Checkpointer:
         restore = {"checkpoint": restore_state, "legacy": restore_legacy, "arcface_torch": restore_arcface}[kind]
         restored = restore(path, self.architecture, self.state)
         saved = restored.progress
-        counter.nonfinite_total = saved["nonfinite_total"]
+        counter.resume(saved)
         if saved["steps_per_epoch"] == counter.steps_per_epoch and restored.rank_state is not None:
             counter.global_step = saved["global_step"]
             self.loader.load_state_dict(restored.rank_state["loader"])
             set_rng_state(restored.rank_state["rng"])
         elif saved["global_step"]:  # step 0 (arcface_torch's 2021 layout) is step 0 however an epoch is cut
-            self._renumber(restored, counter)
+            self.renumbering = self._renumber(restored, counter)
+        self._follow_schedule_changes(restored.config, counter)
         log.info("resumed from %s at global step %d (epoch %d), lr %.6f", path, counter.global_step, counter.epoch,
                  self.state.optimizer.param_groups[0]["lr"])
         _log_config_changes(restored.config, self.config)
         self.saved_at = counter.global_step
         return restored
 
-    def _renumber(self, restored: Restored, counter: StepCounter) -> None:
+    def _renumber(self, restored: Restored, counter: StepCounter) -> Renumbering:
         """Another world size, batch size or accumulation: keep the fraction of training done, so the LR
-        schedule and the epoch go on where they were (the exact sample order cannot)."""
+        schedule and the epoch go on where they were (the exact sample order cannot). The shown step goes
+        on counting from where it was."""
         saved = restored.progress
+        shown = saved["global_step"] + counter.shown_offset
         counter.global_step = round(saved["global_step"] * counter.steps_per_epoch / saved["steps_per_epoch"])
+        counter.shown_offset = shown - counter.global_step
         jump_to_step(self.state.scheduler, counter.global_step)
         self.loader.load_state_dict(restored.first_rank_state["loader"])
         log.warning("resuming a run of %d process(es) and %d steps per epoch with %d and %d: step %d becomes step "
-                    "%d; the data order of this epoch differs from the original run", restored.world_size,
-                    saved["steps_per_epoch"], world(), counter.steps_per_epoch, saved["global_step"],
-                    counter.global_step)
+                    "%d of the LR schedule; the log and TensorBoard go on counting from step %d; the data order of "
+                    "this epoch differs from the original run", restored.world_size, saved["steps_per_epoch"],
+                    world(), counter.steps_per_epoch, saved["global_step"], counter.global_step, shown)
+        return Renumbering(saved["global_step"], saved["steps_per_epoch"], counter.steps_per_epoch,
+                           counter.global_step)
+
+    def _follow_schedule_changes(self, saved_config: Mapping, counter: StepCounter) -> None:
+        """A resume that changes lr, num_epoch or warmup_epoch goes on along the new schedule from this
+        very step (the restored scheduler would keep the saved lr, and the restored LR is the old plan's)."""
+        scheduler = self.state.scheduler
+        if not any(_differs(saved_config, self.config, key) for key in ("lr", "num_epoch", "warmup_epoch")):
+            return
+        scheduler.base_lrs = [self.config["lr"]] * len(scheduler.base_lrs)
+        jump_to_step(scheduler, counter.global_step)
 
     def _start_from_backbone(self, path: Path) -> None:
         architecture = self.architecture
@@ -118,25 +166,26 @@ class Checkpointer:
             return False
         self._waiting = counter.nonfinite_in_a_row > 0 and not final
         if not self._waiting:
-            self.save(counter, wait=final)  # the run's last save is published before the run ends
+            self.save(counter, final)
         return not self._waiting
 
-    def save(self, counter: StepCounter, wait: bool = False) -> None:
-        """Save the state at this step (`wait`: return only once it is published, e.g. before the
-        process exits). A save still in flight is waited for first."""
+    def save(self, counter: StepCounter, final: bool = False) -> None:
+        """Save the state at this step (`final`: the run's last save, which returns only once it is
+        published, before the process exits). A save still in flight is waited for first."""
         self.wait_for_save()
-        step = counter.global_step
+        step, level = counter.global_step, self._save_log_level(counter, final)
         if not self.save_all_states:
-            agreed(lambda: save_backbone(self.state.backbone, self.output, self.architecture))
+            agreed(lambda: save_backbone(self.state.backbone, self.output, self.architecture, counter.verification))
         else:
             staged = stage_state(self.state, counter.saved(), self.loader.state_dict(), self.architecture,
                                  self.config, self._staging.copy if self._staging else None)
             if self._staging:
-                self._in_flight = BackgroundSave(lambda: write_state(self.output, staged, self._group)), step
+                self._in_flight = (BackgroundSave(lambda: write_state(self.output, staged, self._group)),
+                                   counter.shown_step, level)
             else:
-                log.info("saved %s at global step %d", write_state(self.output, staged), step)
+                self._published(write_state(self.output, staged), counter.shown_step, level)
         self.saved_at = step
-        if wait:
+        if final:
             self.wait_for_save()
 
     def wait_for_save(self) -> None:
@@ -144,9 +193,23 @@ class Checkpointer:
         rank) if it failed, the previous checkpoint then still published. Collective."""
         if self._in_flight is None:
             return
-        save, step = self._in_flight
+        save, shown_step, level = self._in_flight
         self._in_flight = None
-        log.info("saved %s at global step %d", save.wait(), step)
+        self._published(save.wait(), shown_step, level)
+
+    def _published(self, folder: Path, shown_step: int, level: int) -> None:
+        log.log(level, "saved %s at global step %d", folder, shown_step)
+        if is_main():
+            agreed(lambda: write_run_config(self.output, self.config_file, self.overrides), share=False)
+
+    def _save_log_level(self, counter: StepCounter, final: bool) -> int:
+        """INFO for the last save and at most one save per ten log lines (`frequent` steps each); DEBUG for
+        the others, which would otherwise crowd the log when epochs are short."""
+        every = 10 * self.config["frequent"]
+        if final or self._logged_save_at is None or counter.global_step - self._logged_save_at >= every:
+            self._logged_save_at = counter.global_step
+            return logging.INFO
+        return logging.DEBUG
 
     def settle(self) -> None:
         """For a run stopping on an error: let a save in flight publish or fail as it would (its
@@ -161,7 +224,7 @@ class Checkpointer:
         """Save now, for a run about to exit (a preemption), unless this step is saved already: on
         return the checkpoint is complete and published on every rank."""
         if counter.global_step != self.saved_at:
-            self.save(counter)
+            self.save(counter, final=True)
         self.wait_for_save()
 
 
@@ -174,12 +237,21 @@ def last_good(output: str) -> str:
 
 
 def _log_config_changes(saved: Mapping, current: Mapping) -> None:
-    changed = [f"{key}: {saved[key]!r} -> {current[key]!r}" for key in sorted(current)
-               if key in saved and _plain(saved[key]) != _plain(current[key]) and key != "resume"]
-    if changed:
-        log.info("config differs from the checkpoint's: %s", "; ".join(changed))
+    """Say what this start changes from the configuration the checkpoint was saved with: a warning naming
+    the effect of each change that moves the LR schedule or the data order, one line for the rest."""
+    changed = [key for key in sorted(current) if _differs(saved, current, key) and key not in WHERE_KEYS]
+    for key in changed:
+        if key in _SCHEDULE_EFFECTS:
+            effect = _SCHEDULE_EFFECTS[key]
+            if key == "lr" and saved[key]:
+                effect += f" = {current[key] / saved[key]:g}"
+            log.warning("config changed on resume: %s %r -> %r: %s", key, saved[key], current[key], effect)
+    others = [f"{key}: {saved[key]!r} -> {current[key]!r}" for key in changed if key not in _SCHEDULE_EFFECTS]
+    if others:
+        log.info("config changed on resume: %s", "; ".join(others))
 
 
-def _plain(value):
-    """A config value as a checkpoint's JSON holds it (tuples as lists)."""
-    return json.loads(json.dumps(value))
+def _differs(saved: Mapping, current: Mapping, key: str) -> bool:
+    """Whether `key` has another value now than the checkpoint saved (compared as JSON: a tuple saved as a
+    list is the same value)."""
+    return key in saved and json.dumps(saved[key], default=repr) != json.dumps(current[key], default=repr)

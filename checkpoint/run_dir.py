@@ -13,7 +13,7 @@ from checkpoint.arcface import MARKERS, MODEL_FILE, marker_for
 from checkpoint.legacy import LEGACY_FORMAT, LEGACY_NAME, read_legacy
 from checkpoint.manifest import MANIFEST_NAME
 from checkpoint.pointer import FOLDER_PREFIX, POINTER_NAME, complete_folders, folder_step
-from utils.errors import CheckpointError, RunDirError
+from utils.errors import CheckpointError, RunDirError, located
 
 LOCK_NAME = ".lock"
 AUTO = "auto"  # resume = "auto": continue the run in the output folder if there is one, else start it
@@ -33,6 +33,10 @@ def resolve_resume(output: str, resume: bool | str) -> tuple[str, Path] | None:
     if resume == AUTO:
         return find_resume_source(output) if held else None
     if resume is True:
+        if not Path(output).is_dir():
+            raise CheckpointError(f"--resume continues the run in the output folder, but {located(output)} does not "
+                                  "exist; start without --resume, or point output at the run's folder "
+                                  "(--set output=<folder>)")
         return find_resume_source(output)
     source = find_resume_source(resume) if resume else None
     same_folder = source is not None and source[1].parent.resolve() == Path(output).resolve()
@@ -66,7 +70,7 @@ def find_resume_source(location: str | os.PathLike) -> tuple[str, Path]:
                                   f"{BACKBONE_NAME}; start a new run without --resume, or point resume at a checkpoint")
         location = found[0]
     elif not location.is_file():
-        raise CheckpointError(f"resume source {location} does not exist; point resume at a run folder, "
+        raise CheckpointError(f"resume source {located(location)} does not exist; point resume at a run folder, "
                               f"a {POINTER_NAME} or a backbone .pth file")
     if location.suffix == ".json":
         return "checkpoint", location

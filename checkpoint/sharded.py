@@ -35,7 +35,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 
-from backbones.trained import BACKBONE_NAME, MODEL_INFO_NAME
+from backbones.trained import BACKBONE_NAME, MODEL_INFO_NAME, model_info
 from checkpoint.manifest import (
     MANIFEST_NAME,
     IntegrityError,
@@ -174,7 +174,8 @@ def _complete_and_publish(output: Path, tmp: Path, target: Path, staged: Staged,
                               "untouched: check the disk, or choose another output folder")
     try:
         atomic_save(checked_json({"run": staged.run, "ranks": ranks}), tmp / STATE_NAME, write=write_bytes)
-        atomic_save(json.dumps(staged.architecture, indent=2).encode(), tmp / MODEL_INFO_NAME, write=write_bytes)
+        atomic_save(json.dumps(model_info(staged.architecture, staged.run["progress"].get("verification")),
+                               indent=2).encode(), tmp / MODEL_INFO_NAME, write=write_bytes)
         atomic_save(staged.backbone, tmp / BACKBONE_NAME)
         files = describe_files(tmp, [METADATA_NAME, STATE_NAME, *EXPORTED])
         for per_rank in shards:

@@ -66,7 +66,8 @@ max_grad_norm: float = 5.0        # backbone gradient clipped to this L2 norm be
 num_epoch: int = 20               # passes over the data
 warmup_epoch: int = 0             # linear warmup from 0 to lr, then polynomial (power 2) decay to 0 at the end
 max_steps: int = 0                # stop after this many optimizer steps (0: run num_epoch); the LR schedule still
-                                  # spans num_epoch
+                                  # spans num_epoch. Steps of that schedule: renumbered by a resume on another
+                                  # batch size or world size (the log says which shown step it is then)
 max_nonfinite_steps: int = 10     # this many non-finite losses in a row stop the run (each one skips its step)
 
 # --- logging and evaluation ---------------------------------------------------------------
@@ -92,4 +93,5 @@ async_save: bool = True           # write checkpoints in a background thread: a 
 resume: bool | str = False        # True: continue the run in `output`; "auto": continue it if there is one, else start
                                   # it (a script that starts and restarts the same command); a path: start from that
                                   # run folder (also arcface_torch's), checkpoint.json or bare backbone.pth into a new
-                                  # output. torchrun's restarts of a run continue it whatever this says
+                                  # output. torchrun's restarts of a run continue it whatever this says.
+                                  # Continuing a run keeps the --set values it was started with (config.json)

@@ -3,13 +3,13 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from torch import nn
 
-from eval.verification import VerificationSet, load_bin, test
+from eval.verification import VerificationSet, flip_fused, load_bin, operating_point, test
 from utils.distributed import agreed, is_main
-from utils.errors import ConfigError
+from utils.errors import ConfigError, located
 from utils.image import IMAGE_SIZE
 from utils.metrics import Metrics
 
@@ -31,7 +31,7 @@ def check_val_targets(targets: Sequence[str], rec_prefix: str) -> None:
     for target in targets:
         _, path = resolve_target(target, rec_prefix)
         if not os.path.isfile(path):
-            raise ConfigError(f"val_targets entry {target!r}: no verification set at {path}; put "
+            raise ConfigError(f"val_targets entry {target!r}: no verification set at {located(path)}; put "
                               f"{os.path.basename(path)} in {rec_prefix or 'the rec folder'}, list its full path, "
                               "or remove it from val_targets")
 
@@ -40,12 +40,15 @@ class VerificationCallback:
     """Every ``every`` steps (config key ``verbose``), accuracy on each ``.bin`` set, logged as upstream logs it
     and written to ``metrics`` (TensorBoard, W&B) when given.
 
-    Only the main rank loads and evaluates; on the others every call does nothing.
+    ``highest``: Accuracy-Highest per set so far (a resumed run's, so that it goes on from there);
+    ``operating_points`` holds each set's threshold of the last evaluation (eval.verification.operating_point),
+    which the run records with its model. Only the main rank loads and evaluates; on the others every call
+    does nothing.
     """
 
     def __init__(self, every: int, val_targets: Sequence[str], rec_prefix: str,
                  image_size: tuple[int, int] = (IMAGE_SIZE, IMAGE_SIZE), batch_size: int = 64,
-                 metrics: Metrics | None = None) -> None:
+                 metrics: Metrics | None = None, highest: Mapping[str, float] | None = None) -> None:
         if every < 1:
             raise ValueError(f"every={every}: verification needs a positive interval of steps")
         self.every = every
@@ -53,16 +56,18 @@ class VerificationCallback:
         self.metrics = metrics
         self.sets: dict[str, VerificationSet] = {}
         self.highest: dict[str, float] = {}
+        self.operating_points: dict[str, dict] = {}
         self.last_step = 0
         agreed(lambda: check_val_targets(val_targets, rec_prefix))
         # Read on rank 0 alone, agreed: a damaged .bin stops every rank with its own line.
-        agreed(lambda: self._load(val_targets, rec_prefix, image_size), share=False)
+        agreed(lambda: self._load(val_targets, rec_prefix, image_size, highest or {}), share=False)
 
-    def _load(self, val_targets: Sequence[str], rec_prefix: str, image_size: tuple[int, int]) -> None:
+    def _load(self, val_targets: Sequence[str], rec_prefix: str, image_size: tuple[int, int],
+              highest: Mapping[str, float]) -> None:
         for target in val_targets:
             name, path = resolve_target(target, rec_prefix)
             self.sets[name] = load_bin(path, image_size)
-            self.highest[name] = 0.0
+            self.highest[name] = highest.get(name, 0.0)
 
     def __call__(self, global_step: int, backbone: nn.Module) -> dict[str, float] | None:
         """``{name: Accuracy-Flip}`` when ``global_step`` is a positive multiple of ``every``, else None."""
@@ -79,8 +84,10 @@ class VerificationCallback:
         step = self.last_step if global_step is None else global_step
         results = {}
         for name, data_set in self.sets.items():
-            _, _, accuracy, std, xnorm, _ = test(data_set, backbone, self.batch_size, 10)
+            _, _, accuracy, std, xnorm, embeddings = test(data_set, backbone, self.batch_size, 10)
             self.highest[name] = max(self.highest[name], accuracy)
+            self.operating_points[name] = {**operating_point(flip_fused(embeddings), data_set[1]),
+                                           "by": f"training, step {step}"}
             logger.info("[%s][%d]XNorm: %f", name, step, xnorm)
             logger.info("[%s][%d]Accuracy-Flip: %1.5f+-%1.5f", name, step, accuracy, std)
             logger.info("[%s][%d]Accuracy-Highest: %1.5f", name, step, self.highest[name])

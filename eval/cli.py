@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from backbones.trained import add_backbone_arguments, load_backbone_from_args
+from backbones.trained import SavedBackbone, add_backbone_arguments, load_backbone_from_args
 from utils.errors import ConfigError
 
 
@@ -21,6 +21,7 @@ class EvaluatedNetwork:
     module: nn.Module
     path: Path
     name: str
+    saved: SavedBackbone | None = None  # PyTorch weights: the file and what model.json says of it
 
 
 def add_network_arguments(parser: argparse.ArgumentParser) -> None:
@@ -43,7 +44,7 @@ def open_network(args: argparse.Namespace) -> EvaluatedNetwork:
         return EvaluatedNetwork(OnnxBackbone(args.onnx), args.onnx, args.onnx.stem)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     module, trained = load_backbone_from_args(args, device)
-    return EvaluatedNetwork(module, trained.weights, trained.network)
+    return EvaluatedNetwork(module, trained.weights, trained.network, trained)
 
 
 def check_positive(value: int, option: str) -> None:

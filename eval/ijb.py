@@ -33,10 +33,10 @@ from scipy import sparse
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
-from eval.alignment import align_face
 from eval.cli import add_network_arguments, check_positive, open_network, output_prefix
 from eval.embedding import embed_batches, eval_mode, unwrap
 from eval.roc import roc_points, save_roc_plot, tar_at_far
+from facedata.alignment import align_face
 from utils.cli import exit_on_user_error
 from utils.errors import ConfigError, DataError
 from utils.image import IMAGE_SIZE
@@ -267,7 +267,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     add_network_arguments(parser)
     parser.add_argument("--root", required=True, help="IJB folder holding meta/ and loose_crop/")
     parser.add_argument("--target", default="IJBC", help="IJBC or IJBB: the meta file prefix")
-    parser.add_argument("--batch-size", type=int, default=128)
+    parser.add_argument("--batch-size", type=int, default=128,
+                        help="images per forward pass (memory only: the scores do not depend on it)")
     parser.add_argument("--workers", type=int, default=min(8, os.cpu_count() or 1),
                         help="processes decoding and aligning images")
     parser.add_argument("--no-flip", action="store_true", help="embed the images only, not their mirror images")

@@ -27,11 +27,12 @@ import torch
 from PIL import Image
 from torch import nn
 
-from eval.cli import add_network_arguments, check_positive, open_network, output_prefix
+from backbones.trained import record_verification
+from eval.cli import EvaluatedNetwork, add_network_arguments, check_positive, open_network, output_prefix
 from eval.embedding import embed_images
 from eval.roc import roc_points, save_roc_plot, tar_at_far
 from utils.cli import exit_on_user_error
-from utils.errors import ConfigError, DataError
+from utils.errors import ConfigError, DataError, located
 from utils.image import IMAGE_SIZE
 
 logger = logging.getLogger(__name__)
@@ -90,7 +91,7 @@ def load_bin(path: str | os.PathLike, image_size: tuple[int, int] = (IMAGE_SIZE,
     """
     path = os.fspath(path)
     if not os.path.isfile(path):
-        raise DataError(f"verification set {path} does not exist; check the path (or val_targets / rec)")
+        raise DataError(f"verification set {located(path)} does not exist; check the path (or val_targets / rec)")
     fix = "pass a .bin as insightface ships them or tools.make_bin writes them"
     try:
         bins, issame = _read_pickle(path)
@@ -205,6 +206,21 @@ def evaluate(embeddings: np.ndarray, issame: Sequence[bool], nrof_folds: int = 1
     return tpr, fpr, accuracy, val, val_std, far
 
 
+def operating_point(fused: np.ndarray, issame: Sequence[bool]) -> dict[str, float]:
+    """The threshold one comparison is judged by, chosen on the whole set as Accuracy-Flip chooses it on each
+    fold (the first of the distance thresholds with the most pairs right): ``{"threshold"}``, the cosine
+    similarity above which a pair is the same person (squared distance < t is cosine > 1 - t/2 for unit
+    embeddings), ``"far"`` and ``"accuracy"`` on the set at that threshold, and ``"pairs"``. ``fused``:
+    unit embeddings, pairs ``(2i, 2i+1)``."""
+    issame = np.asarray(issame, dtype=bool)
+    dist = np.sum(np.square(fused[0::2] - fused[1::2]), axis=1)
+    true_accepts, false_accepts, _, num_different = _confusion(dist, issame, ACCURACY_THRESHOLDS)
+    best = int(np.argmax(true_accepts - false_accepts))
+    return {"threshold": float(1.0 - ACCURACY_THRESHOLDS[best] / 2), "pairs": int(issame.size),
+            "far": float(_rate(false_accepts, num_different)[best]),
+            "accuracy": float((true_accepts[best] + num_different - false_accepts[best]) / issame.size)}
+
+
 def _l2_normalize(x: np.ndarray) -> np.ndarray:
     return x / np.maximum(np.linalg.norm(x, axis=1, keepdims=True), 1e-12)
 
@@ -260,8 +276,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     add_network_arguments(parser)
     parser.add_argument("--bins", nargs="+", required=True, type=Path, help=".bin verification sets to evaluate")
-    parser.add_argument("--batch-size", type=int, default=64)
-    parser.add_argument("--nfolds", type=int, default=10)
+    parser.add_argument("--batch-size", type=int, default=64,
+                        help="images per forward pass (memory only: the scores do not depend on it)")
+    parser.add_argument("--nfolds", type=int, default=10,
+                        help="cross-validation folds of the accuracy (upstream: 10); each fold's threshold is "
+                             "chosen on the others")
     args = parser.parse_args(argv)
 
     with exit_on_user_error():
@@ -270,7 +289,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         names = _set_names(args.bins)
         network = open_network(args)
         prefix = output_prefix(network.path)
-        curves = {}
+        curves, operating_points = {}, {}
         for path, name in zip(args.bins, names):
             data_set = load_bin(path)
             labels = _labels(path, data_set[1])
@@ -283,8 +302,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"[{name}]Accuracy: {acc1:1.5f}+-{std1:1.5f}")
             print(f"[{name}]Accuracy-Flip: {acc2:1.5f}+-{std2:1.5f}")
             print(f"[{name}]Validation rate: {val:2.5f}+-{val_std:2.5f} @ FAR={far:2.5f}")
+            different = int((~labels).sum())
             for target_far, tar in tar_at_far(scores, labels, TAR_FARS).items():
-                print(f"[{name}]TAR@FAR={target_far:g}: {tar:1.5f}")
+                # Below one false accept in `different` pairs, the set only shows the TAR with none at all.
+                caveat = (f" (at 0 false accepts: {different} different-person pairs cannot measure a FAR below "
+                          f"{1 / different:.1g})" if target_far * different < 1 else "")
+                print(f"[{name}]TAR@FAR={target_far:g}: {tar:1.5f}{caveat}")
+            operating_points[name] = operating_point(fused, data_set[1])
             scores_path = f"{prefix}_{name}_scores.npy"
             np.save(scores_path, scores)
             print(f"[{name}]scores (cosine, one per pair, in .bin order): {scores_path}")
@@ -293,7 +317,23 @@ def main(argv: Sequence[str] | None = None) -> int:
         plot_path = f"{prefix}_verification_roc.png"
         save_roc_plot(curves, plot_path, title=f"ROC of {network.path.name}")
         print(f"ROC plot: {plot_path}")
+        print(record_operating_points(network, operating_points))
     return 0
+
+
+def record_operating_points(network: EvaluatedNetwork, operating_points: dict[str, dict]) -> str:
+    """Record this evaluation's thresholds in the model.json beside PyTorch weights, for tools.inference's
+    verdicts; the line that says what happened."""
+    name, point = next(iter(operating_points.items()))
+    summary = (f"same person above cosine similarity {point['threshold']:.4f} (FAR {point['far']:.4g} on {name})")
+    if network.saved is None:
+        return f"threshold: {summary}; not recorded for an --onnx model"
+    where = record_verification(network.saved, {name: {**point, "by": "eval.verification"}
+                                                for name, point in operating_points.items()})
+    if where is None:
+        return (f"threshold: {summary}; not recorded: {network.saved.weights} has no model.json beside it (pass the "
+                "run folder train.py wrote, so that tools.inference can judge pairs by it)")
+    return f"threshold recorded in {where} for tools.inference: {summary}"
 
 
 if __name__ == "__main__":

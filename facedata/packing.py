@@ -1,4 +1,4 @@
-"""Writing insightface-layout ``.rec/.idx`` datasets: fitting images to 112x112, views side by side."""
+"""Writing insightface-layout ``.rec/.idx`` datasets: prepared faces (facedata/photos.py), views side by side."""
 from __future__ import annotations
 
 import io
@@ -8,43 +8,12 @@ from collections.abc import Sequence
 import numpy as np
 from PIL import Image
 
+from facedata.photos import Preparation
 from facedata.recordio import IRHeader, RecordWriter, encode_parts, pack
-from utils.errors import DataError
-from utils.image import IMAGE_SIZE
+from utils.errors import DataError, located
 
-FIT_MODES = ("resize", "pad")
 FORMATS = ("jpeg", "png")
 PACKABLE_SUFFIXES = (".jpg", ".jpeg", ".png", ".webp", ".bmp", ".tif", ".tiff")
-
-
-def fit_image(image: Image.Image, mode: str = "resize", size: int = IMAGE_SIZE) -> np.ndarray:
-    """Any PIL image (grayscale, palette, alpha...) -> uint8 RGB (size, size, 3).
-
-    ``resize`` stretches to size x size (for crops that are aligned but not square or not 112);
-    ``pad`` keeps the aspect ratio, shrinks only images larger than the square, and centres them
-    on black.
-    """
-    image = image.convert("RGB")
-    if mode == "resize":
-        return np.asarray(image.resize((size, size), Image.BILINEAR))
-    if mode != "pad":
-        raise ValueError(f"fit mode {mode!r} is not one of {FIT_MODES}")
-    ratio = min(1.0, size / max(image.size))
-    if ratio < 1.0:
-        image = image.resize((max(1, round(image.width * ratio)), max(1, round(image.height * ratio))),
-                             Image.BILINEAR)
-    canvas = Image.new("RGB", (size, size))
-    canvas.paste(image, ((size - image.width) // 2, (size - image.height) // 2))
-    return np.asarray(canvas)
-
-
-def load_fitted(path: str, mode: str) -> np.ndarray:
-    """An image file fitted to 112x112 RGB; an unreadable file is a DataError naming it."""
-    try:
-        with Image.open(path) as image:
-            return fit_image(image, mode)
-    except (OSError, ValueError, Image.DecompressionBombError) as err:
-        raise DataError(f"cannot read image {path} ({err}); remove or replace it and pack again") from None
 
 
 def encode(pixels: np.ndarray, image_format: str = "jpeg", quality: int = 95) -> bytes:
@@ -125,13 +94,14 @@ def check_output(out_dir: str, names: Sequence[str], overwrite: bool) -> None:
     """Refuse to replace existing dataset files unless asked to."""
     existing = [name for name in names if os.path.exists(os.path.join(out_dir, name))]
     if existing and not overwrite:
-        raise DataError(f"{out_dir} already holds {', '.join(existing)}; choose another --output or pass --overwrite")
+        raise DataError(f"{out_dir} already holds {', '.join(existing)}; choose another output folder or pass "
+                        "--overwrite")
 
 
 def scan_identities(root: str) -> list[tuple[str, list[str]]]:
     """(identity name, sorted image paths) for every sub-folder of ``root`` that holds images."""
     if not os.path.isdir(root):
-        raise DataError(f"input folder {root} does not exist; pass a folder with one sub-folder per identity")
+        raise DataError(f"input folder {located(root)} does not exist; pass a folder with one sub-folder per identity")
     identities = []
     for name in sorted(os.listdir(root)):
         folder = os.path.join(root, name)
@@ -153,6 +123,11 @@ def group_views(paths: list[str], views: int) -> list[list[str]]:
     return groups
 
 
-def pack_identity(paths: list[str], views: int, fit: str, image_format: str, quality: int) -> list[bytes]:
-    return [encode(side_by_side([load_fitted(path, fit) for path in group]), image_format, quality)
-            for group in group_views(paths, views)]
+def pack_identity(paths: list[str], views: int, preparation: Preparation, image_format: str, quality: int
+                  ) -> tuple[list[bytes], list[tuple[str, tuple[int, int]]]]:
+    """One identity's encoded records, and the photos ``resize`` stretched out of their aspect ratio
+    (name, (width, height)), each once."""
+    faces = {path: preparation.face(path) for path in paths}
+    records = [encode(side_by_side([faces[path].pixels for path in group]), image_format, quality)
+               for group in group_views(paths, views)]
+    return records, [(path, face.stretched_from) for path, face in faces.items() if face.stretched_from]

@@ -253,7 +253,8 @@ def test_train_v2_resumes_through_torchrun_on_three_processes(data, sources, tmp
     assert ("imported arcface_torch checkpoint (train_v2, 2 ranks, global step 10): backbone, 21 class centres, "
             "SGD momentum, LR schedule") in log
     assert "resuming a run of 2 process(es) and 5 steps per epoch with 3 and 3: step 10 becomes step 6" in log
-    assert "config differs from the checkpoint's: lr: 0.1 -> 0.0; momentum: 0.9 -> 0.0" in log
+    assert "config changed on resume: lr 0.1 -> 0.0: every LR from this step on is scaled by new / old = 0" in log
+    assert "config changed on resume: momentum: 0.9 -> 0.0" in log
     run = load_run(output, INFO21)
     assert run["world_size"] == 3 and run["progress"]["global_step"] == 7
     expected = reference(sources.train_v2_sgd)
@@ -264,7 +265,8 @@ def test_train_v2_resumes_through_torchrun_on_three_processes(data, sources, tmp
 
 
 def test_train_v2_resumes_in_one_process_on_pairface_schedule(data, sources, tmp_path):
-    """Step 10 of 2 ranks x 5 is step 20 of one process's 10; the next step's LR is pairface's at step 20."""
+    """Step 10 of 2 ranks x 5 is step 20 of one process's 10; the next step's LR is pairface's at step 20. The
+    log and TensorBoard count on from the imported run's step 10."""
     output = tmp_path / "run"
     shutil.copytree(sources.root / "train_v2_sgd", output)
     assert run_here(data, output, *OVERRIDES, "max_steps=22", resume=True) == (0, "")
@@ -273,9 +275,9 @@ def test_train_v2_resumes_in_one_process_on_pairface_schedule(data, sources, tmp
     assert "decays with power 1 (train_v2's default), pairface's with power 2" in log
     assert f"resumed from {output / 'checkpoint_gpu_0.pt'} at global step 20 (epoch 2)" in log
     losses, lrs = scalars(output, "loss"), scalars(output, "learning_rate")
-    assert sorted(losses) == [21, 22] and all(0 < loss < 100 for loss in losses.values())
-    for step in (21, 22):  # logged at 1-based step s: the LR of 0-based step s - 1
-        assert lrs[step] == pytest.approx(scheduled_lr(step - 1, 10), rel=1e-6)
+    assert sorted(losses) == [11, 12] and all(0 < loss < 100 for loss in losses.values())
+    for step in (21, 22):  # logged at 1-based step s (shown as s - 10): the LR of 0-based step s - 1
+        assert lrs[step - 10] == pytest.approx(scheduled_lr(step - 1, 10), rel=1e-6)
 
 
 def test_2021_layout_resumes_at_step_zero(data, sources, tmp_path):

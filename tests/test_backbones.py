@@ -25,6 +25,7 @@ from backbones import NETWORKS, fuse_batchnorm, get_model, read_face_image, read
 from backbones.iresnet import IBasicBlock, IResNet
 from backbones.trained import load_saved_backbone, save_backbone
 from backbones.vit import Attention
+from facedata.photos import Preparation
 from tests.distributed_helpers import run_world
 from training.state import ddp_backbone
 from utils.errors import ConfigError, UserError
@@ -421,9 +422,10 @@ def _user_errors(tmp_path: Path) -> list[Exception]:
     not_torch.write_text("not weights")
     not_image = tmp_path / "face.jpg"
     not_image.write_text("not an image")
-    wide = tmp_path / "pair.png"
+    face = tmp_path / "face.png"
     torch.save({}, tmp_path / "empty.pth")
-    Image.new("RGB", (224, 112)).save(wide)
+    Image.new("RGB", (92, 112)).save(face)
+    no_landmarks = Preparation("resize", {}, tmp_path / "points.txt")
     attempts = [
         lambda: get_model("r51"), lambda: get_model("resnet"), lambda: get_model("r18", colour=1),
         lambda: get_model("r18", width_mult=0.3), lambda: get_model("vit_t", width_mult=12 / 256),
@@ -431,7 +433,7 @@ def _user_errors(tmp_path: Path) -> list[Exception]:
         lambda: read_state_dict(tmp_path / "missing.pth"), lambda: read_state_dict(not_torch),
         lambda: read_state_dict(tmp_path / "empty.pth"),
         lambda: read_face_image(tmp_path / "missing.jpg"), lambda: read_face_image(not_image),
-        lambda: read_face_image(wide),
+        lambda: read_face_image(face, no_landmarks),
     ]
     errors = []
     for attempt in attempts:

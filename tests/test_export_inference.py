@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import logging
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -22,10 +23,11 @@ import torch.nn.functional as F
 from PIL import Image
 from torch import nn
 
-from backbones import FaceImageError, WeightsError, get_model, load_backbone, read_face_image
+from backbones import WeightsError, get_model, load_backbone, read_face_image
 from backbones.trained import SavedBackbone, find_saved_backbone, load_saved_backbone
+from facedata.photos import Preparation
 from tools import export_onnx, inference
-from utils.errors import ConfigError
+from utils.errors import ConfigError, FaceImageError
 
 ROOT = Path(__file__).resolve().parent.parent
 R18 = ["--network", "r18", "--network-kw", "width_mult=0.25"]
@@ -245,33 +247,46 @@ def test_read_face_image_gives_rgb_in_minus_one_to_one(tmp_path, mode, suffix):
     torch.testing.assert_close(image.double(), decoded(path), rtol=0, atol=1e-6)
 
 
-def test_read_face_image_resizes_other_square_sizes_and_says_so(tmp_path, caplog):
+def test_read_face_image_resizes_other_square_sizes_silently(tmp_path, caplog):
     path = write_face(tmp_path / "big.png", (224, 224), seed=2)
     with caplog.at_level(logging.WARNING):
         image = read_face_image(path)
-    assert image.shape == (3, 112, 112) and "resizing to 112x112" in caplog.text
-    expected = Image.open(path).convert("RGB").resize((112, 112), Image.BILINEAR)
+    assert image.shape == (3, 112, 112) and not caplog.text
     expected_path = tmp_path / "expected.png"
-    expected.save(expected_path)
+    Image.open(path).convert("RGB").resize((112, 112), Image.BILINEAR).save(expected_path)
     torch.testing.assert_close(image.double(), decoded(expected_path), rtol=0, atol=1e-6)
 
 
-def test_read_face_image_refuses_non_square_and_non_images(tmp_path):
-    with pytest.raises(FaceImageError, match="224x112 .* not square"):
-        read_face_image(write_face(tmp_path / "pair.jpg", (224, 112), seed=3))
+def test_read_face_image_stretches_or_crops_a_photo_that_is_not_square(tmp_path, caplog):
+    """The default (resize) stretches and warns; crop cuts the centred square: PIL's own crop and resize."""
+    path = write_face(tmp_path / "portrait.png", (92, 112), seed=3)
+    with caplog.at_level(logging.WARNING):
+        stretched = read_face_image(path)
+    assert f"1 of 1 photos are not square (e.g. {path}, 92x112): --resize stretched them" in caplog.text
+    expected = {"stretched": Image.open(path).convert("RGB").resize((112, 112), Image.BILINEAR),
+                "cropped": Image.open(path).convert("RGB").crop((0, 10, 92, 102)).resize((112, 112), Image.BILINEAR)}
+    for name, image in expected.items():
+        image.save(tmp_path / f"{name}.png")
+    torch.testing.assert_close(stretched.double(), decoded(tmp_path / "stretched.png"), rtol=0, atol=1e-6)
+    cropped = read_face_image(path, Preparation("crop"))
+    torch.testing.assert_close(cropped.double(), decoded(tmp_path / "cropped.png"), rtol=0, atol=1e-6)
+
+
+def test_read_face_image_refuses_non_images_and_missing_files(tmp_path):
     (tmp_path / "text.jpg").write_text("hello")
-    with pytest.raises(FaceImageError, match="not a readable image"):
+    with pytest.raises(FaceImageError, match="cannot read image .*text.jpg"):
         read_face_image(tmp_path / "text.jpg")
-    with pytest.raises(FaceImageError, match="missing.jpg"):
+    with pytest.raises(FaceImageError, match="missing.jpg does not exist"):
         read_face_image(tmp_path / "missing.jpg")
 
 
 def reference_embeddings(weights: Path, *paths: Path) -> np.ndarray:
+    """Each photo's and its mirror image's embeddings summed and normalised, as verification scores them."""
     model = get_model("r18", width_mult=0.25)
     model.load_state_dict(torch.load(weights, weights_only=True))
     images = torch.stack([decoded(p).float() for p in paths])
     with torch.no_grad():
-        return F.normalize(model.eval()(images), dim=1).numpy()
+        return F.normalize(model.eval()(images) + model(images.flip(3)), dim=1).numpy()
 
 
 def test_inference_cli_saves_one_unit_embedding(r18_weights, tmp_path, capsys):
@@ -300,11 +315,33 @@ def test_inference_cli_prints_the_cosine_similarity_of_two_faces(r18_weights, r1
     assert "cosine similarity: 1.000000" in capsys.readouterr().out
 
 
+def test_inference_judges_a_pair_by_the_threshold_recorded_with_the_model(r18_weights, r18_run, tmp_path, capsys):
+    """A threshold just below the pair's similarity says same person, just above it different people; a model
+    whose model.json records no verification says that no threshold is known."""
+    path, _ = r18_weights
+    a, b = write_face(tmp_path / "a.jpg", (112, 112), seed=5), write_face(tmp_path / "b.png", (112, 112), seed=6)
+    expected = reference_embeddings(path, a, b)
+    similarity = float(expected[0] @ expected[1])
+    assert inference.main(["--model", str(r18_run), str(a), str(b)]) == 0
+    assert (f"no threshold is known for {r18_run / 'backbone.pth'}: its model.json records no verification"
+            in capsys.readouterr().out)
+    run = Path(shutil.copytree(r18_run, tmp_path / "run"))
+    info = json.loads((run / "model.json").read_text())
+    for threshold, verdict in ((similarity - 1e-3, "same person"), (similarity + 1e-3, "different people")):
+        point = {"threshold": threshold, "far": 0.0125, "accuracy": 0.9, "pairs": 80, "by": "training, step 40"}
+        (run / "model.json").write_text(json.dumps({**info, "verification": {"faces_val": point}}))
+        assert inference.main(["--model", str(run), str(a), str(b)]) == 0
+        assert (f"{verdict} at threshold {threshold:.4f} (FAR 0.0125 on faces_val, 80 pairs; training, step 40)"
+                in capsys.readouterr().out.splitlines())
+
+
 def test_inference_cli_turns_user_errors_into_one_line(r18_weights, tmp_path, capsys):
     path, _ = r18_weights
-    pair = write_face(tmp_path / "pair.jpg", (224, 112), seed=7)
-    assert "not square" in exits_with(capsys, inference.main, [str(pair), "--weights", str(path), *R18])
     face = write_face(tmp_path / "a.jpg", (112, 112), seed=8)
+    (tmp_path / "points.txt").write_text("elsewhere.jpg 38 52 74 52 56 72 42 92 71 92\n")
+    err = exits_with(capsys, inference.main, [str(face), "--weights", str(path), "--landmarks",
+                                              str(tmp_path / "points.txt"), *R18])
+    assert f"{face} has no line in landmarks file {tmp_path / 'points.txt'}" in err
     err = exits_with(capsys, inference.main, ["--network", "vit_t", "--weights", str(path), str(face)])
     assert "fits network r18, width_mult=0.25" in err
     err = exits_with(capsys, inference.main, [str(face), str(face), str(face), "--weights", str(path), *R18])

@@ -1,4 +1,4 @@
-"""eval.alignment and eval.ijb: landmark alignment, pooling, TAR table, on an IJB layout written here.
+"""facedata.alignment and eval.ijb: landmark alignment, pooling, TAR table, on an IJB layout written here.
 
 References: linear least squares for the similarity fit, analytic ramps for the warp, array slicing
 for integer-offset alignment, hand-computed pooling and TAR values, upstream's per-template loop.
@@ -12,7 +12,6 @@ import pytest
 import torch
 from PIL import Image
 
-from eval.alignment import ARCFACE_TEMPLATE, align_face, umeyama_similarity, warp_affine
 from eval.ijb import (
     AlignedFaces,
     embed_faces,
@@ -23,6 +22,7 @@ from eval.ijb import (
     template_features,
     template_pair_scores,
 )
+from facedata.alignment import ARCFACE_TEMPLATE, align_face, umeyama_similarity, warp_affine
 from tests.test_verification import TinyNet
 from utils.errors import DataError
 

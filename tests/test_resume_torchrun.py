@@ -63,22 +63,25 @@ def test_two_process_resume_is_the_uninterrupted_run(runs):
 def assert_went_on(run: Path, saved_as: tuple[int, int, int], resumed_as: tuple[int, int, int],
                    final_step: int) -> None:
     """`run`, saved as (processes, steps per epoch, step) and resumed as (processes, steps per epoch,
-    step), said so in its log, trained on to `final_step` with finite losses, and the first step after
-    the resume used the schedule's LR at the renumbered step (not the LR saved with the old numbering)."""
+    step), said so in its log, trained on to `final_step` of the schedule with finite losses, the first step
+    after the resume used the schedule's LR at the renumbered step (not the LR saved with the old numbering),
+    and TensorBoard's steps went on counting from the saved step: 1, 2, ... without a gap or a step back."""
     (world_before, epoch_before, step_before), (world_after, epoch_after, step_after) = saved_as, resumed_as
     log = (run / "training.log").read_text()
     assert (f"resuming a run of {world_before} process(es) and {epoch_before} steps per epoch with {world_after} and "
-            f"{epoch_after}: step {step_before} becomes step {step_after}; the data order of this epoch differs from "
-            "the original run") in log
+            f"{epoch_after}: step {step_before} becomes step {step_after} of the LR schedule; the log and TensorBoard "
+            f"go on counting from step {step_before}; the data order of this epoch differs from the original "
+            "run") in log
     assert f"resumed from {run / 'checkpoint.json'} at global step {step_after} (epoch 0)" in log
     continued = load_run(run, INFO21)
     assert continued["world_size"] == world_after and continued["progress"]["global_step"] == final_step
-    after_resume = {step: loss for step, loss in scalars(run, "loss").items() if step > step_after}
-    assert sorted(after_resume) == list(range(step_after + 1, final_step + 1))
-    assert all(0 < loss < 100 for loss in after_resume.values())
+    shown_offset = step_before - step_after  # TensorBoard's step minus the schedule's, after the resume
+    losses = scalars(run, "loss")
+    assert sorted(losses) == list(range(1, final_step + shown_offset + 1))
+    assert all(0 < losses[step] < 100 for step in range(step_before + 1, final_step + shown_offset + 1))
     lr_logged = scalars(run, "learning_rate")
     for step in range(step_after + 1, final_step + 1):  # logged at 1-based step s: the LR of 0-based step s - 1
-        assert lr_logged[step] == pytest.approx(scheduled_lr(step - 1, epoch_after), rel=1e-6), step
+        assert lr_logged[step + shown_offset] == pytest.approx(scheduled_lr(step - 1, epoch_after), rel=1e-6), step
 
 
 def test_a_two_process_run_resumes_in_one_process_at_the_renumbered_step(runs):

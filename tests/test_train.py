@@ -80,9 +80,12 @@ def test_resume_on_one_process_continues_at_the_saved_step_with_the_saved_lr(two
     assert result.returncode == 0, result.stderr[-3000:]
     log = (output / "training.log").read_text()
     assert f"resumed from {output / 'checkpoint.json'} at global step 8 (epoch 0), lr {saved_lr:.6f}" in log
-    assert ("resuming a run of 2 process(es) and 5 steps per epoch with 1 and 10: step 4 becomes step 8; the data "
-            "order of this epoch differs from the original run") in log
-    assert steps_logged(log) == [2, 4, 10]
+    assert ("resuming a run of 2 process(es) and 5 steps per epoch with 1 and 10: step 4 becomes step 8 of the LR "
+            "schedule; the log and TensorBoard go on counting from step 4; the data order of this epoch differs from "
+            "the original run") in log
+    assert ("max_steps=10 counts steps of the LR schedule (10 per epoch now): this run stops at its step 10, shown in "
+            "the log and TensorBoard as step 6") in log
+    assert steps_logged(log) == [2, 4, 6]  # schedule steps 9 and 10 are the run's 5th and 6th
     resumed = load_run(output)
     assert resumed["world_size"] == 1 and resumed["progress"]["global_step"] == 10
     assert tuple(resumed["class_centres"].shape) == (20, 32)

@@ -38,8 +38,14 @@ def test_unknown_key_exits_non_zero_with_one_sentence_from_the_command_line():
     (["configs/synthetic_pair.py", "--set", "batch_size=big"],
      "error: config key 'batch_size' must be int, not str 'big' (from --set batch_size=big); see configs/base.py"),
     (["configs/synthetic_pair.py", "--set", "rec=/no/such/folder"],
-     "error: data folder '/no/such/folder' (config key 'rec') does not exist; point rec at the folder holding "
+     "error: data folder /no/such/folder (config key 'rec') does not exist; point rec at the folder holding "
      "train.rec/train.idx, e.g. --set rec=/data/ms1mv3"),
+    (["configs/synthetic_pair.py", "--set", "rec=no/such/folder"],
+     f"error: data folder no/such/folder (looked up from {ROOT}) (config key 'rec') does not exist; point rec at "
+     "the folder holding train.rec/train.idx, e.g. --set rec=/data/ms1mv3"),
+    (["configs/synthetic_pair.py", "--set", "val_targets=orl_val"],
+     "error: config key 'val_targets' must be tuple[str, ...], not str 'orl_val' (from --set val_targets=orl_val); "
+     "write a tuple, e.g. --set \"val_targets=('orl_val',)\""),
     (["configs/no_such_config.py"],
      "error: config file configs/no_such_config.py does not exist; pass an existing configs/*.py file such as "
      "configs/synthetic_pair.py"),
@@ -55,8 +61,9 @@ def test_config_errors_are_one_sentence_and_exit_non_zero(capsys, monkeypatch, a
 def test_resume_without_a_run_says_there_is_nothing_to_resume(data, tmp_path):
     result = run_train(data, tmp_path / "never_ran", resume=True)
     assert result.returncode == 1
-    assert re.fullmatch(r"error: resume source .*never_ran does not exist; point resume at a run folder, a "
-                        r"checkpoint.json or a backbone .pth file", only_line(result.stderr))
+    assert only_line(result.stderr) == (
+        f"error: --resume continues the run in the output folder, but {tmp_path / 'never_ran'} does not exist; start "
+        "without --resume, or point output at the run's folder (--set output=<folder>)")
 
 
 def test_nonfinite_losses_skip_steps_and_too_many_in_a_row_stop_the_run(data, tmp_path):

@@ -9,6 +9,7 @@
 """
 from __future__ import annotations
 
+import argparse
 import os
 import subprocess
 import sys
@@ -39,7 +40,9 @@ def ensure_data(folder: Path) -> None:
         raise SystemExit("demo: could not make the synthetic data (see the error above)")
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
+    # No options; the parser answers --help (and refuses anything else) instead of starting a 4-minute demo.
+    argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args(argv)
     os.chdir(ROOT)
     cfg = load_config(CONFIG)
     data = Path(cfg.rec)

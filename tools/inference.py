@@ -1,15 +1,19 @@
-"""Embed one aligned face image, or compare two.
+"""Embed one face photo, or compare two and say whether they show the same person.
 
     python -m tools.inference --model output/run face.jpg
     python -m tools.inference --model output/run face.jpg --save face.npy
-    python -m tools.inference --model backbone.pth --network r50 a.jpg b.jpg
+    python -m tools.inference a.jpg b.jpg --model output/run --crop
     python -m tools.inference a.jpg --model backbone.pth --network r18 --network-kw width_mult=0.25
 
 (--network-kw takes every value up to the next option, so images go before it.)
 
-Images are aligned face crops (square; resized to 112x112 if another size), read as RGB. One image:
-its L2-normalised embedding is printed, or saved as a float32 .npy of shape (num_features,). Two
-images: their cosine similarity is printed (and --save writes both embeddings, shape (2, num_features)).
+Photos are prepared as every tool prepares them (--resize, the default, --crop, --pad or --landmarks:
+use the option the training records were packed with). Each embedding is the photo's and its mirror
+image's summed and L2-normalised, as verification scores them. One photo: its embedding is printed, or
+saved as a float32 .npy of shape (num_features,). Two photos: their cosine similarity, and the verdict at
+the threshold of the model's last verification (recorded in model.json by training or eval.verification:
+the similarity above which a pair is the same person, and the false-accept rate it gave on that set);
+--save writes both embeddings, shape (2, num_features).
 """
 from __future__ import annotations
 
@@ -21,17 +25,19 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from backbones import read_face_image, unit_embeddings
-from backbones.trained import add_backbone_arguments, load_backbone_from_args
+from backbones import flip_fused_embeddings, read_face_image
+from backbones.trained import SavedBackbone, add_backbone_arguments, load_backbone_from_args
+from dataset import add_preparation_arguments, preparation_from_args
 from utils.cli import exit_on_user_error
 from utils.errors import ConfigError
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("images", nargs="+", type=Path, help="one or two aligned face images")
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("images", nargs="+", type=Path, help="one or two face photos")
     add_backbone_arguments(parser)
     parser.add_argument("--save", type=Path, help="write the embedding(s) to this .npy file")
+    add_preparation_arguments(parser, "the photo's path as given here")
     return parser.parse_args(argv)
 
 
@@ -43,14 +49,29 @@ def check_args(args: argparse.Namespace) -> None:
                           "first or choose another path")
 
 
-def report(embeddings: np.ndarray, save: Path | None) -> None:
-    """Save and/or print what the user asked for: the embedding, or the pair's similarity."""
+def verdicts(similarity: float, saved: SavedBackbone) -> list[str]:
+    """One line per verification set recorded with the model: same person or not at its threshold."""
+    if not saved.verification:
+        return [f"no threshold is known for {saved.weights}: its model.json records no verification; run "
+                f"python -m eval.verification --model {saved.weights.parent} --bins YOUR_SET.bin to record one"]
+    lines = []
+    for name, point in saved.verification.items():
+        verdict = "same person" if similarity > point["threshold"] else "different people"
+        lines.append(f"{verdict} at threshold {point['threshold']:.4f} (FAR {point['far']:.4g} on {name}, "
+                     f"{point['pairs']} pairs; {point['by']})")
+    return lines
+
+
+def report(embeddings: np.ndarray, save: Path | None, saved: SavedBackbone) -> None:
+    """Save and/or print what the user asked for: the embedding, or the pair's similarity and verdict."""
     if save:
-        saved = embeddings[0] if len(embeddings) == 1 else embeddings
-        np.save(save, saved)
-        print(f"saved {'embedding' if len(embeddings) == 1 else 'embeddings'} {saved.shape} to {save}")
+        saved_array = embeddings[0] if len(embeddings) == 1 else embeddings
+        np.save(save, saved_array)
+        print(f"saved {'embedding' if len(embeddings) == 1 else 'embeddings'} {saved_array.shape} to {save}")
     if len(embeddings) == 2:
-        print(f"cosine similarity: {float(embeddings[0] @ embeddings[1]):.6f}")
+        similarity = float(embeddings[0] @ embeddings[1])
+        print(f"cosine similarity: {similarity:.6f}")
+        print("\n".join(verdicts(similarity, saved)))
     elif not save:
         np.set_printoptions(threshold=sys.maxsize, precision=6, suppress=True)
         print(embeddings[0])
@@ -61,9 +82,10 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s: %(message)s")
     with exit_on_user_error():
         check_args(args)
-        images = torch.stack([read_face_image(path) for path in args.images])
-        model, _ = load_backbone_from_args(args)
-        report(unit_embeddings(model, images).numpy(), args.save)
+        preparation = preparation_from_args(args)
+        images = torch.stack([read_face_image(path, preparation) for path in args.images])
+        model, saved = load_backbone_from_args(args)
+        report(flip_fused_embeddings(model, images).numpy(), args.save, saved)
     return 0
 
 

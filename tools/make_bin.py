@@ -1,9 +1,12 @@
-"""Make a verification ``.bin`` (as insightface's lfw.bin) from a folder of your own aligned face crops.
+"""Make a verification ``.bin`` (as insightface's lfw.bin) from a folder of your own face photos.
 
     python -m tools.make_bin lfw_aligned/ lfw.bin --pairs pairs.txt
     python -m tools.make_bin faces/ faces_val.bin --random 3000 --seed 0
 
-IMAGE_FOLDER holds one sub-folder of aligned face crops per identity.
+IMAGE_FOLDER holds one sub-folder of face photos per identity. Each photo becomes a 112x112 face as in
+every tool that reads photos (facedata/photos.py): ``--resize`` (the default; a warning names the photos
+whose aspect ratio that changed), ``--crop``, ``--pad``, or ``--landmarks FILE``. Use the option the
+training records were packed with (tools.pack_rec), so that evaluation sees faces as training did.
 
 --pairs FILE: LFW's pairs.txt format. A header line (``folds pairs_per_fold``: 2 x folds x
 pairs_per_fold pairs follow, or a single count N: 2N follow), then ``name n1 n2`` for photos n1 and n2
@@ -15,10 +18,9 @@ possible pair equally likely and none twice, same and different alternating (so 
 ten contiguous folds evaluation cuts holds both kinds).
 
 Output: a pickle (protocol 4) of ``(bins, issame)``, what arcface_torch's ``load_bin`` reads: 2N
-encoded images, pair i = images (2i, 2i+1). A 112x112 JPEG or PNG is stored byte for byte. Another
-square image (an aligned crop of another size, or another format) is resized to 112x112 (bilinear)
-and stored as JPEG quality 95, or PNG when the file was lossless. A non-square image is refused:
-squeezing it would distort the face, so align or crop it first.
+encoded images, pair i = images (2i, 2i+1). A 112x112 JPEG or PNG is stored byte for byte (unless
+aligned by landmarks). Any other photo is prepared and stored as JPEG quality 95, or PNG when the file
+was lossless.
 """
 from __future__ import annotations
 
@@ -34,12 +36,20 @@ from typing import TextIO
 import numpy as np
 from PIL import Image
 
-from dataset import scan_identities
+from dataset import (
+    Preparation,
+    PreparedFace,
+    add_preparation_arguments,
+    encode,
+    preparation_from_args,
+    scan_identities,
+    stretch_warning,
+)
 from utils.cli import exit_on_user_error
-from utils.errors import ConfigError, DataError
+from utils.errors import ConfigError, DataError, located
+from utils.image import IMAGE_SIZE
 from utils.progress import progress
 
-FACE_SIZE = 112
 JPEG_QUALITY = 95
 
 Pair = tuple[Path, Path, bool]  # first image, second image, same person
@@ -54,6 +64,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     pairs.add_argument("--random", type=int, metavar="N", help="draw N same-person and N different-person pairs")
     parser.add_argument("--seed", type=int, default=0, help="seed of --random")
     parser.add_argument("--force", "--overwrite", dest="force", action="store_true", help="replace OUT.bin")
+    add_preparation_arguments(parser, "the photo's path relative to IMAGE_FOLDER, e.g. Ann_Lee/Ann_Lee_0001.jpg")
     return parser.parse_args(argv)
 
 
@@ -161,40 +172,29 @@ def random_pairs(folder: Path, count: int, seed: int) -> list[Pair]:
 # --- images --------------------------------------------------------------------------------------
 
 
-def encode_face(path: Path) -> tuple[bytes, bool]:
-    """``(what the .bin stores for this photo, whether it had to be re-encoded)``; see the module doc."""
-    try:
-        data = path.read_bytes()
-        with Image.open(io.BytesIO(data)) as image:
-            face = image.convert("RGB")  # decodes it all: a truncated file fails here, not in an evaluation
-            source_format = image.format
-    except (OSError, ValueError, Image.DecompressionBombError) as error:
-        raise DataError(f"{path} is not a readable image ({error}); replace or remove it") from None
-    if face.size == (FACE_SIZE, FACE_SIZE) and source_format in ("JPEG", "PNG"):
-        return data, False
-    width, height = face.size
-    if width != height:
-        raise DataError(f"{path} is {width}x{height} (width x height), not square; pass aligned square face crops "
-                        "(align or crop this photo first)")
-    out = io.BytesIO()
-    face = face.resize((FACE_SIZE, FACE_SIZE), Image.BILINEAR)
-    if source_format == "JPEG":
-        face.save(out, format="JPEG", quality=JPEG_QUALITY)
-    else:
-        face.save(out, format="PNG")
-    return out.getvalue(), True
+def encode_face(path: Path, preparation: Preparation) -> tuple[bytes, PreparedFace | None]:
+    """``(what the .bin stores for this photo, the prepared face when it was re-encoded, else None)``;
+    see the module doc."""
+    face = preparation.face(path)  # decodes it all: a truncated file fails here, not in an evaluation
+    data = path.read_bytes()
+    with Image.open(io.BytesIO(data)) as image:
+        size, source_format = image.size, image.format
+    if preparation.landmarks is None and size == (IMAGE_SIZE, IMAGE_SIZE) and source_format in ("JPEG", "PNG"):
+        return data, None
+    return encode(face.pixels, "jpeg" if source_format == "JPEG" else "png", JPEG_QUALITY), face
 
 
-def encode_pairs(pairs: Sequence[Pair], stream: TextIO | None = None) -> tuple[list[bytes], int]:
-    """``(2N encoded images in pair order, how many were re-encoded)``; each file is read once."""
-    encoded: dict[Path, tuple[bytes, bool]] = {}
+def encode_pairs(pairs: Sequence[Pair], preparation: Preparation, stream: TextIO | None = None
+                 ) -> tuple[list[bytes], dict[Path, PreparedFace | None]]:
+    """``(2N encoded images in pair order, each photo's prepared face when re-encoded)``; each file is read once."""
+    encoded: dict[Path, tuple[bytes, PreparedFace | None]] = {}
     paths = [path for first, second, _ in pairs for path in (first, second)]
     bins = []
     for path in progress(paths, len(paths), "encoding photos", stream):
         if path not in encoded:
-            encoded[path] = encode_face(path)
+            encoded[path] = encode_face(path, preparation)
         bins.append(encoded[path][0])
-    return bins, sum(resized for _, resized in encoded.values())
+    return bins, {path: face for path, (_, face) in encoded.items()}
 
 
 def write_bin(path: Path, bins: list[bytes], issame: list[bool]) -> None:
@@ -209,8 +209,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     with exit_on_user_error():
         if not args.images.is_dir():
-            raise DataError(f"image folder {args.images} does not exist; pass a folder with one sub-folder per "
-                            "identity")
+            raise DataError(f"image folder {located(args.images)} does not exist; pass a folder with one sub-folder "
+                            "per identity")
         if not args.output.parent.is_dir():
             raise ConfigError(f"{args.output} is in a folder that does not exist; create {args.output.parent} first "
                               "or choose another path")
@@ -222,11 +222,17 @@ def main(argv: Sequence[str] | None = None) -> int:
             pairs = read_pairs(args.pairs, args.images)
         else:
             pairs = random_pairs(args.images, args.random, args.seed)
-        bins, resized = encode_pairs(pairs, sys.stderr)
+        preparation = preparation_from_args(args, args.images)
+        bins, faces = encode_pairs(pairs, preparation, sys.stderr)
         issame = [same for _, _, same in pairs]
         write_bin(args.output, bins, issame)
+    reencoded = sum(face is not None for face in faces.values())
     print(f"wrote {args.output}: {len(issame)} pairs ({sum(issame)} same person, {len(issame) - sum(issame)} "
-          f"different), {len(bins)} images, {resized} photos resized or re-encoded to 112x112")
+          f"different), {len(bins)} images, {reencoded} of {len(faces)} photos prepared ({preparation.describe()}) "
+          "and re-encoded, the others stored as they were")
+    stretched = [(str(path), face.stretched_from) for path, face in faces.items() if face and face.stretched_from]
+    if warning := stretch_warning(stretched, len(faces)):
+        print(warning, file=sys.stderr)
     return 0
 
 

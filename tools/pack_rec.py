@@ -2,11 +2,16 @@
 
     python -m tools.pack_rec faces/ data/faces_pair --views 2 --resize
 
-Any image size and grayscale images are fine: every image is fitted to 112x112 RGB, stretched
-(``--resize``, the default) or shrunk to fit and centred on black (``--pad``). With ``--views V``
-each record holds V different images of one identity side by side (112 x 112V); an identity's
-images are taken V at a time in name order, its last record topped up with its first images, and
-identities with fewer than V images are left out (and listed). Classes are numbered in the sorted
+Any image size and grayscale images are fine: every photo becomes a 112x112 RGB face as in every tool
+that reads photos (facedata/photos.py): stretched (``--resize``, the default; a warning names the photos
+whose aspect ratio that changed), centre-cropped (``--crop``), shrunk to fit and centred on black
+(``--pad``), or aligned by its five landmarks (``--landmarks FILE``, photos named relative to the input
+folder). Prepare the .bin sets (tools.make_bin) and inference photos (tools.inference) with the same
+option.
+
+With ``--views V`` each record holds V different images of one identity side by side (112 x 112V); an
+identity's images are taken V at a time in name order, its last record topped up with its first images,
+and identities with fewer than V images are left out (and listed). Classes are numbered in the sorted
 order of the sub-folders that were kept.
 """
 from __future__ import annotations
@@ -18,7 +23,15 @@ import time
 from functools import partial
 from multiprocessing import Pool
 
-from dataset import InsightfaceWriter, check_output, pack_identity, scan_identities
+from dataset import (
+    InsightfaceWriter,
+    add_preparation_arguments,
+    check_output,
+    pack_identity,
+    preparation_from_args,
+    scan_identities,
+    stretch_warning,
+)
 from utils.cli import exit_on_user_error
 from utils.errors import ConfigError, DataError
 from utils.progress import progress
@@ -29,17 +42,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("input", help="image folder: one sub-folder of images per identity")
     parser.add_argument("output", help="folder to write train.rec and train.idx to")
     parser.add_argument("--views", type=int, default=1, help="images of one identity side by side per record")
-    fit = parser.add_mutually_exclusive_group()
-    fit.add_argument("--resize", dest="fit", action="store_const", const="resize",
-                     help="stretch every image to 112x112 (default)")
-    fit.add_argument("--pad", dest="fit", action="store_const", const="pad",
-                     help="keep the aspect ratio: shrink to fit 112x112 if larger, centre on black")
     parser.add_argument("--format", choices=("jpeg", "png"), default="jpeg", help="record image encoding")
     parser.add_argument("--quality", type=int, default=95, help="JPEG quality")
     parser.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="encoding processes")
     parser.add_argument("--overwrite", "--force", dest="overwrite", action="store_true",
                         help="replace a train.rec/.idx already in output")
-    parser.set_defaults(fit="resize")
+    add_preparation_arguments(parser, "the photo's path relative to the input folder, e.g. anna/001.jpg")
     return parser.parse_args(argv)
 
 
@@ -56,17 +64,22 @@ def main(argv: list[str] | None = None) -> int:
         if not kept:
             raise DataError(f"no identity in {args.input} has the {args.views} images --views needs; "
                             "lower --views or add images")
-        encode_one = partial(pack_identity, views=args.views, fit=args.fit, image_format=args.format,
+        preparation = preparation_from_args(args, args.input)
+        encode_one = partial(pack_identity, views=args.views, preparation=preparation, image_format=args.format,
                              quality=args.quality)
+        stretched = []
         with InsightfaceWriter(args.output) as writer, Pool(max(1, args.workers)) as pool:
             packed = pool.imap(encode_one, [paths for _, paths in kept], chunksize=4)
-            for records in progress(packed, len(kept), "packing identities", sys.stderr):
+            for records, identity_stretched in progress(packed, len(kept), "packing identities", sys.stderr):
                 writer.write_identity(records)
+                stretched += identity_stretched
+    if warning := stretch_warning(stretched, sum(len(paths) for _, paths in kept)):
+        print(warning, file=sys.stderr)
     if left_out:
         print(f"left out {len(left_out)} identities with fewer than {args.views} images: "
               f"{', '.join(left_out[:10])}{' ...' if len(left_out) > 10 else ''}")
     print(f"{args.output}: {writer.num_records} records of {args.views} view(s), {len(kept)} identities "
-          f"(classes 0..{len(kept) - 1}), {args.fit} to 112x112, {args.format} ({time.time() - start:.1f} s)")
+          f"(classes 0..{len(kept) - 1}), {preparation.describe()}, {args.format} ({time.time() - start:.1f} s)")
     return 0
 
 

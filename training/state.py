@@ -7,6 +7,7 @@ the run stands. Both are what a checkpoint saves and a resume puts back.
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 
@@ -53,20 +54,42 @@ class TrainingState:
 
 @dataclass
 class StepCounter:
-    """Where a run stands: optimizer steps taken (skipped ones included) and non-finite losses met."""
+    """Where a run stands: optimizer steps taken (skipped ones included), non-finite losses met, and what
+    its verifications found. Everything but the streak of non-finite losses is saved with each checkpoint.
+
+    `global_step` is the step of the LR schedule; a resume on another world size or batch size renumbers it
+    (the same fraction of training). The log and TensorBoard show `shown_step` = global_step + shown_offset
+    instead, which goes on counting across such a resume, so that curves never run backwards.
+    """
 
     global_step: int = 0
     steps_per_epoch: int = 1
     nonfinite_in_a_row: int = 0
     nonfinite_total: int = 0
+    shown_offset: int = 0
+    best_accuracy: dict[str, float] = field(default_factory=dict)  # Accuracy-Highest per verification set
+    verification: dict[str, dict] = field(default_factory=dict)    # the last verification's operating points
 
     @property
     def epoch(self) -> int:
         return self.global_step // self.steps_per_epoch
 
+    @property
+    def shown_step(self) -> int:
+        return self.global_step + self.shown_offset
+
     def saved(self) -> dict:
         return {"global_step": self.global_step, "epoch": self.epoch, "steps_per_epoch": self.steps_per_epoch,
-                "nonfinite_total": self.nonfinite_total}
+                "nonfinite_total": self.nonfinite_total, "shown_offset": self.shown_offset,
+                "best_accuracy": dict(self.best_accuracy), "verification": dict(self.verification)}
+
+    def resume(self, saved: Mapping) -> None:
+        """Take what a checkpoint's progress says (the step is the caller's: it may be renumbered); keys
+        that earlier versions or arcface_torch did not save keep their defaults."""
+        self.nonfinite_total = saved["nonfinite_total"]
+        self.shown_offset = saved.get("shown_offset", 0)
+        self.best_accuracy = dict(saved.get("best_accuracy", {}))
+        self.verification = dict(saved.get("verification", {}))
 
 
 def _copy_all(targets: list[torch.Tensor], sources: list[torch.Tensor]) -> None:

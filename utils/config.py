@@ -19,7 +19,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from types import SimpleNamespace
 
-from utils.errors import ConfigError
+from utils.errors import ConfigError, located
 
 BASE_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "base.py"
 
@@ -87,6 +87,11 @@ def _keys_of(names: dict) -> dict:
             if not k.startswith("_") and not isinstance(v, helpers) and getattr(v, "__module__", None) != "typing"}
 
 
+def override_key(item: str) -> str:
+    """The key a `--set KEY=VALUE` override sets."""
+    return item.partition("=")[0].strip()
+
+
 def _parse_override(item: str, types_by_key: dict) -> tuple[str, object]:
     key, sep, text = item.partition("=")
     key = key.strip()
@@ -115,8 +120,18 @@ def _checked(key: str, value, types_by_key: dict, where: str):
     expected = types_by_key[key]
     if not _matches(value, expected):
         raise ConfigError(f"config key {key!r} must be {_type_name(expected)}, not {type(value).__name__} {value!r} "
-                          f"(from {where}); see configs/base.py")
+                          f"(from {where}); {_spelling(key, value, expected, where)}")
     return _coerced(value, expected)
+
+
+def _spelling(key: str, value, expected, where: str) -> str:
+    """How to write a value that does not fit: a lone item of a tuple key as a one-item tuple, in the syntax
+    of where it came from; else where the key is described."""
+    if not _matches((value,), expected):
+        return "see configs/base.py"
+    if where.startswith("--set"):
+        return f'write a tuple, e.g. --set "{key}={(value,)!r}"'
+    return f"write a tuple, e.g. {key} = {(value,)!r}"
 
 
 def _matches(value, expected) -> bool:
@@ -228,7 +243,7 @@ def check_data_path(cfg: SimpleNamespace) -> None:
         raise ConfigError("config key 'rec' is empty; set it to the folder holding train.rec/train.idx "
                           "(e.g. --set rec=/data/ms1mv3) or to \"synthetic\"")
     if not os.path.exists(cfg.rec):
-        raise ConfigError(f"data folder {cfg.rec!r} (config key 'rec') does not exist; point rec at the folder "
+        raise ConfigError(f"data folder {located(cfg.rec)} (config key 'rec') does not exist; point rec at the folder "
                           "holding train.rec/train.idx, e.g. --set rec=/data/ms1mv3")
 
 

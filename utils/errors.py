@@ -7,6 +7,8 @@ is the built-in a caller would expect to catch for it (a bad value, a failed run
 """
 from __future__ import annotations
 
+import os
+
 
 class UserError(Exception):
     """Something the user can fix (a config, a path, the data, a checkpoint); the message says how."""
@@ -37,4 +39,10 @@ class WeightsError(UserError, ValueError):
 
 
 class FaceImageError(UserError, ValueError):
-    """A face image cannot be read or is not an aligned square crop."""
+    """A face photo cannot be read or prepared (tools.pack_rec, tools.make_bin, tools.inference)."""
+
+
+def located(path: str | os.PathLike) -> str:
+    """A path for an error message: a relative one also names the folder it was looked up from."""
+    path = os.fspath(path)
+    return path if os.path.isabs(path) else f"{path} (looked up from {os.getcwd()})"

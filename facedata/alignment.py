@@ -1,9 +1,13 @@
-"""Similarity alignment of five facial landmarks to the ArcFace 112x112 template (no cv2/skimage)."""
+"""Similarity alignment of five facial landmarks to the ArcFace 112x112 template (no cv2/skimage): how the
+IJB evaluation aligns its faces and how every tool prepares a photo whose landmarks it is given
+(facedata/photos.py)."""
 from __future__ import annotations
 
 import numpy as np
 import torch
 import torch.nn.functional as F
+
+from utils.image import IMAGE_SIZE
 
 # Left eye, right eye, nose tip, left and right mouth corner in a 112x112 crop: insightface's
 # 96x112 template shifted 8 px right (arcface_torch eval_ijbc.py / insightface face_align).
@@ -14,7 +18,6 @@ ARCFACE_TEMPLATE = np.array([
     [41.5493, 92.3655],
     [70.7299, 92.2041],
 ], dtype=np.float64)
-ALIGNED_SIZE = 112
 
 
 def umeyama_similarity(src: np.ndarray, dst: np.ndarray) -> np.ndarray:
@@ -60,4 +63,4 @@ def warp_affine(image: torch.Tensor, matrix: np.ndarray, size: int) -> torch.Ten
 def align_face(image: torch.Tensor, landmarks: np.ndarray) -> torch.Tensor:
     """uint8 ``(3, H, W)`` photo + 5x2 landmarks (x, y) -> uint8 ``(3, 112, 112)`` aligned crop."""
     matrix = umeyama_similarity(np.asarray(landmarks, dtype=np.float64).reshape(5, 2), ARCFACE_TEMPLATE)
-    return warp_affine(image, matrix, ALIGNED_SIZE)
+    return warp_affine(image, matrix, IMAGE_SIZE)

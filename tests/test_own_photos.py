@@ -1,0 +1,96 @@
+"""The README's "Your own photos" walk-through, run as a newcomer runs it: its commands, as written there,
+one after another in a fresh folder holding `photos/` (24 people x 6 portrait photos, 92x112 PNG, as the
+AT&T faces a newcomer tried), with this checkout's train.py and configs/ beside them.
+
+What each step must leave: records and a .bin of faces prepared alike (--crop: no stretching said); a
+trained run whose model.json records the threshold of its last verification; an evaluation that says
+what its small set cannot measure and records its threshold; an inference verdict that agrees with the
+printed similarity and the threshold in model.json.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from facedata.synthetic import render_faces
+from tests.run_helpers import ROOT
+
+pytestmark = pytest.mark.slow  # six commands, one of them training for ~120 steps
+
+
+def readme_commands() -> list[str]:
+    """The indented command block of the README's "Your own photos" section, line by line."""
+    section = (ROOT / "README.md").read_text().split("## Your own photos", 1)[1].split("\n## ", 1)[0]
+    block = re.search(r"\n\n((?:    \S.*\n)+)", section).group(1)
+    return [line.strip() for line in block.splitlines()]
+
+
+@pytest.fixture(scope="module")
+def walked(tmp_path_factory) -> dict[str, subprocess.CompletedProcess]:
+    folder = tmp_path_factory.mktemp("newcomer")
+    for person in range(1, 25):
+        faces = render_faces(person, np.arange(6), seed=7)
+        (folder / "photos" / f"s{person}").mkdir(parents=True)
+        for number, face in enumerate(faces, 1):  # a 92-pixel-wide portrait cut from the middle of the face
+            Image.fromarray(face[:, 10:102]).save(folder / "photos" / f"s{person}" / f"{number}.png")
+    (folder / "train.py").symlink_to(ROOT / "train.py")
+    (folder / "configs").symlink_to(ROOT / "configs")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
+    results = {}
+    for command in readme_commands():
+        results[command.split()[2] if command.startswith("python -m") else command.split()[0]] = result = \
+            subprocess.run(["bash", "-c", command], cwd=folder, env=env, capture_output=True, text=True, timeout=600)
+        assert result.returncode == 0, f"{command}\n{result.stdout[-2000:]}\n{result.stderr[-2000:]}"
+    results["folder"] = folder
+    return results
+
+
+def test_the_walk_through_is_the_six_steps_the_readme_explains():
+    assert [command.split()[:3] for command in readme_commands()] == [
+        ["mkdir", "photos_val", "&&"], ["python", "-m", "tools.pack_rec"], ["python", "-m", "tools.make_bin"],
+        ["python", "train.py", "configs/my_faces.py"], ["python", "-m", "eval.verification"],
+        ["python", "-m", "tools.inference"]]
+
+
+def test_records_and_the_bin_set_are_prepared_alike_without_stretching(walked):
+    assert "60 records of 2 view(s), 20 identities (classes 0..19), crop to 112x112" in walked["tools.pack_rec"].stdout
+    assert "100 pairs (50 same person, 50 different)" in walked["tools.make_bin"].stdout
+    assert "crop to 112x112" in walked["tools.make_bin"].stdout
+    assert "warning" not in walked["tools.pack_rec"].stderr + walked["tools.make_bin"].stderr
+
+
+def test_training_records_the_threshold_of_its_last_verification(walked):
+    run = walked["folder"] / "output" / "my_faces"
+    log = (run / "training.log").read_text()
+    assert "[my_faces_val][60]Accuracy-Flip" in log  # 3 steps per epoch x 20: the last step is verified
+    assert "training finished at global step 60" in log
+
+
+def test_evaluation_says_what_its_small_set_cannot_measure_and_records_its_threshold(walked):
+    out = walked["eval.verification"].stdout
+    assert re.search(r"\[my_faces_val\]Accuracy-Flip: [\d.]+\+-[\d.]+", out)
+    assert re.search(r"\[my_faces_val\]TAR@FAR=0.0001: [\d.]+ \(at 0 false accepts: 50 different-person pairs cannot "
+                     r"measure a FAR below 0.02\)", out)
+    recorded = json.loads((walked["folder"] / "output" / "my_faces" / "model.json").read_text())["verification"]
+    point = recorded["my_faces_val"]
+    assert point["by"] == "eval.verification" and point["pairs"] == 100
+    assert f"threshold recorded in output/my_faces/model.json for tools.inference: same person above cosine " \
+           f"similarity {point['threshold']:.4f}" in out
+
+
+def test_inference_gives_a_verdict_that_agrees_with_the_similarity_and_the_recorded_threshold(walked):
+    out = walked["tools.inference"].stdout
+    similarity = float(re.search(r"cosine similarity: (\S+)", out).group(1))
+    point = json.loads((walked["folder"] / "output" / "my_faces" / "model.json").read_text())["verification"][
+        "my_faces_val"]
+    verdict = "same person" if similarity > point["threshold"] else "different people"
+    assert (f"{verdict} at threshold {point['threshold']:.4f} (FAR {point['far']:.4g} on my_faces_val, 100 pairs; "
+            "eval.verification)") in out.splitlines()
