@@ -36,7 +36,7 @@ from checkpoint.run_config import WHERE_KEYS, write_run_config
 from checkpoint.sharded import restore_state, stage_state, write_state
 from dataset import FaceLoader
 from training.state import StepCounter, TrainingState
-from utils.distributed import agreed, checkpoint_group, is_main, world
+from utils.distributed import agreed, checkpoint_group, world
 from utils.lr_scheduler import jump_to_step
 
 log = logging.getLogger(__name__)
@@ -199,8 +199,7 @@ class Checkpointer:
 
     def _published(self, folder: Path, shown_step: int, level: int) -> None:
         log.log(level, "saved %s at global step %d", folder, shown_step)
-        if is_main():
-            agreed(lambda: write_run_config(self.output, self.config_file, self.overrides), share=False)
+        agreed(lambda: write_run_config(self.output, self.config_file, self.overrides), share=False)
 
     def _save_log_level(self, counter: StepCounter, final: bool) -> int:
         """INFO for the last save and at most one save per ten log lines (`frequent` steps each); DEBUG for
