@@ -24,7 +24,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from checkpoint.sharded import POINTER_NAME
+from checkpoint.pointer import POINTER_NAME
 from tests.run_helpers import assert_same_run, descendants, finish, run_here, start_cli, wait_for_log
 
 OVERRIDES = ["batch_size=2", "max_steps=12"]

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from checkpoint.sharded import POINTER_NAME
+from checkpoint.pointer import POINTER_NAME
 from tests.nan_injection import nan_at_steps
 from tests.run_helpers import run_here, start_child, start_cli, wait_for_log
 
