@@ -24,8 +24,8 @@ from types import SimpleNamespace
 import pytest
 from torch.distributed import TCPStore
 
-from checkpoint.run_dir import AUTO, LOCK_NAME, continues_torchrun_run, lock_run_dir, resolve_resume
 from checkpoint.pointer import POINTER_NAME
+from checkpoint.run_dir import AUTO, LOCK_NAME, continues_torchrun_run, lock_run_dir, resolve_resume
 from tests.run_helpers import ROOT, arguments, descendants, free_port, kill_node, load_run, scalars
 
 SAVE_EVERY, EPOCHS, LR = 2, 4, 0.1  # QUIET's lr; no warmup
