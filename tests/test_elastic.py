@@ -122,38 +122,46 @@ def restart_line(before: str, after: int, step: int) -> str:
             f"checkpoint before the restart are trained again (at most save_every_steps={SAVE_EVERY})")
 
 
+def renumbering(before: str, after: str) -> str:
+    """The resume's line for a renumbering: (the saved step, the LR schedule's step, the shown step)."""
+    return (rf"{before} steps per epoch with {after}: step (\d+) becomes step (\d+) of the LR schedule; the log and "
+            r"TensorBoard go on counting from step (\d+);")
+
+
 def test_the_survivor_of_a_lost_node_finishes_alone_from_the_last_checkpoint(runs):
     log = (runs.lost / "training.log").read_text()
-    renumbered = re.search(r"resuming a run of 2 process\(es\) and 10 steps per epoch with 1 and 20: step (\d+) "
-                           r"becomes step (\d+);", log)
+    renumbered = re.search(r"resuming a run of 2 process\(es\) and " + renumbering("10", "1 and 20"), log)
     assert renumbered is not None, log[-3000:]
-    saved, resumed = int(renumbered.group(1)), int(renumbered.group(2))
-    assert resumed == 2 * saved
+    saved, resumed, shown = map(int, renumbered.groups())
+    assert resumed == 2 * saved and shown == saved
     two_processes = log[log.rindex("2 process(es), 10 steps per epoch", 0, renumbered.start()):renumbered.start()]
     assert "error: " in two_processes  # why the survivor's process stopped, in the log
     reached = max(int(step) for step in re.findall(r"Global Step: (\d+) ", two_processes))
     assert saved <= reached <= saved + SAVE_EVERY  # at most save_every_steps lost
-    assert restart_line("2 process(es)", 1, resumed) in log
+    assert restart_line("2 process(es)", 1, shown) in log
     final = load_run(runs.lost)
     assert final["world_size"] == 1 and final["progress"]["global_step"] == 30
-    # the LR schedule goes on at the renumbered step: logged at 1-based step s, the LR of step s - 1 of 20 x 4
+    # The LR schedule goes on at the renumbered step: logged at shown step s, 1-based, the LR of schedule step
+    # s - 1 - (shown - resumed) of 20 x 4.
     lr_logged = scalars(runs.lost, "learning_rate")
     for step in range(resumed + 1, 31):
-        assert lr_logged[step] == pytest.approx(LR * (1 - (step - 1) / (20 * EPOCHS)) ** 2, rel=1e-6), step
+        assert lr_logged[step + shown - resumed] == pytest.approx(LR * (1 - (step - 1) / (20 * EPOCHS)) ** 2,
+                                                                  rel=1e-6), step
 
 
 def test_a_node_that_comes_back_grows_the_run_at_the_next_restart_losing_nothing(runs):
     log = (runs.grown / "training.log").read_text()
-    assert restart_line("2 process(es)", 1, int(re.findall(r"with 1 and 20: step \d+ becomes step (\d+)", log)[0])) \
-        in log
+    lost = re.search(renumbering("10", "1 and 20"), log)
+    assert lost is not None, log[-3000:]
+    assert restart_line("2 process(es)", 1, int(lost.group(3))) in log
     preempted = re.findall(r"preempted at global step (\d+): checkpoint saved; --resume continues", log)
     assert preempted, log[-3000:]
     stopped = int(preempted[-1])  # torchrun stopped the survivor with a SIGTERM for the new rendezvous
-    grown = re.search(rf"resuming a run of 1 process\(es\) and 20 steps per epoch with 2 and 10: step {stopped} "
-                      r"becomes step (\d+);", log)
+    grown = re.search(r"resuming a run of 1 process\(es\) and " + renumbering("20", "2 and 10"), log)
     assert grown is not None, log[-3000:]
-    assert int(grown.group(1)) == round(stopped / 2)
-    assert restart_line("1 process(es)", 2, int(grown.group(1))) in log
+    saved, resumed, shown = map(int, grown.groups())
+    assert resumed == round(saved / 2) and shown == stopped
+    assert restart_line("1 process(es)", 2, stopped) in log
     final = load_run(runs.grown)
     assert final["world_size"] == 2 and final["progress"]["global_step"] == 24
 
