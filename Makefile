@@ -26,8 +26,9 @@ lint: $(EDITABLE)
 	$(PY) -m ruff check .
 	.venv/bin/lint-imports --no-cache --no-logo
 
+# Two workers, each taking whole files (module fixtures run once): the tests keep torch at one thread.
 test: lint
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q -n 2 --dist loadfile tests
 
 # Mutation testing (minutes per module, not part of `make test`): per module, mutants, killed, survived.
 mutants: $(EDITABLE)
