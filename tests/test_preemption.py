@@ -64,17 +64,19 @@ def stopped_step(output: Path) -> int:
 @pytest.fixture(scope="module")
 def runs(data, tmp_path_factory) -> SimpleNamespace:
     root = tmp_path_factory.mktemp("preemption")
-    term1 = start_cli(data, root / "term1", *OVERRIDES, nproc=0)
     whole2 = start_cli(data, root / "whole2", *OVERRIDES, nproc=2)
-    usr1 = start_cli(data, root / "usr1", *OVERRIDES, nproc=2)
-    agent = start_cli(data, root / "agent", *OVERRIDES, nproc=2)
-    assert run_here(data, root / "whole1", *OVERRIDES) == (0, "")
+    # Each run to be signalled starts only when it is watched: 12 tiny steps take seconds, and one left
+    # running while another is handled could finish before its signal.
+    term1 = start_cli(data, root / "term1", *OVERRIDES, nproc=0)
     wait_for_step(root / "term1", term1)
     signal_until_stopped(term1, root / "term1", signal.SIGTERM)
+    usr1 = start_cli(data, root / "usr1", *OVERRIDES, nproc=2)
     wait_for_step(root / "usr1", usr1)
     os.kill(worker_of_rank(usr1, 1), signal.SIGUSR1)
+    agent = start_cli(data, root / "agent", *OVERRIDES, nproc=2)
     wait_for_step(root / "agent", agent)
     agent.send_signal(signal.SIGTERM)
+    assert run_here(data, root / "whole1", *OVERRIDES) == (0, "")
     outcome = SimpleNamespace(root=root)
     for name, process in (("term1", term1), ("usr1", usr1), ("agent", agent)):
         _, stderr = process.communicate(timeout=300)
