@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from types import SimpleNamespace
 
 import torch
+import torch.distributed as dist
 from torch._C._profiler import _EventType
 from torch.profiler import ProfilerActivity, profile, record_function
 
@@ -141,6 +142,10 @@ def measure(cfg: SimpleNamespace, device: torch.device) -> dict[str, int]:
         state = build_training_state(cfg, dataset.num_classes, device, len(loader) // cfg.gradient_acc)
         marks.mark("ddp")
         wrap_in_ddp(state, device)
+        if dist.is_initialized():
+            # DDP's constructor broadcasts the weights through a flat buffer that gloo's own thread may free
+            # after the constructor returns (seen once: the buckets measured twice over); a barrier first lets it land.
+            dist.barrier()
         marks.mark("ddp end")
         _hook_markers(state, marks, inputs, gradients)
         torch.manual_seed(cfg.seed + 1 + rank())

@@ -92,12 +92,16 @@ def saved_by(processes: int, job: SimpleNamespace) -> bool:
 def runs(data, tmp_path_factory) -> SimpleNamespace:
     root, nodes = tmp_path_factory.mktemp("elastic"), []
     try:
+        # One job at a time until its node is lost: a job left running while the other is watched could
+        # train past the steps its survivor is meant to train alone.
         lost = start_job(data, root / "lost", 30, nodes)
+        survivor, dead = nodes
+        wait_until(lambda: saved_by(2, lost), [survivor, dead], "a checkpoint of two processes")
+        kill_node(dead.process)
         grown = start_job(data, root / "grown", 24, nodes)
-        survivor, dead, first, gone = nodes
-        for job, pair in ((lost, (survivor, dead)), (grown, (first, gone))):
-            wait_until(lambda job=job: saved_by(2, job), list(pair), "a checkpoint of two processes")
-            kill_node(pair[1].process)
+        first, gone = nodes[2:]
+        wait_until(lambda: saved_by(2, grown), [first, gone], "a checkpoint of two processes")
+        kill_node(gone.process)
         wait_until(lambda: saved_by(1, grown), [first], "a checkpoint of the survivor alone")
         # Hold the survivor still while the node comes back, so that the run has not ended before it joins;
         # torchrun stops the survivor for the new rendezvous with a SIGTERM, delivered once it runs again.
