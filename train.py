@@ -16,6 +16,7 @@ import json
 import logging
 import os
 import sys
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -46,6 +47,8 @@ from utils.sizes import parse_size
 from utils.stop import EXIT_INTERRUPTED, EXIT_PREEMPTED, RunStopped, StopRequest, StopSignals
 
 log = logging.getLogger("train")
+
+CONFIG_ERROR_GRACE_SECONDS = 5.0  # how long ranks other than 0 wait for rank 0 to print a config error
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description="pairface training (arcface_torch-style, multi-view)")
@@ -86,10 +89,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         configure_numerics(device, cfg.tf32, cfg.deterministic)
         _train_in_process_group(cfg, device, RunSettings(args.config, overrides, kept))
     except UserError as error:
-        # Config errors happen identically on every process, before the process group exists: one copy is enough.
+        # Config errors happen identically on every process, before the process group exists: rank 0 prints the
+        # one copy. The others wait before exiting, since torchrun ends every worker as soon as one exits and
+        # could cut rank 0 off before its line (seen under load).
         if launched_rank() == 0 or not isinstance(error, ConfigError):
             report(error)
             log_to_file_only(f"error: {error}")
+        else:
+            time.sleep(CONFIG_ERROR_GRACE_SECONDS)
         return 1
     except RunStopped as stopped:  # its line is in the log already
         return stopped.exit_code
