@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -37,6 +38,8 @@ from utils.config import load_config
 from utils.distributed import init_distributed, is_main, rank, world
 
 MAX_STEPS = 12  # steps run until one was taken (fp16 skips its first ones: the grad scale backs off)
+
+SETTLE_SECONDS = 0.5  # for gloo's thread to free DDP's broadcast buffer (see measure)
 
 
 @dataclass
@@ -144,8 +147,10 @@ def measure(cfg: SimpleNamespace, device: torch.device) -> dict[str, int]:
         wrap_in_ddp(state, device)
         if dist.is_initialized():
             # DDP's constructor broadcasts the weights through a flat buffer that gloo's own thread may free
-            # after the constructor returns (seen once: the buckets measured twice over); a barrier first lets it land.
+            # after the constructor returns (seen under load: the buckets measured twice over): every rank past
+            # a barrier, and a moment for that thread, before the buckets are read.
             dist.barrier()
+            time.sleep(SETTLE_SECONDS)
         marks.mark("ddp end")
         _hook_markers(state, marks, inputs, gradients)
         torch.manual_seed(cfg.seed + 1 + rank())

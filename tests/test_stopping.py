@@ -11,6 +11,7 @@ import json
 import os
 import re
 import signal
+import time
 from pathlib import Path
 
 import pytest
@@ -80,10 +81,13 @@ def test_ctrl_c_stops_after_the_step_without_saving_and_says_how_to_continue(dat
 
 def test_a_second_ctrl_c_stops_at_once_without_a_traceback(data, tmp_path):
     output = tmp_path / "run"
-    # 4 micro-batches a step: long enough for both presses to land inside step 3, which starts after step 2's
-    # save (an async save's copy to host memory: milliseconds)
+    # 4 micro-batches a step: long enough for both presses to land inside step 3, which starts once step 2's
+    # save is published
     child, stderr = start_in_a_terminal(data, output, "gradient_acc=4", "save_every_steps=1", "max_steps=5")
-    wait_for_log(output, "Global Step: 2 ", child.is_alive)
+    deadline = time.monotonic() + 300
+    while not ((output / POINTER_NAME).is_file() and published_step(output) == 2):
+        assert child.is_alive() and time.monotonic() < deadline, "step 2's checkpoint was never published"
+        time.sleep(0.01)
     ctrl_c(child)
     wait_for_log(output, "Ctrl-C: stopping after this step without saving", child.is_alive)
     ctrl_c(child)

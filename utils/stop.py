@@ -95,4 +95,7 @@ class StopSignals:
         """The strongest request any rank has received. Collective: every rank calls it at each step boundary.
 
         It travels through a host-side (gloo) group, so that asking costs the step no wait for the device."""
-        return StopRequest(int(all_reduce_max(torch.tensor(float(self.requested)), group=self._group).item()))
+        agreed = StopRequest(int(all_reduce_max(torch.tensor(float(self.requested)), group=self._group).item()))
+        # A rank stopping for another rank's signal is stopped too: it also ignores SIGTERMs on its way out.
+        self.requested = max(self.requested, agreed)
+        return agreed
