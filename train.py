@@ -269,6 +269,7 @@ def _train_in_folder(cfg: SimpleNamespace, device: torch.device, source, restart
         checkpointer.settle()
         raise
     finally:
+        loader.close()  # its workers end here, on every way out of the loop (they would outlive the process)
         metrics.close()  # flushes the last scalars, also when the run stops on an error or a signal
     log.info("training finished at global step %d: %s", counter.shown_step,
              ", ".join(f"{name} Accuracy-Flip {acc:.5f}" for name, acc in results.items()) or "no val_targets")

@@ -10,8 +10,10 @@ either way the next batch is staged while the current one is in use (facedata/st
 """
 from __future__ import annotations
 
+import atexit
 import logging
 import signal
+import weakref
 from collections.abc import Iterator
 
 import torch
@@ -126,9 +128,33 @@ class FaceLoader:
                                   persistent_workers=num_workers > 0, generator=torch.Generator().manual_seed(seed),
                                   worker_init_fn=_ignore_stop_signals)
         self.skipped = 0
+        _open_loaders.add(self)
 
     def __len__(self) -> int:
         return len(self.order)
+
+    def __enter__(self) -> FaceLoader:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """End the data workers now, and wait for them (within seconds): on any way out of training.
+
+        The workers outlive an epoch (persistent) and ignore SIGTERM, so left to the interpreter's exit they
+        are never ended: multiprocessing's exit handler sends them SIGTERM and then waits for them without a
+        limit. An error that stops the run also keeps this loader alive in its traceback's reference cycle,
+        past the point where torch would end them itself. Iterating again afterwards starts new workers."""
+        _open_loaders.discard(self)
+        iterator, self._loader._iterator = self._loader._iterator, None  # torch's persistent-workers iterator
+        workers = getattr(iterator, "_workers", [])
+        if iterator is not None:
+            iterator._shutdown_workers()  # tells the workers to stop and waits a few seconds for each
+        for worker in workers:
+            if worker.is_alive():  # still busy with a batch, and deaf to the SIGTERM torch then sent
+                worker.kill()
+                worker.join()
 
     def set_epoch(self, epoch: int) -> None:
         """The epoch the next ``iter(loader)`` walks, as a DataLoader's sampler.set_epoch."""
@@ -188,6 +214,16 @@ class FaceLoader:
 
     def load_state_dict(self, state: dict) -> None:
         self.skipped = state["skipped"]
+
+
+_open_loaders: weakref.WeakSet[FaceLoader] = weakref.WeakSet()
+
+
+@atexit.register  # registered after multiprocessing's and torch's exit handlers, so it runs before them
+def _close_open_loaders() -> None:
+    """A loader its user never closed (a script, a test, a notebook) ends its workers at exit too."""
+    for loader in list(_open_loaders):
+        loader.close()
 
 
 def build_loader(dataset: FaceDataset, batch_size: int, *, rank: int = 0, world_size: int = 1, seed: int = 0,

@@ -365,8 +365,8 @@ def test_a_bad_record_stops_the_loader_with_its_data_error(tmp_path, pair_rec, w
         for key in reader.keys:
             header, payload = unpack(reader.read(key))
             writer.write(key, pack(header, b"garbage" if key == 5 else payload))
-    loader = build_loader(build_dataset(str(tmp_path), num_views=2), 30, num_workers=workers)
-    with pytest.raises(DataError, match=r"record key 5 is not a decodable image") as raised:
+    with build_loader(build_dataset(str(tmp_path), num_views=2), 30, num_workers=workers) as loader, \
+            pytest.raises(DataError, match=r"record key 5 is not a decodable image") as raised:
         next(iter(loader))
     assert "Traceback" not in str(raised.value)
 
