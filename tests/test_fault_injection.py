@@ -164,8 +164,8 @@ STATE_FIELDS = [
     (("ranks",), [{}], "ranks"),
     (("ranks", 1, "loader", "skipped"), -1, "ranks[1].loader.skipped"),
     (("ranks", 0, "rng"), MISSING, "ranks[0].rng"),
-    (("ranks", 0, "rng", "python", 0), 2, "ranks[0].rng.python"),  # Random.setstate: ValueError
-    (("ranks", 1, "rng", "python", 1, 624), 625, "ranks[1].rng.python"),  # a position past the 624 words
+    (("ranks", 0, "rng", "python", 0), 2, "ranks[0].rng.python"),  # Python 2's, which random.setstate converts
+    (("ranks", 1, "rng", "python", 1, 624), 625, "ranks[1].rng.python"),  # past the 624 words: its ValueError
     (("ranks", 0, "rng", "python", 1, 0), 2 ** 32, "ranks[0].rng.python"),
     (("ranks", 1, "rng", "numpy", 1), 700, "ranks[1].rng.numpy"),
     (("ranks", 0, "rng", "numpy", 0, 5), -1, "ranks[0].rng.numpy"),
@@ -205,6 +205,21 @@ def test_a_state_json_field_that_is_not_what_pairface_writes_is_one_error_line_n
     line = only_line(stderr)
     assert line.startswith(f"error: checkpoint {run / FOLDER} is damaged ({run / FOLDER / 'state.json'}: field "
                            f"'{field}' "), line
+    assert_nothing_lost(before, run)
+
+
+def test_on_the_same_world_size_a_forged_random_stream_is_one_line_not_random_setstates_traceback(data, tmp_path):
+    """The resume that puts every rank's streams back (one process, as saved): Python's random state with its
+    position past the 624 words, which random.setstate refuses with a ValueError, is refused first, by its field."""
+    run = tmp_path / "run"
+    assert run_here(data, run, "max_steps=1") == (0, "")
+    folder = run / "checkpoint-000000001"
+    forge_state(folder, ("ranks", 0, "rng", "python", 1, 624), 625)
+    before = file_states(run)
+    status, stderr = run_here(data, run, "max_steps=2", resume=True)
+    assert status == 1 and "Traceback" not in stderr
+    assert only_line(stderr).startswith(f"error: checkpoint {folder} is damaged ({folder / 'state.json'}: field "
+                                        "'ranks[0].rng.python' must be random.getstate()'s [3, ")
     assert_nothing_lost(before, run)
 
 
