@@ -10,23 +10,25 @@ step's edges, around each micro-batch's backbone forward (module hooks) and wher
 gradient arrives (a tensor hook) split it into the plan's moments; the device's own accounting gives
 the bytes alive at each marker and the peak between two: the CUDA caching allocator's statistics on
 a GPU, torch.profiler's record of every CPU allocation on a CPU (its allocation events carry their
-sizes and times). The tensors the plan sizes by arithmetic (parameters, gradients, optimizer state)
-are measured as they are. Under torchrun every rank measures; rank 0's figures are printed.
+sizes and times). On a CPU the kernels' own workspace (scratch a kernel frees before it returns, whose
+size depends on the CPU's instruction set) is kept apart from the tensors, which are what the plan
+counts: it is the one item, `kernel_workspace`, that the plan has no figure for. The tensors the plan
+sizes by arithmetic (parameters, gradients, optimizer state) are measured as they are, and DDP's
+buckets as DDP records them. Under torchrun every rank measures; rank 0's figures are printed.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import sys
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 
 import torch
-import torch.distributed as dist
 from torch._C._profiler import _EventType
+from torch.nn.parallel import DistributedDataParallel
 from torch.profiler import ProfilerActivity, profile, record_function
 
 from dataset import build_dataset, build_loader
@@ -39,23 +41,23 @@ from utils.distributed import init_distributed, is_main, rank, world
 
 MAX_STEPS = 12  # steps run until one was taken (fp16 skips its first ones: the grad scale backs off)
 
-SETTLE_SECONDS = 0.5  # for gloo's thread to free DDP's broadcast buffer (see measure)
-
-
 @dataclass
 class _Marks:
-    """Bytes alive at each marker, and the peak since the marker before (itself included)."""
+    """Bytes alive at each marker, and the peak since the marker before (itself included); on a CPU also
+    the peak of kernel workspace since the marker before (its bytes are not in `live` and `peak`)."""
 
     device: torch.device
     names: list[str] = field(default_factory=list)
     live: list[int] = field(default_factory=list)
     peak: list[int] = field(default_factory=list)
+    workspace: list[int] = field(default_factory=list)
 
     def mark(self, name: str) -> None:
         self.names.append(name)
         if self.device.type == "cuda":
             self.live.append(torch.cuda.memory_allocated(self.device))
             self.peak.append(torch.cuda.max_memory_allocated(self.device))
+            self.workspace.append(0)
             torch.cuda.reset_peak_memory_stats(self.device)
         else:
             with record_function(name):  # read back from the profile (_read_profile)
@@ -69,29 +71,71 @@ class _Marks:
         start, end = self.names.index(first), self.names.index(last)
         return max([self.live[start], *self.peak[start + 1:end + 1]])
 
+    def workspace_between(self, first: str, last: str) -> int:
+        """The most kernel workspace held at once from marker `first` to marker `last`."""
+        start, end = self.names.index(first), self.names.index(last)
+        return max(self.workspace[start + 1:end + 1], default=0)
+
     def read_profile(self, recorded: profile) -> None:
-        """Live bytes and peaks from a CPU profile's allocation events (frees are negative allocations)."""
+        """Live bytes and peaks from a CPU profile's allocation events (frees are negative allocations),
+        tensors and kernel workspace apart (_kernel_workspace)."""
         times = {}
-        events: list[tuple[int, int]] = []
+        events = []
         stack = list(recorded.profiler.kineto_results.experimental_event_tree())
         while stack:
             event = stack.pop()
             stack.extend(event.children)
             if event.typed[0] == _EventType.Allocation and event.typed[1].device.type == "cpu":
-                events.append((event.start_time_ns, event.typed[1].alloc_size))
+                events.append(event)
             elif event.name in self.names:
                 times[event.name] = event.start_time_ns
-        events.sort()
-        alive = highest = 0
+        events.sort(key=lambda event: event.start_time_ns)
+        workspace = _kernel_workspace(events)
+        alive = highest = held = most_held = 0
         position = 0
         for name in self.names:
-            while position < len(events) and events[position][0] < times[name]:
-                alive += events[position][1]
-                highest = max(highest, alive)
+            while position < len(events) and events[position].start_time_ns < times[name]:
+                size = events[position].typed[1].alloc_size
+                if id(events[position]) in workspace:
+                    held += size
+                    most_held = max(most_held, held)
+                else:
+                    alive += size
+                    highest = max(highest, alive)
                 position += 1
             self.live.append(alive)
             self.peak.append(highest)
-            highest = alive
+            self.workspace.append(most_held)
+            highest, most_held = alive, held
+
+
+# ATen ops that only allocate: a tensor made by one of them belongs to the kernel that called it.
+_FACTORIES = frozenset({"aten::empty", "aten::empty_strided", "aten::empty_like", "aten::new_empty",
+                        "aten::new_empty_strided", "aten::zeros", "aten::zeros_like", "aten::new_zeros",
+                        "aten::resize_"})
+
+
+def _kernel_workspace(events: list) -> set[int]:
+    """The allocation events (their ids) of kernel workspace: memory an ATen kernel takes for itself and
+    gives back before it returns (oneDNN's scratchpads and packed operands of a bf16/fp16 GEMM or
+    convolution, the im2col columns of a convolution without a oneDNN path). Which kernel runs, and so
+    how much it takes, depends on the CPU (AVX512-BF16, AMX, ...), not on a tensor the plan counts: it is
+    measured apart. `events` in time order. What outlives the kernel that made it (its output, the
+    inputs of the ops that follow) is a tensor, whatever allocated it."""
+    opened = {}
+    workspace = set()
+    for event in events:
+        fields = event.typed[1]
+        if fields.alloc_size > 0:
+            opened[fields.ptr] = event
+            continue
+        allocation = opened.pop(fields.ptr, None)
+        kernel = allocation.parent if allocation is not None else None
+        while kernel is not None and kernel.name in _FACTORIES:
+            kernel = kernel.parent
+        if kernel is not None and kernel.name.startswith("aten::") and event.start_time_ns <= kernel.end_time_ns:
+            workspace.update((id(allocation), id(event)))
+    return workspace
 
 
 @contextmanager
@@ -133,6 +177,16 @@ def _hook_markers(state: TrainingState, marks: _Marks, inputs: list[int], gradie
                 lambda p: gradients.__setitem__(p, p.grad.untyped_storage().nbytes()))
 
 
+def _ddp_bucket_bytes(state: TrainingState) -> int:
+    """The bytes of DDP's gradient buckets, as DDP itself records them (0 without DDP). Not read from the
+    allocator: DDP's constructor also broadcasts the weights through a flat buffer that gloo's own thread
+    frees when it gets to it, so the bytes alive just after the constructor are not the buckets' alone."""
+    if not isinstance(state.ddp_backbone, DistributedDataParallel):
+        return 0
+    sizes = state.ddp_backbone._get_ddp_logging_data()["bucket_sizes"]  # bytes per bucket, comma-separated
+    return sum(int(size) for size in sizes.split(",") if size.strip())
+
+
 def measure(cfg: SimpleNamespace, device: torch.device) -> dict[str, int]:
     """Bytes by plan item, and the total (the second step's peak), of this process in a real run of `cfg`."""
     dataset = build_dataset(cfg.rec, num_views=cfg.num_views, view_source=cfg.view_source,
@@ -143,15 +197,7 @@ def measure(cfg: SimpleNamespace, device: torch.device) -> dict[str, int]:
     inputs: list[int] = []
     with _recording(device) as marks:
         state = build_training_state(cfg, dataset.num_classes, device, len(loader) // cfg.gradient_acc)
-        marks.mark("ddp")
         wrap_in_ddp(state, device)
-        if dist.is_initialized():
-            # DDP's constructor broadcasts the weights through a flat buffer that gloo's own thread may free
-            # after the constructor returns (seen under load: the buckets measured twice over): every rank past
-            # a barrier, and a moment for that thread, before the buckets are read.
-            dist.barrier()
-            time.sleep(SETTLE_SECONDS)
-        marks.mark("ddp end")
         _hook_markers(state, marks, inputs, gradients)
         torch.manual_seed(cfg.seed + 1 + rank())
         taken = False
@@ -176,7 +222,7 @@ def measure(cfg: SimpleNamespace, device: torch.device) -> dict[str, int]:
         "centre_optimizer_state": optimizer_state.get(state.pfc.weight, 0),
         "backbone_parameters": _nbytes(backbone) + _nbytes(state.backbone.buffers()) + _nbytes(state.bn_buffers),
         "backbone_optimizer_state": sum(optimizer_state.get(p, 0) for p in backbone),
-        "ddp_gradient_buckets": marks.at("ddp end") - marks.at("ddp"),
+        "ddp_gradient_buckets": _ddp_bucket_bytes(state),
         "activations": marks.at(f"forward end {last}") - start,
         "logits_buffer": marks.peak_between(f"forward end {last}", f"softmax end {last}")
         - marks.at(f"forward end {last}"),
@@ -192,6 +238,9 @@ def measure(cfg: SimpleNamespace, device: torch.device) -> dict[str, int]:
                   "ddp_gradient_buckets")
     items["batch"] = marks.at(f"step {measured_step}") - sum(items[item] for item in persistent)
     items["total"] = marks.peak_between(f"step {measured_step}", f"step {measured_step} end")
+    # Not planned, and 0 on a GPU (the caching allocator's figures include it): what this CPU's kernels add
+    # on top of the tensors at some moment of the step.
+    items["kernel_workspace"] = marks.workspace_between(f"step {measured_step}", f"step {measured_step} end")
     return items
 
 

@@ -56,6 +56,7 @@ from checkpoint.pointer import (
 from checkpoint.restored import Restored, check_architecture, is_centre_rows, optimizer_index
 from checkpoint.rng import rng_state
 from checkpoint.safe_dcp import SHARD_FILE, MetadataError, SafeReader, TensorsOnlyPlanner, read_metadata
+from checkpoint.state_file import StateFieldError, check_state
 from partial_fc import PartialFC
 from training.state import TrainingState
 from utils.atomic import atomic_save, fsync_dir, os_error_behind, write_bytes
@@ -263,6 +264,9 @@ def verify_folder(folder: Path) -> Verified:
             verify_file(folder, name, listed[name])
         metadata = read_metadata(folder / METADATA_NAME)
         content = read_checked_json(folder / STATE_NAME)
+        check_state(content)
+    except StateFieldError as error:
+        raise damaged(folder, f"{folder / STATE_NAME}: {error}") from None
     except FileNotFoundError as error:
         raise damaged(folder, f"{error.filename} is missing") from None
     except (OSError, IntegrityError, MetadataError) as error:

@@ -64,7 +64,9 @@ batch_size: int = 128             # records per process per forward (a record ho
 gradient_acc: int = 1             # forwards accumulated per optimizer step (loss divided, no DDP sync in between)
 max_grad_norm: float = 5.0        # backbone gradient clipped to this L2 norm before each step
 num_epoch: int = 20               # passes over the data
-warmup_epoch: int = 0             # linear warmup from 0 to lr, then polynomial (power 2) decay to 0 at the end
+warmup_epoch: int = 0             # linear warmup from 0 to lr, then polynomial (power 2) decay to 0 at the end;
+                                  # negative (arcface_torch's 3millions.py: -1): no warmup, and its PolyScheduler
+                                  # then starts the decay below lr, at ((T - step) / (T - warmup steps)) ** 2
 max_steps: int = 0                # stop after this many optimizer steps (0: run num_epoch); the LR schedule still
                                   # spans num_epoch. Steps of that schedule: renumbered by a resume on another
                                   # batch size or world size (the log says which shown step it is then)

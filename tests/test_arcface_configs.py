@@ -8,9 +8,11 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 import train
 from tests.run_helpers import run_here
+from training.state import build_training_state
 from utils.config import load_config
 from utils.errors import ConfigError
 
@@ -18,13 +20,6 @@ from utils.errors import ConfigError
 # independent of the code under test.
 FIXTURE = json.loads((Path(__file__).parent / "fixtures" / "arcface_configs" / "configs.json").read_text())
 CONFIGS: dict[str, dict] = FIXTURE["configs"]
-
-# The files pairface refuses, with the one line it says: expected, not skipped. 3millions.py (upstream's speed test
-# on synthetic data) has warmup_epoch = -1, which utils/config.py refuses like every negative count of epochs;
-# upstream's PolynomialLRWarmup never warms up then (past the warmup its step ratio does not depend on the warmup),
-# so the file means warmup_epoch = 0, which pairface's closed-form schedule would not give for -1.
-REFUSED = {"3millions": "error: config key 'warmup_epoch' must not be negative, not -1; see configs/base.py"}
-
 
 def written(tmp_path: Path, name: str, body: str) -> Path:
     path = tmp_path / "configs" / f"{name}.py"
@@ -49,10 +44,10 @@ def test_the_fixture_holds_every_config_file_of_arcface_torch():
     """All 42 of configs/ (__init__.py aside) and base.py, each representable in JSON: a fixture regenerated from
     a broken checkout would otherwise make the test below vacuous."""
     assert len(CONFIGS) == 43 and "base" in CONFIGS and FIXTURE["not_represented"] == {}
-    assert FIXTURE["source"]["commit"] and set(REFUSED) <= set(CONFIGS)
+    assert FIXTURE["source"]["commit"]
 
 
-@pytest.mark.parametrize("name", [name for name in CONFIGS if name not in REFUSED])
+@pytest.mark.parametrize("name", CONFIGS)
 def test_an_arcface_torch_config_file_means_what_it_says(tmp_path, capsys, name):
     resolved = dry_run(arcface_file(tmp_path, name), capsys, "--world-size", "8")
     config = resolved["config"]
@@ -69,10 +64,26 @@ def test_an_arcface_torch_config_file_means_what_it_says(tmp_path, capsys, name)
         assert memory["class_centres"] is None
 
 
-@pytest.mark.parametrize("name", REFUSED)
-def test_a_config_file_pairface_refuses_is_refused_with_its_one_line(tmp_path, capsys, name):
-    assert train.main([str(arcface_file(tmp_path, name)), "--dry-run", "--json", "--world-size", "8"]) == 1
-    assert capsys.readouterr().err.strip() == REFUSED[name]
+def test_3millions_runs_with_the_lr_schedule_arcface_torch_computes_for_its_warmup_of_minus_one(tmp_path):
+    """Its warmup_epoch = -1 read as train.py reads it: warmup_step = num_image // total_batch_size * -1, minus an
+    epoch of steps, into PolyScheduler: no warmup, and every step's LR from its decay formula, which then starts
+    below lr. Every one of the schedule's steps, on 8 processes, as training.state builds it."""
+    recipe = CONFIGS["3millions"]
+    assert (recipe["warmup_epoch"], recipe["num_epoch"], recipe["num_image"], recipe["batch_size"], recipe["lr"]) == (
+        -1, 30, 100000, 512, 0.1)
+    epoch = 100000 // (512 * 8)  # 24 steps
+    total, warmup = 30 * epoch, -epoch
+    cfg = load_config(arcface_file(tmp_path, "3millions"), ["num_classes=16", "embedding_size=8", "fp16=False"])
+    state = build_training_state(cfg, cfg.num_classes, torch.device("cpu"), epoch)
+    seen = []
+    for _ in range(total + 2):
+        seen.append([group["lr"] for group in state.optimizer.param_groups])
+        state.optimizer.step()
+        state.scheduler.step()
+    # PolyScheduler.get_lr at last_epoch = step: base_lr * (1 - (step - warmup_step) / (max_steps - warmup_step)) ** 2
+    expected = [0.1 * (1 - (step - warmup) / (total - warmup)) ** 2 for step in range(total)] + [0.0, 0.0]
+    assert seen == [[pytest.approx(lr, rel=1e-12, abs=1e-18)] * 2 for lr in expected]
+    assert seen[0][0] == pytest.approx(0.1 * (30 / 31) ** 2) and seen[-3][0] == pytest.approx(0.1 / (31 * 24) ** 2)
 
 
 def test_the_webface_vit_recipe_plans_its_sampled_logits_and_adamw_state(tmp_path, capsys):

@@ -71,10 +71,14 @@ def centre_state(model: SimpleNamespace) -> dict:
     return {"weight": model.pfc.weight.detach().clone(), **{k: v.clone() for k, v in state.items()}}
 
 
+# What a run saves beside the tensors (training.state.StepCounter.saved()), a resume reads back.
+PROGRESS = {"global_step": 2, "steps_per_epoch": 10, "nonfinite_total": 0}
+
+
 def save_in_world(rank: int, world_size: int, folder: str, optimizer_name: str) -> dict:
     model = make_model(optimizer_name, seed=1)
     take_steps(model)
-    save_state(folder, model, {"global_step": 2, "steps_per_epoch": 10}, {"rank": rank}, INFO, {"lr": 0.1})
+    save_state(folder, model, PROGRESS, {"skipped": rank}, INFO, {"lr": 0.1})
     return {"centres": centre_state(model), "backbone": {k: v.clone() for k, v in model.backbone.state_dict().items()}}
 
 
@@ -125,8 +129,8 @@ def test_written_by_four_resumes_on_one_two_and_three_bit_for_bit(written_by_fou
         for key, value in saved[0][optimizer_name]["backbone"].items():  # BatchNorm buffers included
             assert torch.equal(mine["backbone"][key], value), key
         assert mine["lr"] == pytest.approx(0.1)  # the schedule came back at step 2: warmup done
-        assert mine["restored"].progress == {"global_step": 2, "steps_per_epoch": 10}
-        assert mine["restored"].world_size == 4 and mine["restored"].first_rank_state["loader"] == {"rank": 0}
+        assert mine["restored"].progress == PROGRESS
+        assert mine["restored"].world_size == 4 and mine["restored"].first_rank_state["loader"] == {"skipped": 0}
         assert mine["restored"].rank_state is None  # another world size: no rank has its own streams back
 
 
@@ -291,7 +295,7 @@ def test_a_pointer_that_leaves_the_run_folder_or_lacks_a_field_is_one_line(tmp_p
     """A copy of a good checkpoint waits where `../elsewhere` points: it must not be followed."""
     run = tmp_path / "run"
     model = make_model("sgd")
-    save_state(run, model, {"global_step": 2}, {}, INFO, {})
+    save_state(run, model, PROGRESS, {"skipped": 0}, INFO, {})
     (tmp_path / "elsewhere").mkdir()
     shutil.copytree(run / "checkpoint-000000002", tmp_path / "elsewhere" / "checkpoint-000000002")
     _rewrite_pointer(run / POINTER_NAME, **changes)

@@ -122,6 +122,107 @@ def test_a_damaged_or_hostile_checkpoint_file_is_one_error_line_and_changes_noth
     assert_nothing_lost(before, run)
 
 
+MISSING = object()
+# state.json with one field changed, its own checksum and the manifest's recomputed: (what is changed, the value
+# it gets (MISSING: removed), the field the one line names). One case per field a resume reads.
+STATE_FIELDS = [
+    (("run",), [], "run"),
+    (("run", "model"), "r18", "run.model"),
+    (("run", "config"), MISSING, "run.config"),
+    (("run", "config", "lr"), "0.1", "run.config.lr"),
+    (("run", "config", "num_epoch"), 0, "run.config.num_epoch"),
+    (("run", "config", "batch_size"), 2.5, "run.config.batch_size"),
+    (("run", "config", "gradient_acc"), None, "run.config.gradient_acc"),
+    (("run", "config", "warmup_epoch"), "1", "run.config.warmup_epoch"),
+    (("run", "world_size"), 0, "run.world_size"),
+    (("run", "progress", "global_step"), -1, "run.progress.global_step"),
+    (("run", "progress", "epoch"), 1.5, "run.progress.epoch"),
+    (("run", "progress", "steps_per_epoch"), 0, "run.progress.steps_per_epoch"),
+    (("run", "progress", "nonfinite_total"), "0", "run.progress.nonfinite_total"),
+    (("run", "progress", "shown_offset"), None, "run.progress.shown_offset"),
+    (("run", "progress", "best_accuracy"), {"synthetic_val": "high"}, "run.progress.best_accuracy.synthetic_val"),
+    (("run", "progress", "verification"), {"synthetic_val": 0.5}, "run.progress.verification.synthetic_val"),
+    (("run", "param_groups"), [{"params": [0]}], "run.param_groups"),
+    (("run", "param_groups", 0, "params"), [0, 0], "run.param_groups[0].params"),
+    (("run", "param_groups", 1, "params", 0), -1, "run.param_groups[1].params[0]"),
+    (("run", "param_groups", 0, "lr"), float("nan"), "run.param_groups[0].lr"),
+    (("run", "param_groups", 0, "initial_lr"), MISSING, "run.param_groups[0].initial_lr"),
+    (("run", "param_groups", 1, "weight_decay"), -1.0, "run.param_groups[1].weight_decay"),
+    (("run", "param_groups", 0, "momentum"), "0.9", "run.param_groups[0].momentum"),
+    (("run", "scheduler", "optimizer"), "replaced", "run.scheduler.optimizer"),
+    (("run", "scheduler", "base_lrs"), [0.1], "run.scheduler.base_lrs"),
+    (("run", "scheduler", "_last_lr", 1), "x", "run.scheduler._last_lr[1]"),
+    (("run", "scheduler", "last_epoch"), -5, "run.scheduler.last_epoch"),
+    (("run", "scheduler", "_step_count"), 1.5, "run.scheduler._step_count"),
+    (("run", "scheduler", "_is_initial"), 1, "run.scheduler._is_initial"),
+    (("run", "scheduler", "lr_lambdas"), [{"func": "print"}, {}], "run.scheduler.lr_lambdas"),
+    (("run", "grad_scaler"), {"scale": 1.0}, "run.grad_scaler"),
+    (("run", "grad_scaler"), {"scale": 0.0, "growth_factor": 2.0, "backoff_factor": 0.5, "growth_interval": 100,
+                              "_growth_tracker": 0}, "run.grad_scaler.scale"),
+    (("run", "optimizer_values"), {"first": {}}, "run.optimizer_values.first"),
+    (("run", "optimizer_values"), {"0": {"step": "one"}}, "run.optimizer_values.0.step"),
+    (("ranks",), [{}], "ranks"),
+    (("ranks", 1, "loader", "skipped"), -1, "ranks[1].loader.skipped"),
+    (("ranks", 0, "rng"), MISSING, "ranks[0].rng"),
+    (("ranks", 0, "rng", "python", 0), 2, "ranks[0].rng.python"),  # Python 2's, which random.setstate converts
+    (("ranks", 1, "rng", "python", 1, 624), 625, "ranks[1].rng.python"),  # past the 624 words: its ValueError
+    (("ranks", 0, "rng", "python", 1, 0), 2 ** 32, "ranks[0].rng.python"),
+    (("ranks", 1, "rng", "numpy", 1), 700, "ranks[1].rng.numpy"),
+    (("ranks", 0, "rng", "numpy", 0, 5), -1, "ranks[0].rng.numpy"),
+    (("ranks", 0, "rng", "torch", 0), 256, "ranks[0].rng.torch"),
+    (("ranks", 1, "rng", "torch"), [1, 2, 3], "ranks[1].rng.torch"),
+    (("ranks", 0, "rng", "cuda"), ["a"], "ranks[0].rng.cuda"),
+]
+
+
+def forge_state(folder: Path, path: tuple, value) -> None:
+    """state.json with `path` set to `value` (or removed), carrying a valid checksum, listed so by the manifest."""
+    content = json.loads((folder / "state.json").read_text())
+    del content["crc32c"]
+    parent = content
+    for key in path[:-1]:
+        parent = parent[key]
+    if value is MISSING:
+        del parent[path[-1]]
+    else:  # rng.cuda, which a machine without CUDA does not save, is added
+        parent[path[-1]] = value
+    content["crc32c"] = crc32c.crc32c(json.dumps(content, sort_keys=True).encode())
+    (folder / "state.json").write_text(json.dumps(content))
+    forge_manifest(folder, "state.json")
+
+
+@pytest.mark.parametrize("path, value, field", STATE_FIELDS, ids=[f"{field}={value!r}"[:60] for _, value, field in
+                                                                  STATE_FIELDS])
+def test_a_state_json_field_that_is_not_what_pairface_writes_is_one_error_line_naming_it(data, trained, tmp_path,
+                                                                                        path, value, field):
+    """Every field a resume reads, with a valid checksum: refused before anything uses it (the random streams
+    otherwise end in a traceback from random.setstate), the line naming the file and the field."""
+    run = Path(shutil.copytree(trained, tmp_path / "run"))
+    forge_state(run / FOLDER, path, value)
+    before = file_states(run)
+    status, stderr = run_here(data, run, "max_steps=4", resume=True)
+    assert status == 1 and "Traceback" not in stderr
+    line = only_line(stderr)
+    assert line.startswith(f"error: checkpoint {run / FOLDER} is damaged ({run / FOLDER / 'state.json'}: field "
+                           f"'{field}' "), line
+    assert_nothing_lost(before, run)
+
+
+def test_on_the_same_world_size_a_forged_random_stream_is_one_line_not_random_setstates_traceback(data, tmp_path):
+    """The resume that puts every rank's streams back (one process, as saved): Python's random state with its
+    position past the 624 words, which random.setstate refuses with a ValueError, is refused first, by its field."""
+    run = tmp_path / "run"
+    assert run_here(data, run, "max_steps=1") == (0, "")
+    folder = run / "checkpoint-000000001"
+    forge_state(folder, ("ranks", 0, "rng", "python", 1, 624), 625)
+    before = file_states(run)
+    status, stderr = run_here(data, run, "max_steps=2", resume=True)
+    assert status == 1 and "Traceback" not in stderr
+    assert only_line(stderr).startswith(f"error: checkpoint {folder} is damaged ({folder / 'state.json'}: field "
+                                        "'ranks[0].rng.python' must be random.getstate()'s [3, ")
+    assert_nothing_lost(before, run)
+
+
 def test_a_run_folder_without_its_pointer_resumes_from_its_newest_complete_folder_after_checking_it(data, trained,
                                                                                                   tmp_path):
     """checkpoint.json removed (by hand, or a first save killed between its rename and the switch): the newest

@@ -28,15 +28,18 @@ def lrs_seen_by_optimizer(base_lr: float, warmup: int, total: int, steps: int) -
     return seen
 
 
-@pytest.mark.parametrize("warmup, total", [(0, 50), (10, 50), (7, 7)])
+# (-5, 50): arcface_torch's warmup_epoch = -1 at 5 steps an epoch, minus one epoch of warmup steps
+@pytest.mark.parametrize("warmup, total", [(0, 50), (10, 50), (7, 7), (-5, 50)])
 def test_lr_per_step_matches_upstream_formula(warmup, total):
     seen = lrs_seen_by_optimizer(0.1, warmup, total, total)
     expected = [upstream_lr(step, 0.1, warmup, total) for step in range(total)]
     assert seen == pytest.approx(expected, rel=1e-12, abs=1e-15)
-    if warmup:
+    if warmup > 0:
         assert seen[0] == 0.0 and seen[warmup - 1] == pytest.approx(0.1 * (warmup - 1) / warmup)
-    if warmup < total:
+    if 0 <= warmup < total:
         assert seen[warmup] == pytest.approx(0.1)
+    if warmup < 0:  # no warmup, and the decay starts below the base LR: (T / (T + |warmup|)) ** 2 of it
+        assert seen[0] == pytest.approx(0.1 * (50 / 55) ** 2) and seen[1] == pytest.approx(0.1 * (49 / 55) ** 2)
     assert seen[-1] >= 0.0
 
 

@@ -3,9 +3,12 @@
 One child process (bench/step_memory.py) builds each configuration below as train.py does, runs real
 steps on the CPU and measures one: torch.profiler's record of every CPU allocation gives the bytes
 alive at markers around the backbone's forward and the softmax and the step's peak, and the
-parameters, gradients and optimizer state are measured as they are. Between them the configurations
-vary every config key the plan reads (checked below by recording what it reads); one more runs on two
-processes under torchrun. Tolerance: the items the plan sizes by arithmetic exactly, the others as
+parameters, gradients, optimizer state and DDP's buckets are measured as they are. What the plan counts
+are tensors; the workspace a kernel takes for itself and frees before it returns depends on the CPU
+(which bf16/fp16 GEMM and convolution kernels its instruction set gets) and is measured apart, so that
+these tests mean the same on any x86-64 CPU. Between them the configurations vary every config key
+the plan reads (checked below by recording what it reads); one more runs on two processes under
+torchrun. Tolerance: the items the plan sizes by arithmetic exactly, the others as
 TOLERANCE says.
 """
 from __future__ import annotations
@@ -17,8 +20,10 @@ import sys
 from types import SimpleNamespace
 
 import pytest
+import torch
 
 import train
+from bench.step_memory import _recording
 from tests.run_helpers import QUIET, ROOT, run_here
 from training.memory_plan import fit, memory_plan
 from utils.config import load_config
@@ -40,12 +45,12 @@ CASES = {
                                                          "'drop_path_rate':0.0}",
 }
 EXACT = ("class_centres", "centre_gradient", "centre_optimizer_state", "backbone_parameters", "backbone_gradients",
-         "backbone_optimizer_state")
-# plan/measured may be this far from 1: measured within 1.5% but for the softmax's small terms (6-10% of
-# its peak in these tiny configurations) and CPU bf16 convolutions' im2col buffers (the backward and
-# total of r18 in bf16: 0.91, 0.92), and DDP's few bytes beside its buckets (0.7%).
-TOLERANCE = {"activations": 0.05, "batch": 0.02, "ddp_gradient_buckets": 0.05, "logits_buffer": 0.15,
-             "backbone_backward": 0.15, "total": 0.15}
+         "backbone_optimizer_state", "ddp_gradient_buckets")
+# plan/measured may be this far from 1: measured within 4.1% (the checkpointed ViT's backward: 0.959), but for
+# the softmax's small terms (up to 5.7% of its peak in these tiny configurations). The measured items are tensors:
+# kernel workspace (what a CPU's bf16/fp16 GEMM and convolution kernels take for themselves, 0.2 to 6 MiB
+# here depending on the instruction set) is measured apart, as `kernel_workspace`, which no item plans.
+TOLERANCE = {"activations": 0.05, "batch": 0.02, "logits_buffer": 0.10, "backbone_backward": 0.06, "total": 0.06}
 
 
 def config(case: str = "") -> SimpleNamespace:
@@ -90,6 +95,25 @@ def assert_close_to_a_real_step(result: dict) -> None:
 @pytest.mark.parametrize("name", CASES)
 def test_each_planned_item_is_what_a_real_step_allocates(measured, name):
     assert_close_to_a_real_step(measured[name])
+
+
+def test_a_kernels_workspace_is_kept_apart_from_the_tensor_it_returns():
+    """A bf16 GEMM and convolution on this CPU, under bench.step_memory's accounting: what they leave, and
+    their peak above what was alive, are exactly their outputs' bytes, whatever scratch the CPU's kernels
+    took meanwhile (an AMX Xeon's kernels take 25 to 50 KiB for this GEMM beside its 38 KiB output)."""
+    a, b = torch.randn(64, 32).bfloat16(), torch.randn(32, 300).bfloat16()
+    images, filters = torch.randn(2, 8, 14, 14).bfloat16(), torch.randn(16, 8, 3, 3).bfloat16()
+    device = torch.device("cpu")
+    with _recording(device) as marks:
+        marks.mark("start")
+        product = a @ b
+        marks.mark("product")
+        features = torch.nn.functional.conv2d(images, filters, padding=1)
+        marks.mark("features")
+    assert marks.at("product") - marks.at("start") == 64 * 300 * 2 == product.untyped_storage().nbytes()
+    assert marks.peak_between("start", "product") - marks.at("start") == 64 * 300 * 2
+    assert marks.at("features") - marks.at("product") == 2 * 16 * 14 * 14 * 2 == features.untyped_storage().nbytes()
+    assert marks.peak_between("product", "features") - marks.at("product") == 2 * 16 * 14 * 14 * 2
 
 
 class _Reading(SimpleNamespace):

@@ -125,7 +125,8 @@ def test_grad_scaler_state_round_trips_through_a_checkpoint(tmp_path, device):
         step(original, overflow)
     scaler = original.scaler
     assert scaler.state_dict()["scale"] == 2.0 ** 9 and scaler.state_dict()["_growth_tracker"] == 1
-    save_state(tmp_path, original, {"global_step": 6}, {}, {}, {})
+    save_state(tmp_path, original, {"global_step": 6, "steps_per_epoch": 10, "nonfinite_total": 0}, {"skipped": 0},
+               {}, {})
 
     restored = make()
     restore_state(tmp_path / POINTER_NAME, {}, restored)

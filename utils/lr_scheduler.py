@@ -18,6 +18,9 @@ def poly_factor(step: int, warmup_steps: int, total_steps: int, power: float = P
 
     Upstream's PolyScheduler: `step / warmup_steps` during warmup, then
     `(1 - (step - warmup_steps) / (total_steps - warmup_steps)) ** power`, zero from total_steps on.
+    A negative warmup_steps (arcface_torch's `warmup_epoch = -1`: train.py's `num_image // total_batch_size
+    * warmup_epoch` is minus one epoch of steps) leaves no warmup, and the same formula then starts the
+    decay below the base LR: `((total_steps - step) / (total_steps + |warmup_steps|)) ** power`.
     """
     if step < warmup_steps:
         return step / warmup_steps
