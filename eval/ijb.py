@@ -23,6 +23,7 @@ Command line (prints the TAR table, writes the ROC plot and the raw scores next 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import warnings
@@ -44,6 +45,7 @@ from eval.ijb_1n import IdentificationLists, read_identification, save_searches,
 from eval.roc import roc_points, save_roc_plot, tar_at_far
 from eval.table import boxed_table
 from facedata.alignment import align_face
+from utils.atomic import atomic_save, write_bytes
 from utils.cli import exit_on_user_error
 from utils.errors import ConfigError, DataError
 from utils.image import IMAGE_SIZE
@@ -286,14 +288,20 @@ def verify(args: argparse.Namespace, pairs: tuple[np.ndarray, np.ndarray], metho
     """The 1:1 protocol: the TAR table, the pair scores and the ROC plot."""
     pair_ids, labels = pairs
     scores = template_pair_scores(template_ids, templates, pair_ids)
-    print(format_tar_table({method: tar_table(scores, labels)}))
+    table = tar_table(scores, labels)
+    print(format_tar_table({method: table}))
+    # The TAR table on its own, for eval.compare (the scores alone lack the labels).
+    tar_path = f"{prefix}_{args.target.lower()}_tar.json"
+    atomic_save(json.dumps({"target": args.target, "pairs": int(labels.size),
+                            "tar_at_far": {f"{far:g}": tar for far, tar in table.items()}}, indent=2).encode(),
+                tar_path, write=write_bytes)
     scores_path = f"{prefix}_{args.target.lower()}_scores.npy"
     np.save(scores_path, scores)
     print(f"scores (cosine, one per line of {meta_path(args.root, args.target, 'template_pair_label')}): "
           f"{scores_path}")
     plot_path = f"{prefix}_{args.target.lower()}_roc.png"
     save_roc_plot({method: roc_points(scores, labels)[:2]}, plot_path, title=f"ROC on {args.target}")
-    print(f"ROC plot: {plot_path}")
+    print(f"ROC plot: {plot_path}, TAR table: {tar_path}")
 
 
 def identify(args: argparse.Namespace, lists: IdentificationLists, method: str, template_ids: np.ndarray,
