@@ -9,7 +9,8 @@ logged speed lines) and, per verification set, the last and the best Accuracy-Fl
 log repeats steps: the latest line of a step counts, as TensorBoard shows it); from the
 ``backbone_<target>_tar.json`` files eval.ijb writes beside the weights: TAR at FAR 1e-4 and 1e-5 on
 each IJB target. A set or target a run did not measure shows "-". The plot draws one panel per
-verification set, Accuracy-Flip over global steps, one line per run.
+verification set, Accuracy-Flip over global steps, one line per run (a run that did not measure the
+set is named in its legend as such).
 """
 from __future__ import annotations
 
@@ -144,11 +145,13 @@ def save_curves(runs: Sequence[RunSummary], path: str | os.PathLike) -> None:
             if curve:
                 steps = sorted(curve)
                 ax.plot(steps, [curve[step] for step in steps], marker="o", lw=1.5, label=run.name)
+            else:  # named in the legend all the same, so that a missing line is explained
+                ax.plot([], [], label=f"{run.name} (not measured)")
         ax.set_title(f"{name}: Accuracy-Flip")
         ax.set_xlabel("global step")
         ax.set_ylabel("Accuracy-Flip")
         ax.grid(linestyle="--", linewidth=0.5)
-        ax.legend(loc="lower right")
+        ax.legend(loc="best")
     if not sets:
         axes[0][0].set_title("no run verified a set")
     fig.tight_layout()
