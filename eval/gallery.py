@@ -41,9 +41,10 @@ def gallery_file(folder: str | os.PathLike) -> Path:
     return folder.with_name(folder.name + GALLERY_SUFFIX)
 
 
-def gallery_people(folder: str | os.PathLike) -> list[tuple[str, list[Path]]]:
+def gallery_people(folder: str | os.PathLike) -> list[tuple[str, list[str]]]:
     """``(name, sorted photo paths)`` per sub-folder of ``folder`` (hidden ones aside); every sub-folder must
-    hold photos."""
+    hold photos. Paths are plain strings: pathlib objects would make listing 10,000 people several times
+    slower, and a search lists them every time."""
     folder = Path(folder)
     if not folder.is_dir():
         raise DataError(f"gallery folder {located(folder)} does not exist; pass a folder with one sub-folder of "
@@ -52,8 +53,8 @@ def gallery_people(folder: str | os.PathLike) -> list[tuple[str, list[Path]]]:
     for entry in sorted(os.scandir(folder), key=lambda entry: entry.name):
         if not entry.is_dir() or entry.name.startswith("."):
             continue
-        photos = sorted(Path(entry.path) / name for name in os.listdir(entry.path)
-                        if name.lower().endswith(PACKABLE_SUFFIXES))
+        photos = [os.path.join(entry.path, name) for name in sorted(os.listdir(entry.path))
+                  if name.lower().endswith(PACKABLE_SUFFIXES)]
         if not photos:
             raise DataError(f"gallery person {entry.path} holds no photos ({', '.join(PACKABLE_SUFFIXES)}); add "
                             "photos of them or remove the folder")
@@ -71,8 +72,8 @@ def _digest(parts: Sequence[str]) -> str:
     return sha.hexdigest()
 
 
-def _stamp(path: Path) -> str:
-    status = path.stat()
+def _stamp(path: str | os.PathLike) -> str:
+    status = os.stat(path)
     return f"{status.st_size}:{status.st_mtime_ns}"
 
 
@@ -81,14 +82,14 @@ def model_digest(saved: SavedBackbone) -> str:
     return _digest([str(weights), _stamp(weights), saved.network, repr(sorted(saved.options.items()))])
 
 
-def photos_digest(people: Sequence[tuple[str, Sequence[Path]]], root: str | os.PathLike,
-                  preparation: Preparation) -> str:
+def photos_digest(people: Sequence[tuple[str, Sequence[str]]], preparation: Preparation) -> str:
+    """What the templates depend on besides the model: how photos are prepared, and each photo's
+    ``person/file``, size and modification time."""
     parts = [preparation.describe()]
     if preparation.landmarks_file is not None:
-        parts.append(_stamp(Path(preparation.landmarks_file)))
+        parts.append(_stamp(preparation.landmarks_file))
     for name, photos in people:
-        parts.append(name)
-        parts += [f"{os.path.relpath(photo, root)}={_stamp(photo)}" for photo in photos]
+        parts += [f"{name}/{os.path.basename(photo)}={_stamp(photo)}" for photo in photos]
     return _digest(parts)
 
 
@@ -100,7 +101,7 @@ class PersonGallery:
     photos: str           # photos_digest of the photos it was built from
 
 
-def build_gallery(model: nn.Module, people: Sequence[tuple[str, Sequence[Path]]], preparation: Preparation,
+def build_gallery(model: nn.Module, people: Sequence[tuple[str, Sequence[str]]], preparation: Preparation,
                   model_stamp: str, photos_stamp: str, batch_size: int = 64,
                   stream: TextIO | None = None) -> PersonGallery:
     """Embed every photo (flip-fused, unit length) and average each person's into their template."""

@@ -61,7 +61,7 @@ def current_gallery(args: argparse.Namespace, model: torch.nn.Module, saved: Sav
     """The gallery file when it was built from this model and these photos; else built now and saved."""
     people = gallery_people(args.gallery)
     preparation = preparation_from_args(args, args.gallery)
-    model_stamp, photos_stamp = model_digest(saved), photos_digest(people, args.gallery, preparation)
+    model_stamp, photos_stamp = model_digest(saved), photos_digest(people, preparation)
     path = gallery_file(args.gallery)
     if path.exists() and not args.rebuild:
         gallery = load_gallery(path)
