@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 import time
 from pathlib import Path
@@ -71,6 +72,9 @@ def current_gallery(args: argparse.Namespace, model: torch.nn.Module, saved: Sav
         changed = " and ".join(what for what, same in [("the model", gallery.model == model_stamp),
                                                         ("the photos", gallery.photos == photos_stamp)] if not same)
         print(f"gallery: {changed} changed since {path} was built; building it again", file=sys.stderr)
+    if not os.access(path.parent, os.W_OK):
+        raise ConfigError(f"the gallery file {path} goes beside --gallery {args.gallery}, but folder {path.parent} is "
+                          "not writable; copy the gallery to a folder you can write to")
     start = time.perf_counter()
     gallery = build_gallery(model, people, preparation, model_stamp, photos_stamp, args.batch_size, sys.stderr)
     save_gallery(gallery, path)
