@@ -346,15 +346,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         # Every meta file is read and checked before the long embedding pass.
         meta = read_faces(args.root, args.target)
         pairs = read_template_pairs(args.root, args.target, meta) if "11" in args.protocol else None
-        lists = read_identification(args.root, args.target, meta.templates,
-                                    meta_path(args.root, args.target, "face_tid_mid")) \
-            if "1n" in args.protocol else None
+        lists = None
+        if "1n" in args.protocol:
+            lists = read_identification(args.root, args.target, meta.templates,
+                                        meta_path(args.root, args.target, "face_tid_mid"))
         network = open_network(args)
         prefix = output_prefix(network.path)
-        counts = ([f"{len(pairs[1])} pairs"] if pairs else []) + \
-            ([f"{lists.probes.templates.size} probes in galleries "
-              + " and ".join(f"{name} ({gallery.templates.size})" for name, gallery in lists.galleries.items())]
-             if lists else [])
+        counts = []
+        if pairs is not None:
+            counts.append(f"{len(pairs[1])} pairs")
+        if lists is not None:
+            galleries = " and ".join(f"{name} ({gallery.templates.size})" for name, gallery in lists.galleries.items())
+            counts.append(f"{lists.probes.templates.size} probes in galleries {galleries}")
         print(f"{args.target}: {len(meta.image_paths)} faces, {np.unique(meta.templates).size} templates, "
               f"{', '.join(counts)}")
         embeddings = embed_faces(network.module, AlignedFaces(meta.image_paths, meta.landmarks), args.batch_size,
