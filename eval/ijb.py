@@ -1,24 +1,29 @@
-"""IJB-B / IJB-C 1:1 template verification, as arcface_torch's eval_ijbc.py computes it.
+"""IJB-B / IJB-C 1:1 template verification, as arcface_torch's eval_ijbc.py computes it, and 1:N
+identification (eval/ijb_1n.py) from the same template features.
 
 Dataset layout (the published release, ``<target>`` = ``ijbb`` or ``ijbc``)::
 
     ROOT/loose_crop/<image files>
     ROOT/meta/<target>_name_5pts_score.txt      name x1 y1 ... x5 y5 detector_score   (one face a line)
     ROOT/meta/<target>_face_tid_mid.txt         name template_id media_id            (same order)
-    ROOT/meta/<target>_template_pair_label.txt  template_id template_id 1|0
+    ROOT/meta/<target>_template_pair_label.txt  template_id template_id 1|0   (1:1)
+    ROOT/meta/<target>_1N_gallery_G1.csv, _G2.csv (IJB-B: _S1, _S2), _1N_probe_mixed.csv   (1:N)
 
 Each face is aligned to the ArcFace template by its 5 landmarks and embedded with its mirror image
 (embeddings summed); face features are averaged within a media (a video's frames count once),
 media features summed into a template feature, and template pairs scored by cosine similarity.
 
-Command line (prints the TAR table, writes the ROC plot and the raw scores next to the model):
+Command line (prints the TAR table, writes the ROC plot and the raw scores next to the model; with
+``--protocol 1n`` the TPIR/rank table of each gallery and their mean, a DET plot and the similarities):
 
     python -m eval.ijb --model output/run --root IJB_release/IJBC --target IJBC
-    python -m eval.ijb --onnx w600k_r50.onnx --root IJB_release/IJBB --target IJBB
+    python -m eval.ijb --model output/run --root IJB_release/IJBC --target IJBC --protocol 11 1n
+    python -m eval.ijb --onnx w600k_r50.onnx --root IJB_release/IJBB --target IJBB --protocol 1n
 """
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import warnings
@@ -35,25 +40,36 @@ from torch.utils.data import DataLoader, Dataset
 
 from eval.cli import add_network_arguments, check_positive, open_network, output_prefix
 from eval.embedding import embed_batches, eval_mode, unwrap
+from eval.identification import det_curve, format_identification_table, gallery_row, mean_row
+from eval.ijb_1n import IdentificationLists, read_identification, save_searches, search_galleries
 from eval.roc import roc_points, save_roc_plot, tar_at_far
+from eval.table import boxed_table
 from facedata.alignment import align_face
+from utils.atomic import atomic_save, write_bytes
 from utils.cli import exit_on_user_error
 from utils.errors import ConfigError, DataError
 from utils.image import IMAGE_SIZE
 from utils.progress import progress
 
 IJB_FARS = (1e-6, 1e-5, 1e-4, 1e-3, 1e-2, 1e-1)
+PROTOCOLS = ("11", "1n")
 
 
 @dataclass(frozen=True)
-class IJBMeta:
-    """One IJB protocol: per face (file order) and per template pair."""
+class IJBFaces:
+    """Every face of an IJB release, in file order."""
 
     image_paths: list[str]
     landmarks: np.ndarray        # (faces, 5, 2) x, y in the loose crop
     detector_scores: np.ndarray  # (faces,)
     templates: np.ndarray        # (faces,) template id
     medias: np.ndarray           # (faces,) media id
+
+
+@dataclass(frozen=True)
+class IJBMeta(IJBFaces):
+    """The faces and the 1:1 protocol's template pairs."""
+
     pairs: np.ndarray            # (pairs, 2) template ids
     labels: np.ndarray           # (pairs,) 1 genuine, 0 impostor
 
@@ -107,11 +123,10 @@ def _read_pairs(path: str) -> np.ndarray:
     return rows
 
 
-def read_meta(root: str, target: str) -> IJBMeta:
-    """Read and cross-check the three meta files of ``target`` under ``root``."""
+def read_faces(root: str, target: str) -> IJBFaces:
+    """Read and cross-check the face list and its template/media ids of ``target`` under ``root``."""
     faces_path = meta_path(root, target, "name_5pts_score")
     ids_path = meta_path(root, target, "face_tid_mid")
-    pairs_path = meta_path(root, target, "template_pair_label")
     faces = _split_lines(faces_path, 12)
     ids = _split_lines(ids_path, 3)
     if len(faces) != len(ids):
@@ -123,12 +138,25 @@ def read_meta(root: str, target: str) -> IJBMeta:
                             f"{face_ids[0]}; the files must list the faces in the same order")
     points = _numbers(faces_path, [row[1:] for row in faces], np.float64)
     template_media = _numbers(ids_path, [row[1:] for row in ids], np.int64)
-    pair_rows = _read_pairs(pairs_path)
+    crops = os.path.join(root, "loose_crop")
+    image_paths = [os.path.join(crops, row[0]) for row in faces]
+    missing = next((path for path in image_paths if not os.path.isfile(path)), None)
+    if missing is not None:
+        raise DataError(f"face image {missing} (listed in {faces_path}) does not exist; is --root the "
+                        f"folder holding loose_crop/?")
+    return IJBFaces(image_paths=image_paths, landmarks=points[:, :10].reshape(-1, 5, 2),
+                    detector_scores=points[:, 10], templates=template_media[:, 0], medias=template_media[:, 1])
 
-    unknown = np.setdiff1d(pair_rows[:, :2], template_media[:, 0])
+
+def read_template_pairs(root: str, target: str, faces: IJBFaces) -> tuple[np.ndarray, np.ndarray]:
+    """The 1:1 protocol: ``(pairs (n, 2) template ids, labels (n,) 1 genuine / 0 impostor)``."""
+    pairs_path = meta_path(root, target, "template_pair_label")
+    pair_rows = _read_pairs(pairs_path)
+    unknown = np.setdiff1d(pair_rows[:, :2], faces.templates)
     if unknown.size:
-        raise DataError(f"{pairs_path} pairs template {unknown[0]}, which no face in {ids_path} belongs to; "
-                        "the meta files must come from one release")
+        raise DataError(f"{pairs_path} pairs template {unknown[0]}, which no face in "
+                        f"{meta_path(root, target, 'face_tid_mid')} belongs to; the meta files must come from one "
+                        "release")
     labels = pair_rows[:, 2]
     if not np.isin(labels, (0, 1)).all():
         raise DataError(f"{pairs_path} has a third column other than 1 (same person) or 0 (different); "
@@ -136,15 +164,14 @@ def read_meta(root: str, target: str) -> IJBMeta:
     if labels.all() or not labels.any():
         raise DataError(f"{pairs_path} lists only {'genuine' if labels.all() else 'impostor'} pairs; TAR@FAR "
                         "needs both: use the protocol's full pair list")
-    crops = os.path.join(root, "loose_crop")
-    image_paths = [os.path.join(crops, row[0]) for row in faces]
-    missing = next((path for path in image_paths if not os.path.isfile(path)), None)
-    if missing is not None:
-        raise DataError(f"face image {missing} (listed in {faces_path}) does not exist; is --root the "
-                        f"folder holding loose_crop/?")
-    return IJBMeta(image_paths=image_paths, landmarks=points[:, :10].reshape(-1, 5, 2),
-                   detector_scores=points[:, 10], templates=template_media[:, 0], medias=template_media[:, 1],
-                   pairs=pair_rows[:, :2], labels=pair_rows[:, 2])
+    return pair_rows[:, :2], labels
+
+
+def read_meta(root: str, target: str) -> IJBMeta:
+    """The faces and the 1:1 pairs of ``target`` under ``root``, cross-checked."""
+    faces = read_faces(root, target)
+    pairs, labels = read_template_pairs(root, target, faces)
+    return IJBMeta(**vars(faces), pairs=pairs, labels=labels)
 
 
 class AlignedFaces(Dataset):
@@ -253,20 +280,55 @@ def format_tar_table(rows: Mapping[str, Mapping[float, float]]) -> str:
     """Upstream's table: one row per method, TAR in percent with two decimals per FAR column."""
     header = ["Methods"] + [str(far) for far in IJB_FARS]
     body = [[name] + [f"{table[far] * 100:.2f}" for far in IJB_FARS] for name, table in rows.items()]
-    widths = [max(len(row[i]) for row in [header] + body) for i in range(len(header))]
-    rule = "+" + "+".join("-" * (w + 2) for w in widths) + "+"
+    return boxed_table(header, body)
 
-    def line(cells: list[str]) -> str:
-        return "|" + "|".join(f" {cell:^{w}} " for cell, w in zip(cells, widths)) + "|"
 
-    return "\n".join([rule, line(header), rule, *map(line, body), rule])
+def verify(args: argparse.Namespace, pairs: tuple[np.ndarray, np.ndarray], method: str,
+           template_ids: np.ndarray, templates: np.ndarray, prefix: str) -> None:
+    """The 1:1 protocol: the TAR table, the pair scores and the ROC plot."""
+    pair_ids, labels = pairs
+    scores = template_pair_scores(template_ids, templates, pair_ids)
+    table = tar_table(scores, labels)
+    print(format_tar_table({method: table}))
+    # The TAR table on its own, for eval.compare (the scores alone lack the labels).
+    tar_path = f"{prefix}_{args.target.lower()}_tar.json"
+    atomic_save(json.dumps({"target": args.target, "pairs": int(labels.size),
+                            "tar_at_far": {f"{far:g}": tar for far, tar in table.items()}}, indent=2).encode(),
+                tar_path, write=write_bytes)
+    scores_path = f"{prefix}_{args.target.lower()}_scores.npy"
+    np.save(scores_path, scores)
+    print(f"scores (cosine, one per line of {meta_path(args.root, args.target, 'template_pair_label')}): "
+          f"{scores_path}")
+    plot_path = f"{prefix}_{args.target.lower()}_roc.png"
+    save_roc_plot({method: roc_points(scores, labels)[:2]}, plot_path, title=f"ROC on {args.target}")
+    print(f"ROC plot: {plot_path}, TAR table: {tar_path}")
+
+
+def identify(args: argparse.Namespace, lists: IdentificationLists, method: str, template_ids: np.ndarray,
+             templates: np.ndarray, prefix: str) -> None:
+    """The 1:N protocol: the TPIR/rank table per gallery and their mean, the similarities and the DET plot."""
+    searches = search_galleries(template_ids, templates, lists)
+    outcomes = {name: search.outcome for name, search in searches.items()}
+    rows = {f"{method} {name}": gallery_row(outcome) for name, outcome in outcomes.items()}
+    print(format_identification_table({**rows, f"{method} mean": mean_row(list(outcomes.values()))}))
+    scores_path = f"{prefix}_{args.target.lower()}_1n_scores.npz"
+    save_searches(scores_path, lists, searches)
+    print(f"similarities (probe templates x gallery templates, per gallery): {scores_path}")
+    plot_path = f"{prefix}_{args.target.lower()}_1n_det.png"
+    save_roc_plot({f"{method} {name}": det_curve(outcome) for name, outcome in outcomes.items()}, plot_path,
+                  title=f"1:N identification on {args.target}",
+                  axes=("False Positive Identification Rate", "True Positive Identification Rate"))
+    print(f"DET plot: {plot_path}")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_network_arguments(parser)
     parser.add_argument("--root", required=True, help="IJB folder holding meta/ and loose_crop/")
     parser.add_argument("--target", default="IJBC", help="IJBC or IJBB: the meta file prefix")
+    parser.add_argument("--protocol", nargs="+", choices=PROTOCOLS, default=["11"],
+                        help="11: template verification (TAR at FAR); 1n: identification in the two galleries "
+                             "(TPIR at FPIR, rank-k); both (--protocol 11 1n) share one embedding pass")
     parser.add_argument("--batch-size", type=int, default=128,
                         help="images per forward pass (memory only: the scores do not depend on it)")
     parser.add_argument("--workers", type=int, default=min(8, os.cpu_count() or 1),
@@ -281,27 +343,33 @@ def main(argv: Sequence[str] | None = None) -> int:
         check_positive(args.batch_size, "--batch-size")
         if args.workers < 0:
             raise ConfigError(f"--workers {args.workers} is negative; pass 0 (decode in this process) or more")
-        meta = read_meta(args.root, args.target)
+        # Every meta file is read and checked before the long embedding pass.
+        meta = read_faces(args.root, args.target)
+        pairs = read_template_pairs(args.root, args.target, meta) if "11" in args.protocol else None
+        lists = None
+        if "1n" in args.protocol:
+            lists = read_identification(args.root, args.target, meta.templates,
+                                        meta_path(args.root, args.target, "face_tid_mid"))
         network = open_network(args)
         prefix = output_prefix(network.path)
+        counts = []
+        if pairs is not None:
+            counts.append(f"{len(pairs[1])} pairs")
+        if lists is not None:
+            galleries = " and ".join(f"{name} ({gallery.templates.size})" for name, gallery in lists.galleries.items())
+            counts.append(f"{lists.probes.templates.size} probes in galleries {galleries}")
         print(f"{args.target}: {len(meta.image_paths)} faces, {np.unique(meta.templates).size} templates, "
-              f"{len(meta.labels)} pairs")
+              f"{', '.join(counts)}")
         embeddings = embed_faces(network.module, AlignedFaces(meta.image_paths, meta.landmarks), args.batch_size,
                                  args.workers, flip=not args.no_flip, stream=sys.stderr)
         features = face_features(embeddings, meta.detector_scores, args.normalize_faces,
                                  use_detector_score=not args.no_detector_score)
         template_ids, templates = template_features(features, meta.templates, meta.medias)
-        scores = template_pair_scores(template_ids, templates, meta.pairs)
-
         method = f"{network.name}-{args.target}"
-        print(format_tar_table({method: tar_table(scores, meta.labels)}))
-        scores_path = f"{prefix}_{args.target.lower()}_scores.npy"
-        np.save(scores_path, scores)
-        print(f"scores (cosine, one per line of {meta_path(args.root, args.target, 'template_pair_label')}): "
-              f"{scores_path}")
-        plot_path = f"{prefix}_{args.target.lower()}_roc.png"
-        save_roc_plot({method: roc_points(scores, meta.labels)[:2]}, plot_path, title=f"ROC on {args.target}")
-        print(f"ROC plot: {plot_path}")
+        if pairs is not None:
+            verify(args, pairs, method, template_ids, templates, prefix)
+        if lists is not None:
+            identify(args, lists, method, template_ids, templates, prefix)
     return 0
 
 

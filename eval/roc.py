@@ -45,11 +45,13 @@ def tar_at_far(scores: np.ndarray, labels: np.ndarray,
 
 
 def save_roc_plot(curves: Mapping[str, tuple[np.ndarray, np.ndarray]], path: str, title: str,
-                  min_far: float | None = None) -> None:
+                  min_far: float | None = None,
+                  axes: tuple[str, str] = ("False Positive Rate", "True Positive Rate")) -> None:
     """Write a PNG with one TPR-vs-FPR curve (log FPR axis) per name in ``curves``.
 
     ``min_far`` sets the left end of the axis; by default the smallest positive FPR any curve
-    reaches, rounded down to a power of ten.
+    reaches, rounded down to a power of ten (0.1 at most). ``axes``: the x and y labels (1:N's DET plot draws
+    TPIR against FPIR the same way).
     """
     # Plotting libraries load only where a plot is written (~1 s, and nothing else needs them).
     import matplotlib  # noqa: PLC0415
@@ -60,7 +62,7 @@ def save_roc_plot(curves: Mapping[str, tuple[np.ndarray, np.ndarray]], path: str
 
     if min_far is None:
         smallest = min(float(fpr[fpr > 0].min()) for fpr, _ in curves.values())
-        min_far = 10.0 ** math.floor(math.log10(smallest))
+        min_far = 10.0 ** min(math.floor(math.log10(smallest)), -1)  # a decade at least, even for tiny sets
     fig, ax = plt.subplots(figsize=(6.4, 4.8))
     for name, (fpr, tpr) in curves.items():
         # A step curve: TPR holds until the next impostor is accepted. FPR 0 has no place on a
@@ -72,8 +74,8 @@ def save_roc_plot(curves: Mapping[str, tuple[np.ndarray, np.ndarray]], path: str
     ax.set_ylim(0.0, 1.05)  # headroom: a perfect curve must not hide in the frame's top edge
     ax.set_yticks(np.linspace(0.0, 1.0, 6))
     ax.grid(linestyle="--", linewidth=0.5)
-    ax.set_xlabel("False Positive Rate")
-    ax.set_ylabel("True Positive Rate")
+    ax.set_xlabel(axes[0])
+    ax.set_ylabel(axes[1])
     ax.set_title(title)
     ax.legend(loc="lower right")
     fig.tight_layout()

@@ -26,7 +26,7 @@ from PIL import Image
 from backbones import get_model
 from eval import ijb, verification
 from eval.onnx_model import OnnxBackbone
-from tests.test_ijb import FACES, PAIRS, upstream_template_scores, write_ijb
+from tests.test_ijb import FACES, PAIRS, upstream_template_features, upstream_template_scores, write_ijb
 from tests.test_verification import VERIFY_BIN, VERIFY_NP_BIN, reference_evaluate
 from tools import export_onnx
 
@@ -265,6 +265,59 @@ def test_the_onnx_export_scores_ijb_as_its_pth_does(run, onnx_model, ijb_root):
     run_ijb(["--onnx", str(onnx_model)], root)
     np.testing.assert_allclose(np.load(run / "model_ijbc_scores.npy"), np.load(run / "backbone_ijbc_scores.npy"),
                                rtol=0, atol=1e-4)
+
+
+@pytest.fixture(scope="module")
+def ijb_1n_root(ijb_root, tmp_path_factory):
+    """The miniature release with 1:N lists: subject 10 = templates 1 (G1) and 2 (probe), subject 20 =
+    templates 5 (G2) and 8 (probe); each probe is mated in one gallery and non-mated in the other."""
+    root = tmp_path_factory.mktemp("ijb1n") / "IJBC"
+    shutil.copytree(ijb_root[0], root)
+    for kind, rows in [("gallery_G1", [(1, 10)]), ("gallery_G2", [(5, 20)]), ("probe_mixed", [(2, 10), (8, 20)])]:
+        (root / "meta" / f"ijbc_1N_{kind}.csv").write_text(
+            "TEMPLATE_ID,SUBJECT_ID,FILENAME\n" + "".join(f"{t},{s},img/{t}.jpg\n" for t, s in rows))
+    return root, ijb_root[1]
+
+
+def test_ijb_cli_runs_both_protocols_from_one_embedding_pass(run, ijb_1n_root, capsys):
+    root, crops = ijb_1n_root
+    run_ijb(["--model", str(run)], root, "--protocol", "11", "1n")
+    captured = capsys.readouterr()
+    assert captured.err.count("embedding faces: 100%") == 1
+    assert "4 templates, 6 pairs, 2 probes in galleries G1 (1) and G2 (1)" in captured.out
+    np.testing.assert_allclose(np.load(run / "backbone_ijbc_scores.npy"), reference_ijb_scores(run, crops),
+                               rtol=1e-4, atol=1e-5)
+    # The reference: each probe's cosine to each gallery template, pooled as upstream pools them.
+    faces = torch.from_numpy(np.stack([crops[f[0]] for f in FACES])).permute(0, 3, 1, 2)
+    embeddings = reference_embeddings(run / "backbone.pth", faces) + \
+        reference_embeddings(run / "backbone.pth", faces.flip(3))
+    pooled = dict(zip(*upstream_template_features(embeddings * np.array([f[4] for f in FACES])[:, None],
+                                                  np.array([f[1] for f in FACES]), np.array([f[2] for f in FACES]))))
+    saved = np.load(run / "backbone_ijbc_1n_scores.npz", allow_pickle=False)
+    assert saved["probe_templates"].tolist() == [2, 8] and saved["G2_subjects"].tolist() == [20]
+    rows = {}
+    for name, gallery, mated, other in [("G1", 1, 2, 8), ("G2", 5, 8, 2)]:
+        want = [[pooled[2] @ pooled[gallery]], [pooled[8] @ pooled[gallery]]]
+        np.testing.assert_allclose(saved[f"{name}_similarity"], want, rtol=1e-4, atol=1e-5)
+        # One mated and one non-mated probe: the mate is at rank 1; identified when above the other's score.
+        rows[name] = float(pooled[mated] @ pooled[gallery] > pooled[other] @ pooled[gallery])
+    table = {line.split("|")[1].strip(): [cell.strip() for cell in line.strip("|").split("|")][1:]
+             for line in captured.out.splitlines() if "r18-IJBC G" in line or "r18-IJBC mean" in line}
+    for name, tpir in [*rows.items(), ("mean", (rows["G1"] + rows["G2"]) / 2)]:
+        assert table[f"r18-IJBC {name}"] == [f"{tpir * 100:.2f}"] * 2 + ["100.00"] * 3
+    assert_visible_curve(run / "backbone_ijbc_1n_det.png")
+
+
+def test_ijb_1n_alone_needs_no_pair_list_and_a_missing_list_is_one_sentence(run, ijb_1n_root, tmp_path, capsys):
+    root, _ = ijb_1n_root
+    shutil.copytree(root, tmp_path / "IJBC")
+    os.remove(tmp_path / "IJBC" / "meta" / "ijbc_template_pair_label.txt")
+    run_ijb(["--model", str(run)], tmp_path / "IJBC", "--protocol", "1n")
+    assert "r18-IJBC mean" in capsys.readouterr().out
+    os.remove(tmp_path / "IJBC" / "meta" / "ijbc_1N_probe_mixed.csv")
+    with pytest.raises(SystemExit):
+        run_ijb(["--model", str(run)], tmp_path / "IJBC", "--protocol", "1n")
+    assert "ijbc_1N_probe_mixed.csv does not exist" in assert_one_sentence(capsys.readouterr().err)
 
 
 # --- ONNX models as insightface releases them --------------------------------------------------------

@@ -16,7 +16,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPTS = sorted(str(path.relative_to(ROOT)) for path in (ROOT / "tools").glob("*.py") if path.name != "__init__.py")
-SCRIPTS += ["eval/verification.py", "eval/ijb.py"]
+SCRIPTS += ["eval/verification.py", "eval/ijb.py", "eval/compare.py"]
 
 
 @pytest.fixture(scope="module")

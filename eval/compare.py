@@ -1,0 +1,180 @@
+"""Training runs side by side: one table and one plot of their verification curves.
+
+    python -m eval.compare output/r50_pair output/r50_single
+    python -m eval.compare output/a output/b output/c --plot runs.png
+
+Each argument is a run folder train.py wrote. From its model.json: the network (and its options) and
+the number of classes; from its training.log: the last global step, images/s (the median over the
+logged speed lines) and, per verification set, the last and the best Accuracy-Flip (a resumed run's
+log repeats steps: the latest line of a step counts, as TensorBoard shows it); from the
+``backbone_<target>_tar.json`` files eval.ijb writes beside the weights: TAR at FAR 1e-4 and 1e-5 on
+each IJB target. A set or target a run did not measure shows "-". The plot draws one panel per
+verification set, Accuracy-Flip over global steps, one line per run (a run that did not measure the
+set is named in its legend as such).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import statistics
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from backbones.trained import BACKBONE_NAME, MODEL_INFO_NAME
+from eval.table import boxed_table
+from utils.cli import exit_on_user_error
+from utils.errors import ConfigError, DataError, located
+
+LOG_NAME = "training.log"
+IJB_FARS = ("0.0001", "1e-05")
+_ACCURACY = re.compile(r"\[([^\]\s]+)\]\[(\d+)\]Accuracy-Flip: ([\d.]+)")
+_SPEED = re.compile(r"Speed [\d.]+ samples/sec ([\d.]+) images/sec .*Global Step: (\d+)")
+_FINISHED = re.compile(r"training finished at global step (\d+)")
+_TAR_FILE = re.compile(r"^" + re.escape(os.path.splitext(BACKBONE_NAME)[0]) + r"_(\w+)_tar\.json$")
+
+
+@dataclass
+class RunSummary:
+    name: str
+    network: str
+    classes: int | None
+    steps: int | None
+    images_per_second: float | None
+    accuracy: dict[str, dict[int, float]] = field(default_factory=dict)  # set -> step -> Accuracy-Flip
+    tar: dict[str, dict[str, float]] = field(default_factory=dict)       # IJB target -> FAR -> TAR
+
+
+def _read_model_info(folder: Path) -> tuple[str, int | None]:
+    path = folder / MODEL_INFO_NAME
+    fix = "pass a run folder train.py wrote (it holds model.json beside backbone.pth)"
+    if not path.is_file():
+        raise DataError(f"run folder {folder} holds no {MODEL_INFO_NAME}; {fix}")
+    try:
+        info = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise DataError(f"{path} cannot be read as JSON ({error}); {fix}") from None
+    if not isinstance(info, dict) or not isinstance(info.get("network"), str):
+        raise DataError(f"{path} names no network; {fix}")
+    options = info.get("network_kwargs") or {}
+    described = info["network"] + (f" ({', '.join(f'{k}={v}' for k, v in options.items())})"
+                                    if isinstance(options, dict) and options else "")
+    classes = info.get("num_classes")
+    return described, classes if isinstance(classes, int) else None
+
+
+def _read_tar_tables(folder: Path) -> dict[str, dict[str, float]]:
+    tables = {}
+    for path in sorted(folder.iterdir()):
+        match = _TAR_FILE.match(path.name)
+        if not match:
+            continue
+        try:
+            table = json.loads(path.read_text())["tar_at_far"]
+            tables[match.group(1).upper()] = {far: float(table[far]) for far in IJB_FARS if far in table}
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError, ValueError) as error:
+            raise DataError(f"{path} is not a TAR table as eval.ijb writes it ({error}); run eval.ijb again or "
+                            "delete the file") from None
+    return tables
+
+
+def read_run(folder: str | os.PathLike) -> RunSummary:
+    """What one run folder says about its run (see the module doc)."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise DataError(f"run folder {located(folder)} does not exist; pass folders train.py wrote, e.g. output/run")
+    network, classes = _read_model_info(folder)
+    log_path = folder / LOG_NAME
+    try:
+        log = log_path.read_text(errors="replace")
+    except OSError as error:
+        raise DataError(f"run folder {folder} has no readable {LOG_NAME} ({error.strerror}); pass a folder "
+                        "train.py wrote") from None
+    accuracy: dict[str, dict[int, float]] = {}
+    for name, step, value in _ACCURACY.findall(log):
+        accuracy.setdefault(name, {})[int(step)] = float(value)
+    speeds = [float(images) for images, _ in _SPEED.findall(log)]
+    steps = [int(step) for _, step in _SPEED.findall(log)] + [int(step) for step in _FINISHED.findall(log)]
+    steps += [step for curve in accuracy.values() for step in curve]
+    return RunSummary(name=str(folder), network=network, classes=classes, steps=max(steps) if steps else None,
+                      images_per_second=statistics.median(speeds) if speeds else None, accuracy=accuracy,
+                      tar=_read_tar_tables(folder))
+
+
+def _cell(value: float | int | None, text: str = "{}") -> str:
+    return "-" if value is None else text.format(value)
+
+
+def comparison_table(runs: Sequence[RunSummary]) -> str:
+    """One row per run; one last/best column pair per verification set any run measured, one column per
+    IJB target and FAR any run has."""
+    sets = sorted({name for run in runs for name in run.accuracy})
+    targets = sorted({target for run in runs for target in run.tar})
+    header = ["run", "network", "classes", "steps"]
+    header += [f"{name} {kind}" for name in sets for kind in ("last", "best")]
+    header += [f"{target} TAR@FAR={float(far):g}" for target in targets for far in IJB_FARS]
+    header.append("images/s")
+    body = []
+    for run in runs:
+        row = [run.name, run.network, _cell(run.classes), _cell(run.steps)]
+        for name in sets:
+            curve = run.accuracy.get(name)
+            row += ([f"{curve[max(curve)]:.5f}", f"{max(curve.values()):.5f}"] if curve else ["-", "-"])
+        for target in targets:
+            row += [_cell(run.tar.get(target, {}).get(far), "{:.4f}") for far in IJB_FARS]
+        row.append(_cell(run.images_per_second, "{:.1f}"))
+        body.append(row)
+    return boxed_table(header, body)
+
+
+def save_curves(runs: Sequence[RunSummary], path: str | os.PathLike) -> None:
+    """One panel per verification set: Accuracy-Flip over global steps, one line (with markers) per run."""
+    import matplotlib  # noqa: PLC0415 (~1 s, only where a plot is written)
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt  # noqa: PLC0415
+
+    sets = sorted({name for run in runs for name in run.accuracy})
+    fig, axes = plt.subplots(1, max(len(sets), 1), figsize=(6.4 * max(len(sets), 1), 4.8), squeeze=False)
+    for ax, name in zip(axes[0], sets):
+        for run in runs:
+            curve = run.accuracy.get(name)
+            if curve:
+                steps = sorted(curve)
+                ax.plot(steps, [curve[step] for step in steps], marker="o", lw=1.5, label=run.name)
+            else:  # named in the legend all the same, so that a missing line is explained
+                ax.plot([], [], label=f"{run.name} (not measured)")
+        ax.set_title(f"{name}: Accuracy-Flip")
+        ax.set_xlabel("global step")
+        ax.set_ylabel("Accuracy-Flip")
+        ax.grid(linestyle="--", linewidth=0.5)
+        ax.legend(loc="best")
+    if not sets:
+        axes[0][0].set_title("no run verified a set")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("runs", nargs="+", metavar="RUN", help="run folders train.py wrote")
+    parser.add_argument("--plot", type=Path, default=Path("runs_compared.png"),
+                        help="where to write the PNG of verification curves (default: runs_compared.png here)")
+    args = parser.parse_args(argv)
+    with exit_on_user_error():
+        if not args.plot.parent.is_dir():
+            raise ConfigError(f"--plot {args.plot} is in a folder that does not exist; create {args.plot.parent} "
+                            "first or choose another path")
+        runs = [read_run(folder) for folder in args.runs]
+        print(comparison_table(runs))
+        save_curves(runs, args.plot)
+        print(f"verification curves: {args.plot}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

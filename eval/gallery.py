@@ -1,0 +1,157 @@
+"""A gallery of people to search: one template per person (the mean of their photos' flip-fused unit
+embeddings, L2-normalised), kept in a file beside the photo folder so that a search embeds only its
+queries, and rebuilt when the photos or the model change.
+
+The gallery file (``<folder>.gallery.npz``) holds plain arrays, read with ``allow_pickle=False``:
+``names`` (people, in folder order), ``features`` (float32, people x D) and two digests saying what it
+was built from: ``model`` (the weights file's path, size and modification time, its network and
+options) and ``photos`` (the preparation, and every photo's relative path, size and modification
+time). Checking them costs one ``stat`` per photo, not a read.
+"""
+from __future__ import annotations
+
+import hashlib
+import io
+import os
+import zipfile
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TextIO
+
+import numpy as np
+import torch
+from torch import nn
+
+from backbones import flip_fused_embeddings, read_face_image
+from backbones.trained import SavedBackbone
+from facedata.packing import PACKABLE_SUFFIXES
+from facedata.photos import Preparation
+from utils.atomic import atomic_save
+from utils.errors import DataError, located
+from utils.progress import progress
+
+GALLERY_SUFFIX = ".gallery.npz"
+_KEYS = {"names", "features", "model", "photos"}
+
+
+def gallery_file(folder: str | os.PathLike) -> Path:
+    """``photos/`` -> ``photos.gallery.npz`` beside it."""
+    folder = Path(os.path.abspath(folder))
+    return folder.with_name(folder.name + GALLERY_SUFFIX)
+
+
+def gallery_people(folder: str | os.PathLike) -> list[tuple[str, list[str]]]:
+    """``(name, sorted photo paths)`` per sub-folder of ``folder`` (hidden ones aside); every sub-folder must
+    hold photos. Paths are plain strings: pathlib objects would make listing 10,000 people several times
+    slower, and a search lists them every time."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise DataError(f"gallery folder {located(folder)} does not exist; pass a folder with one sub-folder of "
+                        "photos per person")
+    people = []
+    for entry in sorted(os.scandir(folder), key=lambda entry: entry.name):
+        if not entry.is_dir() or entry.name.startswith("."):
+            continue
+        photos = [os.path.join(entry.path, name) for name in sorted(os.listdir(entry.path))
+                  if name.lower().endswith(PACKABLE_SUFFIXES)]
+        if not photos:
+            raise DataError(f"gallery person {entry.path} holds no photos ({', '.join(PACKABLE_SUFFIXES)}); add "
+                            "photos of them or remove the folder")
+        people.append((entry.name, photos))
+    if not people:
+        raise DataError(f"gallery folder {folder} holds no person sub-folders; put each person's photos in a "
+                        "sub-folder named after them")
+    return people
+
+
+def _digest(parts: Sequence[str]) -> str:
+    sha = hashlib.sha256()
+    for part in parts:
+        sha.update(part.encode("utf-8", "surrogateescape") + b"\0")
+    return sha.hexdigest()
+
+
+def _stamp(path: str | os.PathLike) -> str:
+    status = os.stat(path)
+    return f"{status.st_size}:{status.st_mtime_ns}"
+
+
+def model_digest(saved: SavedBackbone) -> str:
+    weights = Path(os.path.abspath(saved.weights))
+    return _digest([str(weights), _stamp(weights), saved.network, repr(sorted(saved.options.items()))])
+
+
+def photos_digest(people: Sequence[tuple[str, Sequence[str]]], preparation: Preparation) -> str:
+    """What the templates depend on besides the model: how photos are prepared, and each photo's
+    ``person/file``, size and modification time."""
+    parts = [preparation.describe()]
+    if preparation.landmarks_file is not None:
+        parts.append(_stamp(preparation.landmarks_file))
+    for name, photos in people:
+        parts += [f"{name}/{os.path.basename(photo)}={_stamp(photo)}" for photo in photos]
+    return _digest(parts)
+
+
+@dataclass(frozen=True)
+class PersonGallery:
+    names: list[str]
+    features: np.ndarray  # float32 (people, D), unit rows
+    model: str            # model_digest of the model that built it
+    photos: str           # photos_digest of the photos it was built from
+
+
+def build_gallery(model: nn.Module, people: Sequence[tuple[str, Sequence[str]]], preparation: Preparation,
+                  model_stamp: str, photos_stamp: str, batch_size: int = 64,
+                  stream: TextIO | None = None) -> PersonGallery:
+    """Embed every photo (flip-fused, unit length) and average each person's into their template."""
+    paths = [photo for _, photos in people for photo in photos]
+    owner = np.repeat(np.arange(len(people)), [len(photos) for _, photos in people])
+    batches = [paths[start:start + batch_size] for start in range(0, len(paths), batch_size)]
+    chunks = [flip_fused_embeddings(model, torch.stack([read_face_image(path, preparation) for path in batch]))
+              for batch in progress(batches, len(batches), "embedding gallery photos", stream)]
+    embeddings = torch.cat(chunks).double().numpy()
+    sums = np.zeros((len(people), embeddings.shape[1]))
+    np.add.at(sums, owner, embeddings)
+    features = sums / np.maximum(np.linalg.norm(sums, axis=1, keepdims=True), 1e-12)
+    return PersonGallery([name for name, _ in people], features.astype(np.float32), model_stamp, photos_stamp)
+
+
+def save_gallery(gallery: PersonGallery, path: Path) -> None:
+    """Written atomically: a crash leaves the previous file or none, never half of one."""
+    def write(arrays: dict, handle) -> None:
+        np.savez(handle, **arrays)
+
+    atomic_save({"names": np.array(gallery.names, dtype=str), "features": gallery.features,
+                 "model": np.array(gallery.model), "photos": np.array(gallery.photos)}, path, write=write)
+
+
+def load_gallery(path: Path) -> PersonGallery:
+    """The gallery file at ``path``; a file that is not one, or is damaged, is one DataError."""
+    fix = "delete it, or pass --rebuild to build the gallery again"
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+        with np.load(io.BytesIO(data), allow_pickle=False) as arrays:
+            if set(arrays.files) != _KEYS:
+                raise ValueError(f"it holds {sorted(arrays.files)}, not {sorted(_KEYS)}")
+            names, features = arrays["names"], arrays["features"]
+            model, photos = str(arrays["model"][()]), str(arrays["photos"][()])
+    except (OSError, ValueError, EOFError, zipfile.BadZipFile) as error:
+        raise DataError(f"gallery file {path} cannot be read ({str(error).splitlines()[0] or type(error).__name__}); "
+                        f"{fix}") from None
+    if names.ndim != 1 or names.dtype.kind != "U" or features.dtype != np.float32 or features.ndim != 2 \
+            or len(features) != len(names) or not np.isfinite(features).all():
+        raise DataError(f"gallery file {path} is damaged (its names and features do not fit together); {fix}")
+    return PersonGallery(names.tolist(), features, model, photos)
+
+
+def top_matches(features: np.ndarray, queries: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """``(indices, similarities)``, each (queries, min(k, people)): the most similar people first."""
+    similarity = queries.astype(np.float32) @ features.T
+    k = min(k, features.shape[0])
+    # argpartition finds the k best in linear time; only those k are then sorted.
+    best = np.argpartition(-similarity, k - 1, axis=1)[:, :k]
+    scores = np.take_along_axis(similarity, best, axis=1)
+    order = np.argsort(-scores, axis=1, kind="stable")
+    return np.take_along_axis(best, order, axis=1), np.take_along_axis(scores, order, axis=1)

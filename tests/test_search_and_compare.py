@@ -1,0 +1,222 @@
+"""tools.search and eval.compare on two tiny runs of the suite's synthetic data (shared: one trains with
+the synthetic_val set, the other without), through their command lines.
+
+References: person templates and similarities computed here from the saved backbone (plain
+``load_state_dict``, photos decoded by PIL), the threshold read from model.json, the Accuracy-Flip
+curve read back from TensorBoard's event files, the IJB TAR table eval.ijb printed.
+"""
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import statistics
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from backbones import get_model
+from eval import compare, ijb
+from eval.gallery import gallery_file
+from facedata.synthetic import render_faces
+from tests.run_helpers import run_here, scalars
+from tests.test_eval_cli import assert_one_sentence, assert_visible_curve
+from tests.test_ijb import write_ijb
+from tools import search
+
+TINY = ["batch_size=8", "num_workers=0", "frequent=5"]  # configs/synthetic_pair.py on the 20-identity fixture
+PEOPLE = [f"p{identity}" for identity in range(10)]      # training identities, photos drawn afresh
+STRANGERS = range(900, 910)                              # never seen in training or in the gallery
+
+
+@pytest.fixture(scope="module")
+def runs(data, tmp_path_factory):
+    """`verified`: 80 steps, Accuracy-Flip on synthetic_val at steps 40 and 80, then IJB 1:1 on the miniature
+    release; `plain`: 20 steps, no verification set."""
+    folder = tmp_path_factory.mktemp("runs")
+    verified, plain = folder / "verified", folder / "plain"
+    assert run_here(data, verified, *TINY, "num_epoch=16", "verbose=40", base=())[0] == 0
+    assert run_here(data, plain, *TINY, "num_epoch=4", "val_targets=()", base=())[0] == 0
+    write_ijb(str(folder / "IJBC"))
+    assert ijb.main(["--model", str(verified), "--root", str(folder / "IJBC"), "--workers", "0"]) == 0
+    return verified, plain
+
+
+@pytest.fixture(scope="module")
+def photos(tmp_path_factory):
+    """gallery/pX/0..2.png of the 10 people; queries: photo 7 of each person and photo 0 of each stranger."""
+    folder = tmp_path_factory.mktemp("photos")
+    for identity, person in enumerate(PEOPLE):
+        (folder / "gallery" / person).mkdir(parents=True)
+        for number, face in enumerate(render_faces(identity, np.arange(3), seed=0)):
+            Image.fromarray(face).save(folder / "gallery" / person / f"{number}.png")
+    (folder / "queries").mkdir()
+    for identity, person in enumerate(PEOPLE):
+        Image.fromarray(render_faces(identity, np.arange(7, 8), seed=0)[0]).save(folder / "queries" / f"{person}.png")
+    for identity in STRANGERS:
+        Image.fromarray(render_faces(identity, np.arange(1), seed=0)[0]).save(folder / "queries" / f"s{identity}.png")
+    return folder
+
+
+def reference_unit_embeddings(run, paths):
+    info = json.loads((run / "model.json").read_text())
+    model = get_model(info["network"], num_features=info["embedding_size"], **info["network_kwargs"])
+    model.load_state_dict(torch.load(run / "backbone.pth", weights_only=True))
+    model.eval()
+    faces = torch.from_numpy(np.stack([np.asarray(Image.open(path).convert("RGB")) for path in paths]))
+    faces = faces.permute(0, 3, 1, 2).double() / 127.5 - 1
+    with torch.no_grad():
+        both = (model(faces.float()) + model(faces.flip(3).float())).double().numpy()
+    return both / np.linalg.norm(both, axis=1, keepdims=True)
+
+
+def reference_templates(run, gallery):
+    templates = []
+    for person in PEOPLE:
+        mean = reference_unit_embeddings(run, sorted((gallery / person).glob("*.png"))).mean(axis=0)
+        templates.append(mean / np.linalg.norm(mean))
+    return np.array(templates)
+
+
+def searched(capsys, run, gallery, queries, *flags):
+    assert search.main(["--model", str(run), "--gallery", str(gallery), *map(str, queries), *flags]) == 0
+    captured = capsys.readouterr()
+    results, current = {}, None
+    for line in captured.out.splitlines():
+        if not line.startswith(" "):
+            current = results.setdefault(line.rstrip(":"), {"top": [], "verdicts": []})
+        elif match := re.fullmatch(r"  \d+\. (\S+) +(-?[\d.]+)", line):
+            current["top"].append((match.group(1), float(match.group(2))))
+        else:
+            current["verdicts"].append(line.strip())
+    return results, captured.err
+
+
+def test_a_gallery_person_is_found_at_rank_1_and_verdicts_follow_the_recorded_threshold(runs, photos, capsys):
+    verified, _ = runs
+    queries = sorted((photos / "queries").glob("*.png"))
+    results, err = searched(capsys, verified, photos / "gallery", queries, "--top", "3")
+    assert "gallery: 10 people (30 photos) embedded" in err
+    templates = reference_templates(verified, photos / "gallery")
+    similarity = reference_unit_embeddings(verified, queries) @ templates.T
+    point = json.loads((verified / "model.json").read_text())["verification"]["synthetic_val"]
+    outside = 0
+    for query, row in zip(queries, similarity):
+        result = results[str(query)]
+        best = np.argsort(-row)[:3]
+        assert [name for name, _ in result["top"]] == [PEOPLE[i] for i in best]
+        np.testing.assert_allclose([score for _, score in result["top"]], row[best], atol=2e-4)
+        if query.stem in PEOPLE:
+            assert result["top"][0][0] == query.stem
+        known = row[best[0]] > point["threshold"]
+        outside += not known
+        verdict = f"known person {PEOPLE[best[0]]}" if known else "not in the gallery"
+        assert result["verdicts"] == [f"{verdict} at threshold {point['threshold']:.4f} (FAR {point['far']:.4g} on "
+                                      f"synthetic_val, 20 pairs; training, step 80)"]
+    # What the tiny model's threshold (chosen on 20 pairs) can say: some strangers fall below it.
+    assert 0 < outside and all(results[str(q)]["verdicts"][0].startswith("known person") for q in queries
+                               if q.stem in PEOPLE)
+
+
+def test_the_gallery_file_is_reused_and_rebuilt_when_a_photo_or_the_model_changes(runs, photos, tmp_path, capsys):
+    verified, plain = runs
+    gallery = tmp_path / "gallery"
+    shutil.copytree(photos / "gallery", gallery)
+    query = photos / "queries" / "p3.png"
+    first, err = searched(capsys, verified, gallery, [query])
+    assert "embedded" in err
+    saved = np.load(gallery_file(gallery), allow_pickle=False)
+    assert saved["names"].tolist() == PEOPLE
+    np.testing.assert_allclose(saved["features"], reference_templates(verified, gallery), atol=1e-5)
+
+    again, err = searched(capsys, verified, gallery, [query])
+    assert err.startswith(f"gallery: 10 people from {gallery_file(gallery)}") and again == first
+
+    Image.fromarray(render_faces(5, np.arange(1), seed=0)[0]).save(gallery / "p3" / "1.png")  # p3's photo replaced
+    changed, err = searched(capsys, verified, gallery, [query])
+    assert "the photos changed since" in err and "embedded" in err
+    np.testing.assert_allclose(np.load(gallery_file(gallery), allow_pickle=False)["features"],
+                               reference_templates(verified, gallery), atol=1e-5)
+    assert changed[str(query)]["top"] != first[str(query)]["top"]
+
+    _, err = searched(capsys, plain, gallery, [query])
+    assert "the model changed since" in err
+    np.testing.assert_allclose(np.load(gallery_file(gallery), allow_pickle=False)["features"],
+                               reference_templates(plain, gallery), atol=1e-5)
+
+
+@pytest.mark.parametrize("damage", [lambda data: data[: len(data) // 2], lambda data: b"not a gallery" + data[13:],
+                                    lambda data: data[:200] + bytes([data[200] ^ 0xFF]) + data[201:]])
+def test_a_damaged_gallery_file_is_refused_in_one_line_until_rebuilt(runs, photos, tmp_path, capsys, damage):
+    verified, _ = runs
+    gallery = tmp_path / "gallery"
+    shutil.copytree(photos / "gallery", gallery)
+    query = photos / "queries" / "p1.png"
+    searched(capsys, verified, gallery, [query])
+    path = gallery_file(gallery)
+    path.write_bytes(damage(path.read_bytes()))
+    with pytest.raises(SystemExit):
+        search.main(["--model", str(verified), "--gallery", str(gallery), str(query)])
+    message = assert_one_sentence(capsys.readouterr().err)
+    assert message.startswith(f"gallery file {path} ") and message.endswith("pass --rebuild to build the gallery again")
+    result, err = searched(capsys, verified, gallery, [query], "--rebuild")
+    assert "embedded" in err and result[str(query)]["top"][0][0] == "p1"
+
+
+@pytest.mark.parametrize("arrange, message", [
+    (lambda tmp: (tmp / "gallery").mkdir(), r"gallery folder .*gallery holds no person sub-folders"),
+    (lambda tmp: (tmp / "gallery" / "anna").mkdir(parents=True), r"gallery person .*anna holds no photos"),
+    (lambda tmp: None, r"gallery folder .*gallery does not exist"),
+    (lambda tmp: (tmp / "query.png").write_text("not a photo"), r"cannot read image .*query.png"),
+])
+def test_bad_input_is_one_sentence(runs, tmp_path, capsys, arrange, message):
+    verified, _ = runs
+    query = tmp_path / "query.png"
+    Image.fromarray(render_faces(1, np.arange(1), seed=0)[0]).save(query)
+    arrange(tmp_path)
+    with pytest.raises(SystemExit):
+        search.main(["--model", str(verified), "--gallery", str(tmp_path / "gallery"), str(query)])
+    assert re.search(message, assert_one_sentence(capsys.readouterr().err))
+
+
+# --- eval.compare -----------------------------------------------------------------------------------------
+
+
+def test_compare_tables_both_runs_with_dashes_for_what_one_did_not_measure(runs, tmp_path, capsys):
+    verified, plain = runs
+    plot = tmp_path / "runs.png"
+    assert compare.main([str(verified), str(plain), "--plot", str(plot)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    header = [cell.strip() for cell in lines[1].strip("|").split("|")]
+    assert header == ["run", "network", "classes", "steps", "synthetic_val last", "synthetic_val best",
+                      "IJBC TAR@FAR=0.0001", "IJBC TAR@FAR=1e-05", "images/s"]
+    rows = {cells[0]: dict(zip(header, cells)) for cells in
+            ([cell.strip() for cell in line.strip("|").split("|")] for line in lines[3:5])}
+    curve = scalars(verified, "synthetic_val")
+    assert sorted(curve) == [40, 80]
+    tar = json.loads((verified / "backbone_ijbc_tar.json").read_text())["tar_at_far"]
+    speeds = {run: [float(v) for v in re.findall(r"([\d.]+) images/sec", (run / "training.log").read_text())]
+              for run in runs}
+    assert rows[str(verified)] == {
+        "run": str(verified), "network": "r18 (width_mult=0.0625)", "classes": "20", "steps": "80",
+        "synthetic_val last": f"{curve[80]:.5f}", "synthetic_val best": f"{max(curve.values()):.5f}",
+        "IJBC TAR@FAR=0.0001": f"{tar['0.0001']:.4f}", "IJBC TAR@FAR=1e-05": f"{tar['1e-05']:.4f}",
+        "images/s": f"{statistics.median(speeds[verified]):.1f}"}
+    assert rows[str(plain)] == {
+        "run": str(plain), "network": "r18 (width_mult=0.0625)", "classes": "20", "steps": "20",
+        "synthetic_val last": "-", "synthetic_val best": "-", "IJBC TAR@FAR=0.0001": "-", "IJBC TAR@FAR=1e-05": "-",
+        "images/s": f"{statistics.median(speeds[plain]):.1f}"}
+    assert_visible_curve(plot)
+
+
+def test_compare_errors_are_one_sentence(runs, tmp_path, capsys):
+    verified, _ = runs
+    (tmp_path / "empty").mkdir()
+    for argv, message in [([str(tmp_path / "empty")], "holds no model.json"),
+                          ([str(tmp_path / "nope")], "does not exist"),
+                          ([str(verified), "--plot", str(tmp_path / "no" / "x.png")], "folder that does not exist")]:
+        with pytest.raises(SystemExit):
+            compare.main(argv)
+        assert message in assert_one_sentence(capsys.readouterr().err)
