@@ -133,7 +133,8 @@ def _child(argv: list[str], stderr_path: str, prepare: Callable[[], None] | None
 # itself would hand each child whatever earlier tests left there (autograd or OpenMP thread pools that a
 # forked child cannot use), and spawning would import torch again for every child (seconds each).
 _CHILDREN = multiprocessing.get_context("forkserver")
-_CHILDREN.set_forkserver_preload(["train"])
+# train.py imports DCP and torchvision when it first saves or decodes: preloaded here, so that no child pays them.
+_CHILDREN.set_forkserver_preload(["train", "checkpoint.sharded", "torchvision.io"])
 
 
 def start_child(data: Path, output: Path, *overrides: str, resume: bool = False,
