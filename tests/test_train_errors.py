@@ -103,11 +103,15 @@ def test_under_torchrun_each_rank_reports_its_own_error_and_a_config_error_once(
     """Every record rank 1 reads is damaged, none of rank 0's (the order is DistributedSampler's): only rank 1
     stops with a user error, and says so on a line of its own marked [rank 1]. Rank 0, unless torchrun ends it
     first, says in one line (no traceback) that it lost contact. A config error, the same on every process, is
-    printed once."""
+    printed once, by rank 0, also when rank 0 prints it only after rank 1 is done with it (tests.verdict_injection):
+    rank 1 waits for rank 0's verdict instead of exiting, which would have torchrun end rank 0 before its line."""
     rank1 = list(DistributedSampler(range(40), num_replicas=2, rank=1, shuffle=True, seed=5, drop_last=True))
     bad = copy_with_bad_records(data, tmp_path / "bad", set(rank1))
+    markers = tmp_path / "markers"
+    markers.mkdir()
     runs = [start_cli(bad, tmp_path / "bad_run", "seed=5", "max_steps=2", nproc=2),
-            start_cli(data, tmp_path / "typo", "lrr=0.1", nproc=2)]
+            start_cli(data, tmp_path / "typo", "lrr=0.1", nproc=2,
+                      injection=["-m", "tests.verdict_injection", str(markers)])]
     data_error, config_error = [(run.communicate(timeout=400)[1], run.returncode)[::-1] for run in runs]
 
     status, stderr = data_error
@@ -127,6 +131,7 @@ def test_under_torchrun_each_rank_reports_its_own_error_and_a_config_error_once(
     assert status != 0
     assert [line for line in stderr.splitlines() if line.startswith("error:")] == [
         "error: unknown config key 'lrr' in --set lrr=0.1; did you mean 'lr'? (every key is listed in configs/base.py)"]
+    assert (markers / "rank1").exists()  # rank 0's line came after rank 1 was done with the error
 
 
 def test_a_missing_verification_set_stops_the_run_before_its_first_step(data, tmp_path):
