@@ -2,6 +2,7 @@
 two-view data set, built once per test session."""
 from __future__ import annotations
 
+import gc
 import multiprocessing.forkserver
 import multiprocessing.resource_tracker
 import os
@@ -70,6 +71,12 @@ def leaves_nothing_behind():
     before = _started_processes()
     yield
     leftovers = _started_processes() - before
+    if leftovers:
+        # An in-process run that ended on an error leaves its DataLoader's persistent workers (forked children) to
+        # the garbage collector: the frames of the error's traceback hold the loader in a reference cycle. Collected
+        # now, the loader shuts them down itself (killed instead, they would trip DataLoader's SIGCHLD handler).
+        gc.collect()
+        leftovers = _started_processes() - before
     if leftovers:
         from tests.run_helpers import descendants  # noqa: PLC0415 (imports train: only when there is a leftover)
 
