@@ -40,19 +40,22 @@ def _worker(rank: int, world_size: int, init_file: str, out_dir: str, fn, args,
 
 
 def _join(context, fn, world_size: int, timeout: float) -> None:
-    """Until every rank has ended; kills them all and fails once `timeout` seconds have passed."""
+    """Until every rank has ended; kills them all and fails once `timeout` seconds have passed. No rank outlives
+    the call, whatever ends it (pytest's timeout too): a rank left running would find its folder deleted."""
     deadline = time.monotonic() + timeout
     try:
         while not context.join(timeout=max(0.0, deadline - time.monotonic())):  # returns as each rank ends
             if time.monotonic() >= deadline:
                 running = [rank for rank, process in enumerate(context.processes) if process.is_alive()]
-                for process in context.processes:
-                    process.kill()
-                    process.join(30)
                 raise AssertionError(f"{fn.__name__} on {world_size} process(es): rank(s) {running} still running "
                                      f"after {timeout:.0f} s, killed (a hang outside any collective)")
     except mp.ProcessRaisedException:
         pass  # the rank's own traceback is reported by run_world, clearer than the wrapper's
+    finally:
+        for process in context.processes:
+            if process.is_alive():
+                process.kill()
+                process.join(30)
 
 
 def run_world(fn, world_size: int, *args, timeout: float = WORLD_TIMEOUT,
