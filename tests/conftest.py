@@ -38,16 +38,22 @@ STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 
 
 def _children(pid: int) -> set[int]:
-    """The live processes whose parent is `pid` (zombies, ended but not yet reaped, left out)."""
+    """The live processes whose parent is `pid` (zombies, ended but not yet reaped, left out), as each of its
+    threads lists those it started."""
     found = set()
-    for stat in Path("/proc").glob("[0-9]*/stat"):
+    for listing in Path(f"/proc/{pid}/task").glob("*/children"):
         try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:  # it ended meanwhile
+            found.update(int(child) for child in listing.read_text().split())
+        except OSError:  # the thread or process ended meanwhile
             continue
-        if int(fields[1]) == pid and fields[0] != "Z":
-            found.add(int(stat.parent.name))
-    return found
+    return {child for child in found if _state(child) not in ("Z", None)}
+
+
+def _state(pid: int) -> str | None:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return None
 
 
 def _started_processes() -> set[int]:
