@@ -9,10 +9,11 @@ from utils.errors import DataError
 from utils.image import IMAGE_SIZE
 
 
-def _torchvision_io():
-    """torchvision.io, which also registers the torch.ops.image decoders. Imported by the first decode: it takes
-    about a second (torchvision imports its models and ops with it), which a process that never decodes (a
-    refused start, --dry-run, --help) does not pay."""
+def image_io():
+    """torchvision.io, which also registers the torch.ops.image decoders. Imported when a data set is built (before
+    its workers fork, so that they share it) or by the first decode: it takes about a second (torchvision imports
+    its models and ops with it), which a process that never decodes (a refused start, --dry-run, --help) does not
+    pay."""
     import torchvision.io  # noqa: PLC0415 (a second to import; only processes that decode need it)
 
     return torchvision.io
@@ -30,7 +31,7 @@ def decode(payload: bytes, where: Callable[[], str]) -> torch.Tensor:
     if not payload:
         raise BadImageError(f"{where()} holds no image bytes; re-pack the dataset or pass skip_bad_records=True")
     data = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
-    io = _torchvision_io()
+    io = image_io()
     try:
         # JPEG goes straight to the op behind torchvision's decode_jpeg (libjpeg-turbo, the decoder
         # cv2 uses too): the public wrapper adds a deprecation warning and usage logging per call,
@@ -53,7 +54,7 @@ def decode_jpegs(payloads: list[torch.Tensor], device: torch.device) -> list[tor
 
     What torchvision.io.decode_jpeg(payloads, device=...) does, minus its per-call deprecation warning.
     """
-    rgb = _torchvision_io().ImageReadMode.RGB.value
+    rgb = image_io().ImageReadMode.RGB.value
     if device.type == "cuda":
         return torch.ops.image.decode_jpegs_cuda(payloads, rgb, device)
     return [torch.ops.image.decode_jpeg(payload, rgb, False) for payload in payloads]
