@@ -13,8 +13,9 @@ from torch.utils.data import DistributedSampler
 
 import train
 from facedata.recordio import RecordReader, RecordWriter, pack, unpack
+from tests.nan_injection import nan_at_steps
 from tests.run_helpers import load_run, run_here, start_cli
-from tests.test_train import train as run_train
+from tests.test_train import train_here
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -59,7 +60,7 @@ def test_config_errors_are_one_sentence_and_exit_non_zero(capsys, monkeypatch, a
 
 
 def test_resume_without_a_run_says_there_is_nothing_to_resume(data, tmp_path):
-    result = run_train(data, tmp_path / "never_ran", resume=True)
+    result = train_here(data, tmp_path / "never_ran", resume=True)
     assert result.returncode == 1
     assert only_line(result.stderr) == (
         f"error: --resume continues the run in the output folder, but {tmp_path / 'never_ran'} does not exist; start "
@@ -70,7 +71,8 @@ def test_nonfinite_losses_skip_steps_and_too_many_in_a_row_stop_the_run(data, tm
     """40 records, batch 4: 10 steps per epoch, a checkpoint at step 10. NaN at step 2 is skipped and
     training goes on; NaN at 12 and 13 (max 2 in a row) stops it with the step-10 checkpoint intact."""
     output = tmp_path / "run"
-    result = run_train(data, output, "max_nonfinite_steps=2", "verbose=100", nan_steps="2,12,13")
+    with nan_at_steps({2, 12, 13}):
+        result = train_here(data, output, "max_nonfinite_steps=2", "verbose=100")
     assert result.returncode == 1
     assert only_line(result.stderr) == (
         f"error: stopped at global step 13: 2 non-finite losses in a row (max_nonfinite_steps=2); the last good "
