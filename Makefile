@@ -2,7 +2,7 @@
 PY := .venv/bin/python
 STAMP := .venv/.installed
 
-.PHONY: test lint demo bench mutants clean-venv FORCE
+.PHONY: test test-flaky lint demo bench mutants clean-venv FORCE
 
 # The project itself goes in editable (pyproject.toml), so that `python tools/x.py` finds its packages in
 # this checkout. Installed again when pyproject.toml changes, and when the venv's install is missing or points
@@ -29,6 +29,11 @@ lint: $(EDITABLE)
 # Two workers, each taking whole files (module fixtures run once): the tests keep torch at one thread.
 test: lint
 	$(PY) -m pytest -q -n 2 --dist loadfile tests
+
+# The suite 3 times in 3 random orders on two workers (not part of `make test`): every test that failed in any
+# run, with the seeds that replay it (`pytest -p randomly --randomly-seed=N`).
+test-flaky: $(EDITABLE)
+	$(PY) -m tests.flaky
 
 # Mutation testing (minutes per module, not part of `make test`): per module, mutants, killed, survived.
 mutants: $(EDITABLE)

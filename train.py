@@ -16,7 +16,6 @@ import json
 import logging
 import os
 import sys
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -43,12 +42,12 @@ from utils.errors import ConfigError, TrainingError, UserError
 from utils.launcher import adopt_srun_environment, launched_rank, local_process, torchrun_run_id
 from utils.log import SpeedLogger, log_to_file_only, setup_logging
 from utils.metrics import Metrics, open_metrics
+from utils.rank0_verdict import CONFIG_ERROR, NO_CONFIG_ERROR, rank0_had_config_error, tell
 from utils.sizes import parse_size
 from utils.stop import EXIT_INTERRUPTED, EXIT_PREEMPTED, RunStopped, StopRequest, StopSignals
 
 log = logging.getLogger("train")
 
-CONFIG_ERROR_GRACE_SECONDS = 5.0  # how long ranks other than 0 wait for rank 0 to print a config error
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description="pairface training (arcface_torch-style, multi-view)")
@@ -70,7 +69,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
-    cfg = None
+    cfg, phase = None, "startup"
     try:
         adopt_srun_environment()  # before anything reads RANK: `srun python train.py` tells only Slurm's variables
         overrides = args.set + (["resume=True"] if args.resume else [])
@@ -87,16 +86,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         check_val_targets(cfg.val_targets, cfg.rec)  # before any model is built (minutes for a large one)
         device = choose_device(cfg.device, *local_process())
         configure_numerics(device, cfg.tf32, cfg.deterministic)
+        if launched_rank() == 0:
+            tell(phase, NO_CONFIG_ERROR)
+        phase = "training"
         _train_in_process_group(cfg, device, RunSettings(args.config, overrides, kept))
     except UserError as error:
-        # Config errors happen identically on every process, before the process group exists: rank 0 prints the
-        # one copy. The others wait before exiting, since torchrun ends every worker as soon as one exits and
-        # could cut rank 0 off before its line (seen under load).
-        if launched_rank() == 0 or not isinstance(error, ConfigError):
-            report(error)
-            log_to_file_only(f"error: {error}")
-        else:
-            time.sleep(CONFIG_ERROR_GRACE_SECONDS)
+        _report_user_error(error, phase)
         return 1
     except RunStopped as stopped:  # its line is in the log already
         return stopped.exit_code
@@ -122,6 +117,19 @@ def _train_in_process_group(cfg: SimpleNamespace, device: torch.device, settings
                             "start again (--resume continues from the last checkpoint)") from error
     finally:
         cleanup()
+
+
+def _report_user_error(error: UserError, phase: str) -> None:
+    """The one line of a user error. A config error happens identically on every process: rank 0 prints it and
+    then says so; the others wait for that before they exit, since torchrun ends every worker as soon as one
+    exits and could cut rank 0 off before its line. A rank whose config error rank 0 did not have prints its own."""
+    config_error = isinstance(error, ConfigError)
+    if launched_rank() != 0 and config_error and rank0_had_config_error(phase):
+        return
+    report(error)
+    log_to_file_only(f"error: {error}")
+    if launched_rank() == 0:
+        tell(phase, CONFIG_ERROR if config_error else NO_CONFIG_ERROR)
 
 
 def _report_interrupt(output: str | None) -> None:

@@ -33,7 +33,6 @@ from checkpoint.pointer import POINTER_NAME
 from checkpoint.restored import Restored
 from checkpoint.rng import set_rng_state
 from checkpoint.run_config import WHERE_KEYS, write_run_config
-from checkpoint.sharded import restore_state, stage_state, write_state
 from dataset import FaceLoader
 from training.state import StepCounter, TrainingState
 from utils.distributed import agreed, checkpoint_group, world
@@ -106,7 +105,8 @@ class Checkpointer:
         if kind == "checkpoint" and path.is_dir() and not (path.parent / POINTER_NAME).is_file():
             log.warning("%s holds no %s: resuming from %s, its newest complete checkpoint folder, once every file "
                         "matches its checksum", path.parent, POINTER_NAME, path)
-        restore = {"checkpoint": restore_state, "legacy": restore_legacy, "arcface_torch": restore_arcface}[kind]
+        restorers = {"legacy": restore_legacy, "arcface_torch": restore_arcface}
+        restore = _sharded().restore_state if kind == "checkpoint" else restorers[kind]
         restored = restore(path, self.architecture, self.state)
         saved = restored.progress
         counter.resume(saved)
@@ -177,13 +177,14 @@ class Checkpointer:
         if not self.save_all_states:
             agreed(lambda: save_backbone(self.state.backbone, self.output, self.architecture, counter.verification))
         else:
-            staged = stage_state(self.state, counter.saved(), self.loader.state_dict(), self.architecture,
-                                 self.config, self._staging.copy if self._staging else None)
+            sharded = _sharded()
+            staged = sharded.stage_state(self.state, counter.saved(), self.loader.state_dict(), self.architecture,
+                                         self.config, self._staging.copy if self._staging else None)
             if self._staging:
-                self._in_flight = (BackgroundSave(lambda: write_state(self.output, staged, self._group)),
+                self._in_flight = (BackgroundSave(lambda: sharded.write_state(self.output, staged, self._group)),
                                    counter.shown_step, level)
             else:
-                self._published(write_state(self.output, staged), counter.shown_step, level)
+                self._published(sharded.write_state(self.output, staged), counter.shown_step, level)
         self.saved_at = step
         if final:
             self.wait_for_save()
@@ -254,3 +255,11 @@ def _differs(saved: Mapping, current: Mapping, key: str) -> bool:
     """Whether `key` has another value now than the checkpoint saved (compared as JSON: a tuple saved as a
     list is the same value)."""
     return key in saved and json.dumps(saved[key], default=repr) != json.dumps(current[key], default=repr)
+
+
+def _sharded():
+    """checkpoint.sharded, imported by the first save or resume: torch.distributed.checkpoint and DTensor behind it
+    take about a second to import, which a start refused before its steps (and --help) need not pay."""
+    from checkpoint import sharded  # noqa: PLC0415 (a second of imports, only for runs that save or resume)
+
+    return sharded

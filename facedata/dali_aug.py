@@ -28,7 +28,6 @@ from functools import partial
 import numpy as np
 import torch
 import torch.nn.functional as nnf
-import torchvision.transforms.v2.functional as tvf
 
 from facedata.augment import SampleRandom
 
@@ -96,6 +95,9 @@ def _apply(views: torch.Tensor, chosen: list[int], operation) -> None:
 def low_resolution(views: torch.Tensor, side: int) -> torch.Tensor:
     """uint8 (N, 3, H, W) -> shrunk to side x side (antialiased) and enlarged back, both bilinear."""
     height, width = views.shape[-2:]
+    # a second to import (torchvision imports its models too); only runs with dali_aug resize
+    import torchvision.transforms.v2.functional as tvf  # noqa: PLC0415
+
     small = tvf.resize(views, [side, side], interpolation=tvf.InterpolationMode.BILINEAR, antialias=True)
     return tvf.resize(small, [height, width], interpolation=tvf.InterpolationMode.BILINEAR, antialias=True)
 

@@ -12,7 +12,7 @@ from torch.utils.data import Dataset
 
 from facedata.augment import SampleRandom, assemble, coins
 from facedata.dali_aug import ViewAugment, dali_augment, draw_augments
-from facedata.images import BadImageError, decode, is_jpeg, split_views
+from facedata.images import BadImageError, decode, image_io, is_jpeg, split_views
 from facedata.sources import FolderSource, RecSource, Source, SyntheticSource
 from facedata.view_sources import VIEW_SOURCES
 from utils.errors import DataError
@@ -199,5 +199,6 @@ def build_dataset(path: str, num_views: int = 1, view_source: str = "record", nu
     if num_classes is not None and num_classes > source.num_classes:
         log.info("%s holds %d classes; the classifier gets num_classes=%d as configured",
                  path, source.num_classes, num_classes)
+    image_io()  # the decoders, imported here before the data workers fork: each would import them again
     return FaceDataset(source, num_views, view_source, source.num_classes if num_classes is None else num_classes,
                        flip, skip_bad_records, seed, dali_aug)

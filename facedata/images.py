@@ -4,10 +4,19 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
-from torchvision.io import ImageReadMode, decode_image
 
 from utils.errors import DataError
 from utils.image import IMAGE_SIZE
+
+
+def image_io():
+    """torchvision.io, which also registers the torch.ops.image decoders. Imported when a data set is built (before
+    its workers fork, so that they share it) or by the first decode: it takes about a second (torchvision imports
+    its models and ops with it), which a process that never decodes (a refused start, --dry-run, --help) does not
+    pay."""
+    import torchvision.io  # noqa: PLC0415 (a second to import; only processes that decode need it)
+
+    return torchvision.io
 
 
 class BadImageError(DataError):
@@ -22,13 +31,14 @@ def decode(payload: bytes, where: Callable[[], str]) -> torch.Tensor:
     if not payload:
         raise BadImageError(f"{where()} holds no image bytes; re-pack the dataset or pass skip_bad_records=True")
     data = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+    io = image_io()
     try:
         # JPEG goes straight to the op behind torchvision's decode_jpeg (libjpeg-turbo, the decoder
         # cv2 uses too): the public wrapper adds a deprecation warning and usage logging per call,
         # a sizeable share of a 112x112 decode. decode_image sniffs everything else (PNG, WebP, GIF).
         if is_jpeg(payload):
-            return torch.ops.image.decode_jpeg(data, ImageReadMode.RGB.value, False)
-        return decode_image(data, mode=ImageReadMode.RGB)
+            return torch.ops.image.decode_jpeg(data, io.ImageReadMode.RGB.value, False)
+        return io.decode_image(data, mode=io.ImageReadMode.RGB)
     except RuntimeError as err:
         raise BadImageError(f"{where()} is not a decodable image ({str(err).splitlines()[0]}); re-pack the dataset "
                             "or pass skip_bad_records=True to skip such records") from None
@@ -44,9 +54,10 @@ def decode_jpegs(payloads: list[torch.Tensor], device: torch.device) -> list[tor
 
     What torchvision.io.decode_jpeg(payloads, device=...) does, minus its per-call deprecation warning.
     """
+    rgb = image_io().ImageReadMode.RGB.value
     if device.type == "cuda":
-        return torch.ops.image.decode_jpegs_cuda(payloads, ImageReadMode.RGB.value, device)
-    return [torch.ops.image.decode_jpeg(payload, ImageReadMode.RGB.value, False) for payload in payloads]
+        return torch.ops.image.decode_jpegs_cuda(payloads, rgb, device)
+    return [torch.ops.image.decode_jpeg(payload, rgb, False) for payload in payloads]
 
 
 def split_views(image: torch.Tensor, num_views: int, where: Callable[[], str], fix: str | None = None

@@ -1,8 +1,12 @@
-"""Fixtures every test file may use: one torch thread, and the tiny synthetic two-view data set,
-built once per test session."""
+"""Fixtures every test file may use: one torch thread, each test's leftovers undone, and the tiny synthetic
+two-view data set, built once per test session."""
 from __future__ import annotations
 
+import gc
+import multiprocessing.forkserver
+import multiprocessing.resource_tracker
 import os
+import signal
 from pathlib import Path
 
 import pytest
@@ -28,6 +32,69 @@ def one_torch_thread():
         del os.environ["OMP_NUM_THREADS"]
     else:
         os.environ["OMP_NUM_THREADS"] = variable
+
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
+
+
+def _children(pid: int) -> set[int]:
+    """The live processes whose parent is `pid` (zombies, ended but not yet reaped, left out), as each of its
+    threads lists those it started."""
+    found = set()
+    for listing in Path(f"/proc/{pid}/task").glob("*/children"):
+        try:
+            found.update(int(child) for child in listing.read_text().split())
+        except OSError:  # the thread or process ended meanwhile
+            continue
+    return {child for child in found if _state(child) not in ("Z", None)}
+
+
+def _state(pid: int) -> str | None:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return None
+
+
+def _started_processes() -> set[int]:
+    """This process's children and the forkserver's (run_helpers.start_child), not the two servers themselves."""
+    servers = {multiprocessing.forkserver._forkserver._forkserver_pid,  # (no public accessor)
+               multiprocessing.resource_tracker._resource_tracker._pid}
+    started = _children(os.getpid())
+    for server in servers & started:
+        started |= _children(server)
+    return started - servers
+
+
+@pytest.fixture(autouse=True)
+def leaves_nothing_behind():
+    """What a test starts ends with it: a process it started that still runs (a run left behind by a failed
+    assertion, with every process below it) is killed, so that it cannot load the machine, hold a port or a run
+    folder's lock, or signal anything during later tests; environment variables and the handlers of the stop
+    signals are put back (an in-process run that stopped on a signal leaves SIGTERM ignored, which every process
+    started later would inherit)."""
+    environ, handlers = dict(os.environ), {number: signal.getsignal(number) for number in STOP_SIGNALS}
+    before = _started_processes()
+    yield
+    leftovers = _started_processes() - before
+    if leftovers:
+        # An in-process run that ended on an error leaves its DataLoader's persistent workers (forked children) to
+        # the garbage collector: the frames of the error's traceback hold the loader in a reference cycle. Collected
+        # now, the loader shuts them down itself (killed instead, they would trip DataLoader's SIGCHLD handler).
+        gc.collect()
+        leftovers = _started_processes() - before
+    if leftovers:
+        from tests.run_helpers import descendants  # noqa: PLC0415 (imports train: only when there is a leftover)
+
+        for pid in [*leftovers, *(child for leftover in leftovers for child in descendants(leftover))]:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    os.environ.clear()
+    os.environ.update(environ)
+    for number, handler in handlers.items():
+        signal.signal(number, handler)
 
 
 @pytest.fixture(scope="session")

@@ -2,23 +2,33 @@
 
 ``fn(rank, world_size, *args)`` must be a module-level function (spawned processes import it).
 Its return value (anything ``torch.save`` can store) comes back in rank order; an exception in
-any rank fails the caller with that rank's traceback.
+any rank fails the caller with that rank's traceback. Nothing waits without a bound: a collective that
+waits more than COLLECTIVE_TIMEOUT for a peer fails its rank with gloo's error naming it, and a world
+still running after `timeout` seconds is killed and fails the caller, naming `fn` and the ranks left.
 """
 from __future__ import annotations
 
 import os
 import tempfile
+import time
 import traceback
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+COLLECTIVE_TIMEOUT = timedelta(seconds=60)  # far longer than any test's collective takes on a busy 2-core machine
+WORLD_TIMEOUT = 300.0  # seconds for a whole world, the spawn's imports included
 
-def _worker(rank: int, world_size: int, init_file: str, out_dir: str, fn, args) -> None:
+
+
+def _worker(rank: int, world_size: int, init_file: str, out_dir: str, fn, args,
+            collective_timeout: timedelta = COLLECTIVE_TIMEOUT) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size,
+                            timeout=collective_timeout)
     path = os.path.join(out_dir, f"rank{rank}.pt")
     try:
         torch.save({"ok": fn(rank, world_size, *args)}, path)
@@ -29,14 +39,32 @@ def _worker(rank: int, world_size: int, init_file: str, out_dir: str, fn, args) 
         dist.destroy_process_group()
 
 
-def run_world(fn, world_size: int, *args):
+def _join(context, fn, world_size: int, timeout: float) -> None:
+    """Until every rank has ended; kills them all and fails once `timeout` seconds have passed. No rank outlives
+    the call, whatever ends it (pytest's timeout too): a rank left running would find its folder deleted."""
+    deadline = time.monotonic() + timeout
+    try:
+        while not context.join(timeout=max(0.0, deadline - time.monotonic())):  # returns as each rank ends
+            if time.monotonic() >= deadline:
+                running = [rank for rank, process in enumerate(context.processes) if process.is_alive()]
+                raise AssertionError(f"{fn.__name__} on {world_size} process(es): rank(s) {running} still running "
+                                     f"after {timeout:.0f} s, killed (a hang outside any collective)")
+    except mp.ProcessRaisedException:
+        pass  # the rank's own traceback is reported by run_world, clearer than the wrapper's
+    finally:
+        for process in context.processes:
+            if process.is_alive():
+                process.kill()
+                process.join(30)
+
+
+def run_world(fn, world_size: int, *args, timeout: float = WORLD_TIMEOUT,
+              collective_timeout: timedelta = COLLECTIVE_TIMEOUT):
     with tempfile.TemporaryDirectory() as tmp:
         init_file = os.path.join(tmp, "init")
-        try:
-            mp.start_processes(_worker, args=(world_size, init_file, tmp, fn, args), nprocs=world_size,
-                               join=True, start_method="spawn")
-        except mp.ProcessRaisedException:
-            pass  # the rank's own traceback is reported below, clearer than the wrapper's
+        context = mp.start_processes(_worker, args=(world_size, init_file, tmp, fn, args, collective_timeout),
+                                     nprocs=world_size, join=False, start_method="spawn")
+        _join(context, fn, world_size, timeout)
         results = []
         for rank in range(world_size):
             path = os.path.join(tmp, f"rank{rank}.pt")

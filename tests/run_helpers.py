@@ -93,11 +93,12 @@ def _environment(env: Mapping[str, str] | None) -> dict[str, str]:
 
 def start_cli(data: Path, output: Path, *overrides: str, nproc: int = 2, resume: bool = False,
               base: Sequence[str] = QUIET, env: Mapping[str, str] | None = None,
-              nan_steps: str | None = None, own_group: bool = False) -> subprocess.Popen:
+              nan_steps: str | None = None, own_group: bool = False, injection: Sequence[str] = ()) -> subprocess.Popen:
     """`torchrun --nproc_per_node <nproc> train.py ...` (`python train.py ...` for nproc 0), started, not
     awaited: starting costs seconds of imports, so tests start independent runs side by side. `own_group`:
-    in a process group of its own, which os.killpg(process.pid, ...) signals as a terminal or scheduler would."""
-    command = _command(nproc, nan_steps) + arguments(data, output, *overrides, resume=resume, base=base)
+    in a process group of its own, which os.killpg(process.pid, ...) signals as a terminal or scheduler would.
+    `injection`: "-m", a fault injection module and its arguments, run instead of train.py."""
+    command = _command(nproc, nan_steps, injection) + arguments(data, output, *overrides, resume=resume, base=base)
     return subprocess.Popen(command, cwd=ROOT, env=_environment(env), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, process_group=0 if own_group else None)
 
@@ -133,7 +134,8 @@ def _child(argv: list[str], stderr_path: str, prepare: Callable[[], None] | None
 # itself would hand each child whatever earlier tests left there (autograd or OpenMP thread pools that a
 # forked child cannot use), and spawning would import torch again for every child (seconds each).
 _CHILDREN = multiprocessing.get_context("forkserver")
-_CHILDREN.set_forkserver_preload(["train"])
+# train.py imports DCP and torchvision when it first saves or decodes: preloaded here, so that no child pays them.
+_CHILDREN.set_forkserver_preload(["train", "checkpoint.sharded", "torchvision.io"])
 
 
 def start_child(data: Path, output: Path, *overrides: str, resume: bool = False,

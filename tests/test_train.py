@@ -6,6 +6,7 @@ from __future__ import annotations
 import re
 import shutil
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -24,6 +25,13 @@ def train(data: Path, output: Path, *overrides: str, nproc: int = 0, resume: boo
           nan_steps: str | None = None):
     """train.py with these tests' settings (every other step logged, verification at step 4)."""
     return run_cli(data, output, *overrides, nproc=nproc, resume=resume, base=TINY, env=env, nan_steps=nan_steps)
+
+
+def train_here(data: Path, output: Path, *overrides: str, resume: bool = False) -> SimpleNamespace:
+    """What `train` runs, as train.main in this process (a one-process run's process start adds nothing these
+    tests check): .returncode and .stderr as `train`'s."""
+    status, stderr = run_here(data, output, *overrides, resume=resume, base=TINY)
+    return SimpleNamespace(returncode=status, stderr=stderr)
 
 
 def steps_logged(text: str) -> list[int]:
@@ -76,7 +84,7 @@ def test_resume_on_one_process_continues_at_the_saved_step_with_the_saved_lr(two
     saved = load_run(output)
     saved_lr = saved["optimizer"]["param_groups"][0]["lr"]
     # 2 ranks x 5 batches of 4 per epoch became 1 rank x 10: step 4 of 10 is step 8 of 20
-    result = train(data, output, "max_steps=10", resume=True)
+    result = train_here(data, output, "max_steps=10", resume=True)
     assert result.returncode == 0, result.stderr[-3000:]
     log = (output / "training.log").read_text()
     assert f"resumed from {output / 'checkpoint.json'} at global step 8 (epoch 0), lr {saved_lr:.6f}" in log
@@ -93,11 +101,11 @@ def test_resume_on_one_process_continues_at_the_saved_step_with_the_saved_lr(two
 
 def test_resume_in_the_same_world_continues_exactly_where_it_stopped(data, tmp_path):
     output = tmp_path / "run"
-    first = train(data, output, "max_steps=3", "frequent=1", "verbose=100")
+    first = train_here(data, output, "max_steps=3", "frequent=1", "verbose=100")
     assert first.returncode == 0, first.stderr[-3000:]
     saved = load_run(output)
     assert saved["progress"]["global_step"] == 3
-    second = train(data, output, "max_steps=6", "frequent=1", "verbose=100", resume=True)
+    second = train_here(data, output, "max_steps=6", "frequent=1", "verbose=100", resume=True)
     assert second.returncode == 0, second.stderr[-3000:]
     log = (output / "training.log").read_text()
     lr = saved["optimizer"]["param_groups"][0]["lr"]
@@ -110,9 +118,9 @@ def test_resume_in_the_same_world_continues_exactly_where_it_stopped(data, tmp_p
 
 def test_an_existing_run_is_never_overwritten_without_resume(data, tmp_path):
     output = tmp_path / "run"
-    assert train(data, output, "max_steps=1").returncode == 0
+    assert train_here(data, output, "max_steps=1").returncode == 0
     before = {p.name: digest(p) for p in output.iterdir() if p.is_file()}
-    again = train(data, output, "max_steps=1")
+    again = train_here(data, output, "max_steps=1")
     assert again.returncode != 0
     assert again.stderr.strip().splitlines() == [
         f"error: output folder {output} already holds a run (backbone.pth, checkpoint-000000001, checkpoint.json); "

@@ -13,8 +13,9 @@ from torch.utils.data import DistributedSampler
 
 import train
 from facedata.recordio import RecordReader, RecordWriter, pack, unpack
+from tests.nan_injection import nan_at_steps
 from tests.run_helpers import load_run, run_here, start_cli
-from tests.test_train import train as run_train
+from tests.test_train import train_here
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -59,7 +60,7 @@ def test_config_errors_are_one_sentence_and_exit_non_zero(capsys, monkeypatch, a
 
 
 def test_resume_without_a_run_says_there_is_nothing_to_resume(data, tmp_path):
-    result = run_train(data, tmp_path / "never_ran", resume=True)
+    result = train_here(data, tmp_path / "never_ran", resume=True)
     assert result.returncode == 1
     assert only_line(result.stderr) == (
         f"error: --resume continues the run in the output folder, but {tmp_path / 'never_ran'} does not exist; start "
@@ -70,7 +71,8 @@ def test_nonfinite_losses_skip_steps_and_too_many_in_a_row_stop_the_run(data, tm
     """40 records, batch 4: 10 steps per epoch, a checkpoint at step 10. NaN at step 2 is skipped and
     training goes on; NaN at 12 and 13 (max 2 in a row) stops it with the step-10 checkpoint intact."""
     output = tmp_path / "run"
-    result = run_train(data, output, "max_nonfinite_steps=2", "verbose=100", nan_steps="2,12,13")
+    with nan_at_steps({2, 12, 13}):
+        result = train_here(data, output, "max_nonfinite_steps=2", "verbose=100")
     assert result.returncode == 1
     assert only_line(result.stderr) == (
         f"error: stopped at global step 13: 2 non-finite losses in a row (max_nonfinite_steps=2); the last good "
@@ -103,11 +105,15 @@ def test_under_torchrun_each_rank_reports_its_own_error_and_a_config_error_once(
     """Every record rank 1 reads is damaged, none of rank 0's (the order is DistributedSampler's): only rank 1
     stops with a user error, and says so on a line of its own marked [rank 1]. Rank 0, unless torchrun ends it
     first, says in one line (no traceback) that it lost contact. A config error, the same on every process, is
-    printed once."""
+    printed once, by rank 0, also when rank 0 prints it only after rank 1 is done with it (tests.verdict_injection):
+    rank 1 waits for rank 0's verdict instead of exiting, which would have torchrun end rank 0 before its line."""
     rank1 = list(DistributedSampler(range(40), num_replicas=2, rank=1, shuffle=True, seed=5, drop_last=True))
     bad = copy_with_bad_records(data, tmp_path / "bad", set(rank1))
+    markers = tmp_path / "markers"
+    markers.mkdir()
     runs = [start_cli(bad, tmp_path / "bad_run", "seed=5", "max_steps=2", nproc=2),
-            start_cli(data, tmp_path / "typo", "lrr=0.1", nproc=2)]
+            start_cli(data, tmp_path / "typo", "lrr=0.1", nproc=2,
+                      injection=["-m", "tests.verdict_injection", str(markers)])]
     data_error, config_error = [(run.communicate(timeout=400)[1], run.returncode)[::-1] for run in runs]
 
     status, stderr = data_error
@@ -127,6 +133,7 @@ def test_under_torchrun_each_rank_reports_its_own_error_and_a_config_error_once(
     assert status != 0
     assert [line for line in stderr.splitlines() if line.startswith("error:")] == [
         "error: unknown config key 'lrr' in --set lrr=0.1; did you mean 'lr'? (every key is listed in configs/base.py)"]
+    assert (markers / "rank1").exists()  # rank 0's line came after rank 1 was done with the error
 
 
 def test_a_missing_verification_set_stops_the_run_before_its_first_step(data, tmp_path):

@@ -12,8 +12,6 @@ from datetime import datetime
 from pathlib import Path
 from types import SimpleNamespace
 
-from torch.utils.tensorboard import SummaryWriter
-
 from utils.distributed import is_main, rank
 from utils.errors import ConfigError
 
@@ -53,6 +51,9 @@ def open_metrics(cfg: SimpleNamespace) -> Metrics:
     """This process's sinks: TensorBoard on rank 0; W&B on rank 0, or on every rank with wandb_log_all."""
     tensorboard = None
     if is_main():
+        # a quarter of a second to import; a start refused before its steps never needs it
+        from torch.utils.tensorboard import SummaryWriter  # noqa: PLC0415
+
         tensorboard = SummaryWriter(log_dir=os.path.join(cfg.output, "tensorboard"))
     wandb_run = _wandb_run(cfg) if cfg.using_wandb and (is_main() or cfg.wandb_log_all) else None
     return Metrics(tensorboard, wandb_run)

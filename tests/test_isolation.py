@@ -1,0 +1,37 @@
+"""conftest.leaves_nothing_behind, in a pytest session of its own (pytester): what one test starts and leaves
+(a running process, an environment variable, an ignored SIGTERM) is gone when the next test runs."""
+from __future__ import annotations
+
+pytest_plugins = ("pytester",)
+
+INNER = '''
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+from tests.conftest import leaves_nothing_behind  # noqa: F401 (the autouse fixture under test)
+
+PID_FILE = Path(__file__).with_name("pid")
+
+
+def test_leaves_a_process_a_variable_and_an_ignored_sigterm():
+    process = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    PID_FILE.write_text(str(process.pid))
+    os.environ["LEFT_BY_A_TEST"] = "1"
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+
+
+def test_finds_none_of_them():
+    stat = Path(f"/proc/{PID_FILE.read_text()}/stat")
+    assert not stat.exists() or stat.read_text().rsplit(")", 1)[1].split()[0] == "Z"  # killed (maybe not reaped)
+    assert "LEFT_BY_A_TEST" not in os.environ
+    assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
+'''
+
+
+def test_a_test_s_process_variable_and_signal_handler_end_with_it(pytester):
+    pytester.makepyfile(test_inner=INNER)
+    result = pytester.runpytest_inprocess("-p", "no:randomly", "-p", "no:cacheprovider")
+    result.assert_outcomes(passed=2)
