@@ -78,8 +78,8 @@ def leaves_nothing_behind():
     yield
     leftovers = _started_processes() - before
     if leftovers:
-        # An in-process run that ended on an error leaves its DataLoader's persistent workers (forked children) to
-        # the garbage collector: the frames of the error's traceback hold the loader in a reference cycle. Collected
+        # A loader a test built and did not close (no `with`) leaves its persistent workers (forked children) to
+        # the garbage collector, later still when an error's traceback holds it in a reference cycle. Collected
         # now, the loader shuts them down itself (killed instead, they would trip DataLoader's SIGCHLD handler).
         gc.collect()
         leftovers = _started_processes() - before
