@@ -30,7 +30,7 @@ from checkpoint.checkpointer import Checkpointer, Renumbering, last_good
 from checkpoint.restored import Restored
 from checkpoint.run_config import RUN_CONFIG_NAME, resumed_overrides
 from checkpoint.run_dir import AUTO, continues_torchrun_run, lock_run_dir, resolve_resume
-from dataset import FaceLoader, build_dataset, build_loader
+from dataset import FaceLoader, build_dataset, build_loader, recorded_preparation
 from eval.callback import VerificationCallback, check_val_targets
 from training.memory_plan import describe, describe_fit, device_bytes, fit, memory_plan
 from training.state import StepCounter, TrainingState, architecture, build_training_state, wrap_in_ddp
@@ -247,7 +247,8 @@ def _train_in_folder(cfg: SimpleNamespace, device: torch.device, source, restart
     counter = StepCounter(steps_per_epoch=_steps_per_epoch(loader, cfg.gradient_acc))
     _check_memory(cfg, dataset.num_classes, device)
     state = build_training_state(cfg, dataset.num_classes, device, counter.steps_per_epoch)
-    checkpointer = Checkpointer(cfg.output, state, loader, architecture(cfg, dataset.num_classes), vars(cfg),
+    checkpointer = Checkpointer(cfg.output, state, loader,
+                                architecture(cfg, dataset.num_classes, recorded_preparation(cfg.rec)), vars(cfg),
                                 save_every_steps=cfg.save_every_steps, save_all_states=cfg.save_all_states,
                                 async_save=cfg.async_save, config_file=settings.config_file,
                                 overrides=settings.overrides)

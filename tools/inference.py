@@ -7,13 +7,14 @@
 
 (--network-kw takes every value up to the next option, so images go before it.)
 
-Photos are prepared as every tool prepares them (--resize, the default, --crop, --pad or --landmarks:
-use the option the training records were packed with). Each embedding is the photo's and its mirror
-image's summed and L2-normalised, as verification scores them. One photo: its embedding is printed, or
-saved as a float32 .npy of shape (num_features,). Two photos: their cosine similarity, and the verdict at
-the threshold of the model's last verification (recorded in model.json by training or eval.verification:
-the similarity above which a pair is the same person, and the false-accept rate it gave on that set);
---save writes both embeddings, shape (2, num_features).
+Photos are prepared as every tool prepares them (--resize, --crop, --pad or --landmarks). By default, as
+the training photos were (model.json records the option tools.pack_rec packed them with; --resize when it
+records none); an option that differs from the recorded one is used, with a warning naming both. Each
+embedding is the photo's and its mirror image's summed and L2-normalised, as verification scores them. One
+photo: its embedding is printed, or saved as a float32 .npy of shape (num_features,). Two photos: their
+cosine similarity, and the verdict at the threshold of the model's last verification (recorded in
+model.json by training or eval.verification: the similarity above which a pair is the same person, and the
+false-accept rate it gave on that set); --save writes both embeddings, shape (2, num_features).
 """
 from __future__ import annotations
 
@@ -27,7 +28,7 @@ import torch
 
 from backbones import flip_fused_embeddings, read_face_image
 from backbones.trained import SavedBackbone, add_backbone_arguments, load_backbone_from_args
-from dataset import add_preparation_arguments, preparation_from_args
+from dataset import add_preparation_arguments, preparation_following
 from utils.cli import exit_on_user_error
 from utils.errors import ConfigError
 
@@ -82,9 +83,11 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s: %(message)s")
     with exit_on_user_error():
         check_args(args)
-        preparation = preparation_from_args(args)
-        images = torch.stack([read_face_image(path, preparation) for path in args.images])
         model, saved = load_backbone_from_args(args)
+        preparation, said = preparation_following(args, saved.photo_preparation, str(saved.info_path))
+        if said:
+            print(said, file=sys.stderr if said.startswith("warning") else sys.stdout)
+        images = torch.stack([read_face_image(path, preparation) for path in args.images])
         report(flip_fused_embeddings(model, images).numpy(), args.save, saved)
     return 0
 
