@@ -23,12 +23,18 @@ from facedata.photos import (
     preparation_from_args,
     stretch_warning,
 )
-from facedata.preparation_record import read_preparation, recorded_preparation, write_preparation
+from facedata.preparation_record import (
+    held_out,
+    read_preparation,
+    read_record,
+    recorded_preparation,
+    write_preparation,
+)
 from facedata.recordio import IRHeader, RecordReader, unpack
 from facedata.synthetic import identity_records, verification_pairs
 
 __all__ = ["FaceLoader", "IRHeader", "InsightfaceWriter", "Preparation", "PreparedFace", "RecordReader",
            "add_preparation_arguments", "build_dataset", "build_loader", "check_output", "empty_folders", "encode",
-           "identity_records", "pack_identity", "preparation_following", "preparation_from_args", "read_preparation",
-           "recorded_preparation", "scan_identities", "skipped_folders_line", "stretch_warning", "unpack",
-           "verification_pairs", "write_preparation"]
+           "held_out", "identity_records", "pack_identity", "preparation_following", "preparation_from_args",
+           "read_preparation", "read_record", "recorded_preparation", "scan_identities", "skipped_folders_line",
+           "stretch_warning", "unpack", "verification_pairs", "write_preparation"]

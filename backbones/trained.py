@@ -52,12 +52,13 @@ def save_backbone(backbone: nn.Module, output_dir: str | os.PathLike, architectu
 
 def record_verification(saved: SavedBackbone, verification: Mapping) -> Path | None:
     """Put `verification` ({set name: operating point}) in the model.json beside `saved`'s weights, replacing
-    the one recorded before; the file written, or None when the weights have no model.json (a bare .pth)."""
+    what was recorded before for those sets (the others stay: a set evaluated alone does not take the place of
+    the held-out one); the file written, or None when the weights have no model.json (a bare .pth)."""
     info_path = saved.weights.parent / MODEL_INFO_NAME
     if not info_path.is_file():
         return None
     info = {key: value for key, value in json.loads(info_path.read_text()).items() if key != "verification"}
-    _write_model_info(info_path, model_info(info, verification))
+    _write_model_info(info_path, model_info(info, {**saved.verification, **verification}))
     return info_path
 
 

@@ -28,7 +28,7 @@ from PIL import Image
 from torch import nn
 
 from backbones.trained import record_verification
-from dataset import read_preparation
+from dataset import held_out, read_preparation
 from eval.cli import EvaluatedNetwork, add_network_arguments, check_positive, open_network, output_prefix
 from eval.embedding import embed_images
 from eval.roc import roc_points, save_roc_plot, tar_at_far
@@ -311,7 +311,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 caveat = (f" (at 0 false accepts: {different} different-person pairs cannot measure a FAR below "
                           f"{1 / different:.1g})" if target_far * different < 1 else "")
                 print(f"[{name}]TAR@FAR={target_far:g}: {tar:1.5f}{caveat}")
-            operating_points[name] = operating_point(fused, data_set[1])
+            operating_points[name] = {**operating_point(fused, data_set[1]), **kept_out(path)}
             scores_path = f"{prefix}_{name}_scores.npy"
             np.save(scores_path, scores)
             print(f"[{name}]scores (cosine, one per pair, in .bin order): {scores_path}")
@@ -322,6 +322,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"ROC plot: {plot_path}")
         print(record_operating_points(network, operating_points))
     return 0
+
+
+def kept_out(path: str | os.PathLike) -> dict[str, bool]:
+    """``{"held_out": ...}`` for an operating point, when the set's record says whether its people were kept
+    out of training (tools.make_bin); {} when it does not. tools.inference's verdict prefers such a set."""
+    known = held_out(path)
+    return {} if known is None else {"held_out": known}
 
 
 def preparation_note(path: Path, network: EvaluatedNetwork) -> str | None:

@@ -216,7 +216,7 @@ def given_preparation(args: argparse.Namespace) -> str | None:
     return args.fit if getattr(args, "fit_given", False) else None
 
 
-def preparation_following(args: argparse.Namespace, recorded: str | None, where: str,
+def preparation_following(args: argparse.Namespace, recorded: str | None, where: str | None,
                           root: str | os.PathLike | None = None) -> tuple[Preparation, str | None]:
     """The Preparation to use when ``where`` (e.g. ``output/run/model.json``) records that its photos were
     prepared as ``recorded`` (a PREPARATIONS name; None: nothing recorded), and the one line to say about it:

@@ -46,6 +46,7 @@ from dataset import (
     encode,
     preparation_following,
     read_preparation,
+    read_record,
     scan_identities,
     skipped_folders_line,
     stretch_warning,
@@ -244,12 +245,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         preparation, said = preparation_following(args, read_preparation(records), str(records), args.images)
         if said:
             print(said, file=sys.stderr if said.startswith("warning") else sys.stdout)
+        people = sorted({path.parent.name for first, second, _ in pairs for path in (first, second)})
+        training_people = read_record(records).get("people")
+        in_training = sorted(set(people) & set(training_people)) if isinstance(training_people, list) else None
+        if in_training:
+            print(f"note: {len(in_training)} of the {len(people)} people in this set are among the people "
+                  f"{records} was packed from (e.g. {in_training[0]}): it does not measure faces the model has "
+                  "never seen, and tools.inference prefers a set of people kept out of training")
         if args.random is not None and (skipped := skipped_folders_line(str(args.images))):
             print(skipped)
         bins, faces = encode_pairs(pairs, preparation, sys.stderr)
         issame = [same for _, _, same in pairs]
         write_bin(args.output, bins, issame)
-        write_preparation(args.output, preparation, "tools.make_bin")
+        write_preparation(args.output, preparation, "tools.make_bin",
+                          None if in_training is None else {"people_in_training": len(in_training)})
     print(f"wrote {args.output}: {len(issame)} pairs ({sum(issame)} same person, {len(issame) - sum(issame)} "
           f"different), {len(bins)} images, {stored_line(faces, preparation)}")
     stretched = [(str(path), face.stretched_from) for path, face in faces.items() if face and face.stretched_from]

@@ -76,7 +76,8 @@ def main(argv: list[str] | None = None) -> int:
             for records, identity_stretched in progress(packed, len(kept), "packing identities", sys.stderr):
                 writer.write_identity(records)
                 stretched += identity_stretched
-        write_preparation(writer.rec_path, preparation, "tools.pack_rec")  # once the records are whole
+        # Once the records are whole; the people, so that tools.make_bin can tell whether a set holds others.
+        write_preparation(writer.rec_path, preparation, "tools.pack_rec", {"people": [name for name, _ in kept]})
     if warning := stretch_warning(stretched, sum(len(paths) for _, paths in kept)):
         print(warning, file=sys.stderr)
     if skipped := skipped_folders_line(args.input):
