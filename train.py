@@ -28,7 +28,7 @@ import torch
 from backbones.trained import BACKBONE_NAME
 from checkpoint.checkpointer import Checkpointer, Renumbering, last_good
 from checkpoint.restored import Restored
-from checkpoint.run_config import RUN_CONFIG_NAME, resumed_overrides
+from checkpoint.run_config import RUN_CONFIG_NAME, ResumeCommand, resumed_overrides
 from checkpoint.run_dir import AUTO, continues_torchrun_run, lock_run_dir, resolve_resume
 from dataset import FaceLoader, build_dataset, build_loader, recorded_preparation
 from eval.callback import VerificationCallback, check_val_targets
@@ -101,7 +101,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except RunStopped as stopped:  # its line is in the log already
         return stopped.exit_code
     except KeyboardInterrupt:  # a Ctrl-C before the steps began or after they ended
-        _report_interrupt(cfg.output if cfg else None)
+        _report_interrupt(cfg.output if cfg else None, str(RunSettings(args.config, overrides).resume_command))
         return EXIT_INTERRUPTED
     return 0
 
@@ -119,16 +119,16 @@ def _train_in_process_group(cfg: SimpleNamespace, device: torch.device, settings
             raise
         raise TrainingError(f"lost contact with another process ({failure}), which stopped or became "
                             "unreachable: its own error line, if it printed one, says why; fix that, then "
-                            "start again (--resume continues from the last checkpoint)") from error
+                            f"continue from the last checkpoint with: {settings.resume_command}") from error
     finally:
         cleanup()
 
 
-def _report_interrupt(output: str | None) -> None:
+def _report_interrupt(output: str | None, continue_with: str) -> None:
     """One line on stderr and in training.log for a Ctrl-C that stopped the run at once."""
     if launched_rank() != 0:
         return
-    line = "stopped by Ctrl-C" + (f"; {last_good(output)}" if output else "")
+    line = "stopped by Ctrl-C" + (f"; {last_good(output, continue_with)}" if output else "")
     sys.stderr.write(line + "\n")
     log_to_file_only(line)
 
@@ -184,7 +184,7 @@ def _share_cpu(num_workers: int) -> None:
     torch.set_num_threads(max(1, per_process - num_workers))
 
 
-def _count_nonfinite(outcome: StepOutcome, counter: StepCounter, cfg) -> None:
+def _count_nonfinite(outcome: StepOutcome, counter: StepCounter, cfg, continue_with: str) -> None:
     """Count skipped steps; fp16 gradient overflow alone is routine (the scale backs off) and not counted."""
     if outcome == StepOutcome.TAKEN or (outcome == StepOutcome.GRAD_NONFINITE and cfg.fp16):
         counter.nonfinite_in_a_row = 0
@@ -197,7 +197,8 @@ def _count_nonfinite(outcome: StepOutcome, counter: StepCounter, cfg) -> None:
     if counter.nonfinite_in_a_row >= cfg.max_nonfinite_steps:
         raise TrainingError(f"stopped at global step {counter.shown_step}: {counter.nonfinite_in_a_row} "
                             f"non-finite losses in a row (max_nonfinite_steps={cfg.max_nonfinite_steps}); "
-                            f"{last_good(cfg.output)}; lower lr, try bf16 instead of fp16, or check the data")
+                            f"{last_good(cfg.output, continue_with)}; lower lr, try bf16 instead of fp16, or check "
+                            "the data")
 
 
 @dataclass(frozen=True)
@@ -209,6 +210,13 @@ class RunSettings:
     overrides: Sequence[str] = ()
     kept: Sequence[str] = ()
 
+    @property
+    def resume_command(self) -> ResumeCommand:
+        """The command line that continues this run (config file, every --set given, --resume)."""
+        script = os.path.relpath(__file__)
+        return ResumeCommand(os.path.abspath(__file__) if script.startswith("..") else script, self.config_file,
+                             tuple(self.overrides))
+
 
 def train(cfg: SimpleNamespace, device: torch.device, settings: RunSettings,
           signals: StopSignals) -> dict[str, float]:
@@ -217,7 +225,8 @@ def train(cfg: SimpleNamespace, device: torch.device, settings: RunSettings,
     A start that torchrun makes again for the same run (after a lost process or node, or when a node
     joins) continues the run in its folder, as resume="auto" does, whatever `resume` says."""
     restarted = agreed(lambda: continues_torchrun_run(cfg.output, torchrun_run_id()))
-    source = agreed(lambda: resolve_resume(cfg.output, AUTO if restarted else cfg.resume))
+    source = agreed(lambda: resolve_resume(cfg.output, AUTO if restarted else cfg.resume,
+                                           settings.resume_command.with_sets))
     lock = agreed(lambda: lock_run_dir(cfg.output, torchrun_run_id()), share=False)
     try:
         return _train_in_folder(cfg, device, source, restarted, settings, signals)
@@ -251,7 +260,7 @@ def _train_in_folder(cfg: SimpleNamespace, device: torch.device, source, restart
                                 architecture(cfg, dataset.num_classes, recorded_preparation(cfg.rec)), vars(cfg),
                                 save_every_steps=cfg.save_every_steps, save_all_states=cfg.save_all_states,
                                 async_save=cfg.async_save, config_file=settings.config_file,
-                                overrides=settings.overrides)
+                                overrides=settings.overrides, continue_with=str(settings.resume_command))
     torch.manual_seed(cfg.seed + 1 + rank())  # per-rank streams for centre sampling and dropout
     restored = checkpointer.resume(source, counter) if source else None  # replaces those streams with the saved ones
     if restarted:
@@ -341,7 +350,7 @@ def _loop(cfg, state: TrainingState, loader: FaceLoader, counter: StepCounter, c
             epoch, lr = counter.epoch, state.optimizer.param_groups[0]["lr"]  # of this step, for the log
             losses, outcome = train_step(state, micro_batches, cfg)
             counter.global_step = step + 1
-            _count_nonfinite(outcome, counter, cfg)
+            _count_nonfinite(outcome, counter, cfg, checkpointer.continue_with)
             if outcome != StepOutcome.LOSS_NONFINITE:  # a skipped fp16 overflow step still has a loss worth logging
                 speed(counter.shown_step, losses, epoch, lr, grad_scale)
             final = counter.global_step == stop
@@ -361,7 +370,7 @@ def _loop(cfg, state: TrainingState, loader: FaceLoader, counter: StepCounter, c
                         metrics.log_artifact(Path(cfg.output) / BACKBONE_NAME, name)
     except KeyboardInterrupt:  # a second Ctrl-C
         raise _stopped(f"stopped at once by a second Ctrl-C after global step {counter.shown_step}, without "
-                       f"saving; {last_good(cfg.output)}", EXIT_INTERRUPTED) from None
+                       f"saving; {last_good(cfg.output, checkpointer.continue_with)}", EXIT_INTERRUPTED) from None
     finally:
         signals.stepping = False
     return results
@@ -372,13 +381,13 @@ def _stop(request: StopRequest, counter: StepCounter, checkpointer: Checkpointer
     step = counter.shown_step
     if request == StopRequest.PREEMPT:
         checkpointer.save_for_exit(counter)
-        saved = ("checkpoint saved; --resume continues" if checkpointer.save_all_states else
-                 "backbone.pth saved (save_all_states=False: --resume starts from it with new class centres)")
+        saved = (f"checkpoint saved; continue with: {checkpointer.continue_with}" if checkpointer.save_all_states
+                 else "backbone.pth saved (save_all_states=False: --resume starts from it with new class centres)")
         raise _stopped(f"preempted at global step {step}: {saved}", EXIT_PREEMPTED)
     last_save = f" (last saved at global step {checkpointer.saved_at})" if checkpointer.saved_at >= 0 else ""
     raise _stopped(f"stopped by Ctrl-C at global step {step}, without saving{last_save}; "
-                   f"{last_good(checkpointer.output)}; to save before stopping, send SIGTERM or SIGUSR1 instead "
-                   "of Ctrl-C", EXIT_INTERRUPTED)
+                   f"{last_good(checkpointer.output, checkpointer.continue_with)}; to save before stopping, send "
+                   "SIGTERM or SIGUSR1 instead of Ctrl-C", EXIT_INTERRUPTED)
 
 
 def _stopped(line: str, exit_code: int) -> RunStopped:
