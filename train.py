@@ -272,7 +272,7 @@ def _train_in_folder(cfg: SimpleNamespace, device: torch.device, source, restart
              len(dataset), dataset.num_classes, world(), counter.steps_per_epoch, total_steps, counter.global_step)
     if not _steps_left(cfg, counter, stop, checkpointer.renumbering):
         return {}
-    metrics = open_metrics(cfg)
+    metrics = open_metrics(cfg, counter.shown_step if source else None)
     try:
         results = _loop(cfg, state, loader, counter, checkpointer, stop, metrics, signals)
     except BaseException:
@@ -299,15 +299,17 @@ def _log_restart(restored: Restored | None, counter: StepCounter, save_every_ste
 def _steps_left(cfg: SimpleNamespace, counter: StepCounter, stop: int, renumbering: Renumbering | None) -> bool:
     """Whether a resumed run has steps left before `stop`; says what max_steps means when the shown steps are
     not the schedule's, and why nothing is trained when none are left."""
-    if counter.shown_offset:
+    if counter.shown_offset and cfg.max_steps:
         log.info("max_steps=%d counts steps of the LR schedule (%d per epoch now): this run stops at its step %d, "
                  "shown in the log and TensorBoard as step %d", cfg.max_steps, counter.steps_per_epoch, stop,
                  stop + counter.shown_offset)
     if counter.global_step < stop:
         return True
+    end = f"step {stop}" if not counter.shown_offset else \
+        f"step {stop} of the LR schedule, shown as step {stop + counter.shown_offset}"
     log.warning("nothing was trained: the run resumed at global step %d%s, already at or past the end of training "
-                "(step %d: max_steps=%d, num_epoch=%d); raise max_steps or num_epoch to train on", counter.global_step,
-                f" ({renumbering.describe()})" if renumbering else "", stop, cfg.max_steps, cfg.num_epoch)
+                "(%s: max_steps=%d, num_epoch=%d); raise max_steps or num_epoch to train on", counter.shown_step,
+                f" ({renumbering.describe()})" if renumbering else "", end, cfg.max_steps, cfg.num_epoch)
     return False
 
 
@@ -384,7 +386,8 @@ def _stop(request: StopRequest, counter: StepCounter, checkpointer: Checkpointer
         saved = (f"checkpoint saved; continue with: {checkpointer.continue_with}" if checkpointer.save_all_states
                  else "backbone.pth saved (save_all_states=False: --resume starts from it with new class centres)")
         raise _stopped(f"preempted at global step {step}: {saved}", EXIT_PREEMPTED)
-    last_save = f" (last saved at global step {checkpointer.saved_at})" if checkpointer.saved_at >= 0 else ""
+    saved_at = checkpointer.saved_at + counter.shown_offset  # the shown step, as every line of the log counts
+    last_save = f" (last saved at global step {saved_at})" if checkpointer.saved_at >= 0 else ""
     raise _stopped(f"stopped by Ctrl-C at global step {step}, without saving{last_save}; "
                    f"{last_good(checkpointer.output, checkpointer.continue_with)}; to save before stopping, send "
                    "SIGTERM or SIGUSR1 instead of Ctrl-C", EXIT_INTERRUPTED)

@@ -119,7 +119,7 @@ class Checkpointer:
         elif saved["global_step"]:  # step 0 (arcface_torch's 2021 layout) is step 0 however an epoch is cut
             self.renumbering = self._renumber(restored, counter)
         self._follow_schedule_changes(restored.config, counter)
-        log.info("resumed from %s at global step %d (epoch %d), lr %.6f", path, counter.global_step, counter.epoch,
+        log.info("resumed from %s at global step %d (epoch %d), lr %.6f", path, counter.shown_step, counter.epoch,
                  self.state.optimizer.param_groups[0]["lr"])
         _log_config_changes(restored.config, self.config)
         self.saved_at = counter.global_step

@@ -83,7 +83,7 @@ def test_resume_on_one_process_continues_at_the_saved_step_with_the_saved_lr(two
     result = train(data, output, "max_steps=10", resume=True)
     assert result.returncode == 0, result.stderr[-3000:]
     log = (output / "training.log").read_text()
-    assert f"resumed from {output / 'checkpoint.json'} at global step 8 (epoch 0), lr {saved_lr:.6f}" in log
+    assert f"resumed from {output / 'checkpoint.json'} at global step 4 (epoch 0), lr {saved_lr:.6f}" in log
     assert ("resuming a run of 2 process(es) and 5 steps per epoch with 1 and 10: step 4 becomes step 8 of the LR "
             "schedule; the log and TensorBoard go on counting from step 4; the data order of this epoch differs from "
             "the original run") in log
