@@ -386,6 +386,7 @@ def _stop(request: StopRequest, counter: StepCounter, checkpointer: Checkpointer
         saved = (f"checkpoint saved; continue with: {checkpointer.continue_with}" if checkpointer.save_all_states
                  else "backbone.pth saved (save_all_states=False: --resume starts from it with new class centres)")
         raise _stopped(f"preempted at global step {step}: {saved}", EXIT_PREEMPTED)
+    checkpointer.settle()  # a save in flight is published first, so that the line says what is on disk
     saved_at = checkpointer.saved_at + counter.shown_offset  # the shown step, as every line of the log counts
     last_save = f" (last saved at global step {saved_at})" if checkpointer.saved_at >= 0 else ""
     raise _stopped(f"stopped by Ctrl-C at global step {step}, without saving{last_save}; "

@@ -213,7 +213,7 @@ class Checkpointer:
         return logging.DEBUG
 
     def settle(self) -> None:
-        """For a run stopping on an error: let a save in flight publish or fail as it would (its
+        """For a run stopping (on an error, a Ctrl-C): let a save in flight publish or fail as it would (its
         collectives must not outlive the process group); its own error is logged, not raised, so
         that the error that stopped the run is the one reported."""
         try:

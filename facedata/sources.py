@@ -148,6 +148,14 @@ class FolderSource:
     def describe(self, index: int) -> str:
         return f"image {self.paths[index]}"
 
+    def pack_first(self, views: int) -> str:
+        """What to do with photos that are not already 112x112 faces (`views` side by side): pack the folder,
+        which prepares every photo, and train on the records."""
+        packed = f"{self.root.rstrip(os.sep)}_packed"
+        return (f"an image folder trains on photos that are {IMAGE_SIZE}x{views * IMAGE_SIZE} faces already; pack "
+                f"it first, which prepares every photo: python -m tools.pack_rec {self.root} {packed} --views "
+                f"{views} --crop (or --resize, --pad, --landmarks FILE), then train with --set rec={packed}")
+
     def read(self, index: int) -> tuple[bytes, int]:
         with open(self.paths[index], "rb") as f:
             return f.read(), int(self.labels[index])
