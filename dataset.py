@@ -31,10 +31,11 @@ from facedata.preparation_record import (
     write_preparation,
 )
 from facedata.recordio import IRHeader, RecordReader, unpack
+from facedata.sources import classes_in_header
 from facedata.synthetic import identity_records, verification_pairs
 
 __all__ = ["FaceLoader", "IRHeader", "InsightfaceWriter", "Preparation", "PreparedFace", "RecordReader",
-           "add_preparation_arguments", "build_dataset", "build_loader", "check_output", "empty_folders", "encode",
-           "held_out", "identity_records", "pack_identity", "preparation_following", "preparation_from_args",
-           "read_preparation", "read_record", "recorded_preparation", "scan_identities", "skipped_folders_line",
-           "stretch_warning", "unpack", "verification_pairs", "write_preparation"]
+           "add_preparation_arguments", "build_dataset", "build_loader", "check_output", "classes_in_header",
+           "empty_folders", "encode", "held_out", "identity_records", "pack_identity", "preparation_following",
+           "preparation_from_args", "read_preparation", "read_record", "recorded_preparation", "scan_identities",
+           "skipped_folders_line", "stretch_warning", "unpack", "verification_pairs", "write_preparation"]

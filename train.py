@@ -30,7 +30,7 @@ from checkpoint.checkpointer import Checkpointer, Renumbering, last_good
 from checkpoint.restored import Restored
 from checkpoint.run_config import RUN_CONFIG_NAME, ResumeCommand, resumed_overrides
 from checkpoint.run_dir import AUTO, continues_torchrun_run, lock_run_dir, resolve_resume
-from dataset import FaceLoader, build_dataset, build_loader, recorded_preparation
+from dataset import FaceLoader, build_dataset, build_loader, classes_in_header, recorded_preparation
 from eval.callback import VerificationCallback, check_val_targets
 from training.memory_plan import describe, describe_fit, device_bytes, fit, memory_plan
 from training.state import StepCounter, TrainingState, architecture, build_training_state, wrap_in_ddp
@@ -136,15 +136,19 @@ def _report_interrupt(output: str | None, continue_with: str) -> None:
 def dry_run_report(cfg: SimpleNamespace, world_size: int, as_json: bool, available: int | None) -> str:
     """The resolved configuration and the memory plan of one process of `world_size`; with `available`
     bytes per process, whether it fits and the largest batch_size and fewest processes that would."""
-    plan = memory_plan(cfg, cfg.num_classes, world_size)
-    result = None if available is None or cfg.num_classes is None else fit(cfg, cfg.num_classes, world_size,
-                                                                           available)
+    from_header = classes_in_header(cfg.rec) if cfg.num_classes is None and cfg.rec != "synthetic" else None
+    num_classes = cfg.num_classes if from_header is None else from_header
+    plan = memory_plan(cfg, num_classes, world_size)
+    result = None if available is None or num_classes is None else fit(cfg, num_classes, world_size, available)
     if as_json:
         verdict = {} if result is None else {
             "device_memory": available, "fits": result.fits, "largest_batch_size": result.largest_batch_size,
             "fewest_processes": result.fewest_processes}
-        return json.dumps({"config": vars(cfg), "memory": {"world_size": world_size, **plan, **verdict}})
-    keys = "\n".join(f"{key} = {value!r}" for key, value in vars(cfg).items())
+        read = {} if from_header is None else {"num_classes": from_header}  # beside the config, which says None
+        return json.dumps({"config": vars(cfg), "memory": {"world_size": world_size, **read, **plan, **verdict}})
+    keys = "\n".join(f"{key} = {value!r}" + (f"  # {from_header}, read from {cfg.rec}/train.rec's header"
+                                              if key == "num_classes" and from_header is not None else "")
+                     for key, value in vars(cfg).items())
     if result is not None:
         verdict = describe_fit(result, cfg, world_size)
     elif available is None:
