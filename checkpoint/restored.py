@@ -29,7 +29,7 @@ class Restored:
 def check_architecture(saved: Mapping, architecture: Mapping, where: Path) -> None:
     """CheckpointError unless the checkpoint at `where` was written for this run's network and classes."""
     differences = [f"{key} {saved.get(key)!r} there, {architecture[key]!r} here" for key in SHAPE_KEYS
-                   if saved.get(key) != architecture[key]]
+                   if key in architecture and saved.get(key) != architecture[key]]
     if differences:
         raise CheckpointError(f"{where} was written for another model ({'; '.join(differences)}); resume with the "
                               "config that wrote it, or start a new output folder")

@@ -92,7 +92,7 @@ def load_bin(path: str | os.PathLike, image_size: tuple[int, int] = (IMAGE_SIZE,
     """
     path = os.fspath(path)
     if not os.path.isfile(path):
-        raise DataError(f"verification set {located(path)} does not exist; check the path")
+        raise DataError(f"verification set {located(path)} does not exist; check the path given to --bins")
     fix = "pass a .bin as insightface ships them or tools.make_bin writes them"
     try:
         bins, issame = _read_pickle(path)

@@ -412,3 +412,10 @@ def test_evaluation_compares_the_sets_preparation_with_the_models_and_keeps_othe
                         "tools.make_bin --crop"]
     recorded = json.loads((folder / "model.json").read_text())["verification"]
     assert recorded["faces_val"] == earlier and recorded["noise"]["held_out"] is True
+
+
+def test_a_missing_bin_names_the_option_it_came_from(run, tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        verification.main(["--model", str(run), "--bins", str(tmp_path / "nope.bin")])
+    assert assert_one_sentence(capsys.readouterr().err) == (
+        f"verification set {tmp_path / 'nope.bin'} does not exist; check the path given to --bins")
