@@ -101,7 +101,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except RunStopped as stopped:  # its line is in the log already
         return stopped.exit_code
     except KeyboardInterrupt:  # a Ctrl-C before the steps began or after they ended
-        _report_interrupt(cfg.output if cfg else None, str(RunSettings(args.config, overrides).resume_command))
+        _report_interrupt(cfg.output if cfg else None,  # cfg set: so are the overrides it was loaded with
+                          str(RunSettings(args.config, overrides).resume_command) if cfg else "")
         return EXIT_INTERRUPTED
     return 0
 
