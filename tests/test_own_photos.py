@@ -110,7 +110,12 @@ def test_the_preparation_is_recorded_with_the_records_and_carried_into_the_model
     assert json.loads((folder / "data/my_faces/train.rec.preparation.json").read_text())["photo_preparation"] == "crop"
     assert json.loads((folder / "data/my_faces/my_faces_val.bin.preparation.json").read_text())[
         "photo_preparation"] == "crop"
-    assert json.loads((folder / "output/my_faces/model.json").read_text())["photo_preparation"] == "crop"
+    info = json.loads((folder / "output/my_faces/model.json").read_text())
+    assert info["photo_preparation"] == "crop"
+    # None of photos_val's people were packed: its threshold stands for faces the model has never seen.
+    assert json.loads((folder / "data/my_faces/my_faces_val.bin.preparation.json").read_text())[
+        "people_in_training"] == 0
+    assert info["verification"]["my_faces_val"]["held_out"] is True
     assert ("data/my_faces/my_faces_val.bin: photos prepared with --crop, as the model's training photos "
             "(output/my_faces/model.json)") in walked["eval.verification"].stdout.splitlines()
 
