@@ -6,18 +6,36 @@ train.py and the tools use, and the names arcface_torch users know (``RecordRead
 """
 from facedata.faces import build_dataset
 from facedata.loader import FaceLoader, build_loader
-from facedata.packing import InsightfaceWriter, check_output, encode, pack_identity, scan_identities
+from facedata.packing import (
+    InsightfaceWriter,
+    check_output,
+    empty_folders,
+    encode,
+    pack_identity,
+    scan_identities,
+    skipped_folders_line,
+)
 from facedata.photos import (
     Preparation,
     PreparedFace,
     add_preparation_arguments,
+    preparation_following,
     preparation_from_args,
     stretch_warning,
 )
+from facedata.preparation_record import (
+    held_out,
+    read_preparation,
+    read_record,
+    recorded_preparation,
+    write_preparation,
+)
 from facedata.recordio import IRHeader, RecordReader, unpack
+from facedata.sources import classes_in_header
 from facedata.synthetic import identity_records, verification_pairs
 
 __all__ = ["FaceLoader", "IRHeader", "InsightfaceWriter", "Preparation", "PreparedFace", "RecordReader",
-           "add_preparation_arguments", "build_dataset", "build_loader", "check_output", "encode", "identity_records",
-           "pack_identity", "preparation_from_args", "scan_identities", "stretch_warning", "unpack",
-           "verification_pairs"]
+           "add_preparation_arguments", "build_dataset", "build_loader", "check_output", "classes_in_header",
+           "empty_folders", "encode", "held_out", "identity_records", "pack_identity", "preparation_following",
+           "preparation_from_args", "read_preparation", "read_record", "recorded_preparation", "scan_identities",
+           "skipped_folders_line", "stretch_warning", "unpack", "verification_pairs", "write_preparation"]

@@ -27,9 +27,9 @@ import torch
 from backbones.trained import BACKBONE_NAME
 from checkpoint.checkpointer import Checkpointer, Renumbering, last_good
 from checkpoint.restored import Restored
-from checkpoint.run_config import RUN_CONFIG_NAME, resumed_overrides
+from checkpoint.run_config import RUN_CONFIG_NAME, ResumeCommand, resumed_overrides
 from checkpoint.run_dir import AUTO, continues_torchrun_run, lock_run_dir, resolve_resume
-from dataset import FaceLoader, build_dataset, build_loader
+from dataset import FaceLoader, build_dataset, build_loader, classes_in_header, recorded_preparation
 from eval.callback import VerificationCallback, check_val_targets
 from training.memory_plan import describe, describe_fit, device_bytes, fit, memory_plan
 from training.state import StepCounter, TrainingState, architecture, build_training_state, wrap_in_ddp
@@ -96,7 +96,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except RunStopped as stopped:  # its line is in the log already
         return stopped.exit_code
     except KeyboardInterrupt:  # a Ctrl-C before the steps began or after they ended
-        _report_interrupt(cfg.output if cfg else None)
+        _report_interrupt(cfg.output if cfg else None,  # cfg set: so are the overrides it was loaded with
+                          str(RunSettings(args.config, overrides).resume_command) if cfg else "")
         return EXIT_INTERRUPTED
     return 0
 
@@ -114,7 +115,7 @@ def _train_in_process_group(cfg: SimpleNamespace, device: torch.device, settings
             raise
         raise TrainingError(f"lost contact with another process ({failure}), which stopped or became "
                             "unreachable: its own error line, if it printed one, says why; fix that, then "
-                            "start again (--resume continues from the last checkpoint)") from error
+                            f"continue from the last checkpoint with: {settings.resume_command}") from error
     finally:
         cleanup()
 
@@ -132,11 +133,11 @@ def _report_user_error(error: UserError, phase: str) -> None:
         tell(phase, CONFIG_ERROR if config_error else NO_CONFIG_ERROR)
 
 
-def _report_interrupt(output: str | None) -> None:
+def _report_interrupt(output: str | None, continue_with: str) -> None:
     """One line on stderr and in training.log for a Ctrl-C that stopped the run at once."""
     if launched_rank() != 0:
         return
-    line = "stopped by Ctrl-C" + (f"; {last_good(output)}" if output else "")
+    line = "stopped by Ctrl-C" + (f"; {last_good(output, continue_with)}" if output else "")
     sys.stderr.write(line + "\n")
     log_to_file_only(line)
 
@@ -144,15 +145,19 @@ def _report_interrupt(output: str | None) -> None:
 def dry_run_report(cfg: SimpleNamespace, world_size: int, as_json: bool, available: int | None) -> str:
     """The resolved configuration and the memory plan of one process of `world_size`; with `available`
     bytes per process, whether it fits and the largest batch_size and fewest processes that would."""
-    plan = memory_plan(cfg, cfg.num_classes, world_size)
-    result = None if available is None or cfg.num_classes is None else fit(cfg, cfg.num_classes, world_size,
-                                                                           available)
+    from_header = classes_in_header(cfg.rec) if cfg.num_classes is None and cfg.rec != "synthetic" else None
+    num_classes = cfg.num_classes if from_header is None else from_header
+    plan = memory_plan(cfg, num_classes, world_size)
+    result = None if available is None or num_classes is None else fit(cfg, num_classes, world_size, available)
     if as_json:
         verdict = {} if result is None else {
             "device_memory": available, "fits": result.fits, "largest_batch_size": result.largest_batch_size,
             "fewest_processes": result.fewest_processes}
-        return json.dumps({"config": vars(cfg), "memory": {"world_size": world_size, **plan, **verdict}})
-    keys = "\n".join(f"{key} = {value!r}" for key, value in vars(cfg).items())
+        read = {} if from_header is None else {"num_classes": from_header}  # beside the config, which says None
+        return json.dumps({"config": vars(cfg), "memory": {"world_size": world_size, **read, **plan, **verdict}})
+    keys = "\n".join(f"{key} = {value!r}" + (f"  # {from_header}, read from {cfg.rec}/train.rec's header"
+                                              if key == "num_classes" and from_header is not None else "")
+                     for key, value in vars(cfg).items())
     if result is not None:
         verdict = describe_fit(result, cfg, world_size)
     elif available is None:
@@ -192,7 +197,7 @@ def _share_cpu(num_workers: int) -> None:
     torch.set_num_threads(max(1, per_process - num_workers))
 
 
-def _count_nonfinite(outcome: StepOutcome, counter: StepCounter, cfg) -> None:
+def _count_nonfinite(outcome: StepOutcome, counter: StepCounter, cfg, continue_with: str) -> None:
     """Count skipped steps; fp16 gradient overflow alone is routine (the scale backs off) and not counted."""
     if outcome == StepOutcome.TAKEN or (outcome == StepOutcome.GRAD_NONFINITE and cfg.fp16):
         counter.nonfinite_in_a_row = 0
@@ -205,7 +210,8 @@ def _count_nonfinite(outcome: StepOutcome, counter: StepCounter, cfg) -> None:
     if counter.nonfinite_in_a_row >= cfg.max_nonfinite_steps:
         raise TrainingError(f"stopped at global step {counter.shown_step}: {counter.nonfinite_in_a_row} "
                             f"non-finite losses in a row (max_nonfinite_steps={cfg.max_nonfinite_steps}); "
-                            f"{last_good(cfg.output)}; lower lr, try bf16 instead of fp16, or check the data")
+                            f"{last_good(cfg.output, continue_with)}; lower lr, try bf16 instead of fp16, or check "
+                            "the data")
 
 
 @dataclass(frozen=True)
@@ -217,6 +223,13 @@ class RunSettings:
     overrides: Sequence[str] = ()
     kept: Sequence[str] = ()
 
+    @property
+    def resume_command(self) -> ResumeCommand:
+        """The command line that continues this run (config file, every --set given, --resume)."""
+        script = os.path.relpath(__file__)
+        return ResumeCommand(os.path.abspath(__file__) if script.startswith("..") else script, self.config_file,
+                             tuple(self.overrides))
+
 
 def train(cfg: SimpleNamespace, device: torch.device, settings: RunSettings,
           signals: StopSignals) -> dict[str, float]:
@@ -225,7 +238,8 @@ def train(cfg: SimpleNamespace, device: torch.device, settings: RunSettings,
     A start that torchrun makes again for the same run (after a lost process or node, or when a node
     joins) continues the run in its folder, as resume="auto" does, whatever `resume` says."""
     restarted = agreed(lambda: continues_torchrun_run(cfg.output, torchrun_run_id()))
-    source = agreed(lambda: resolve_resume(cfg.output, AUTO if restarted else cfg.resume))
+    source = agreed(lambda: resolve_resume(cfg.output, AUTO if restarted else cfg.resume,
+                                           settings.resume_command.with_sets))
     lock = agreed(lambda: lock_run_dir(cfg.output, torchrun_run_id()), share=False)
     try:
         return _train_in_folder(cfg, device, source, restarted, settings, signals)
@@ -255,10 +269,11 @@ def _train_in_folder(cfg: SimpleNamespace, device: torch.device, source, restart
     counter = StepCounter(steps_per_epoch=_steps_per_epoch(loader, cfg.gradient_acc))
     _check_memory(cfg, dataset.num_classes, device)
     state = build_training_state(cfg, dataset.num_classes, device, counter.steps_per_epoch)
-    checkpointer = Checkpointer(cfg.output, state, loader, architecture(cfg, dataset.num_classes), vars(cfg),
+    checkpointer = Checkpointer(cfg.output, state, loader,
+                                architecture(cfg, dataset.num_classes, recorded_preparation(cfg.rec)), vars(cfg),
                                 save_every_steps=cfg.save_every_steps, save_all_states=cfg.save_all_states,
                                 async_save=cfg.async_save, config_file=settings.config_file,
-                                overrides=settings.overrides)
+                                overrides=settings.overrides, continue_with=str(settings.resume_command))
     torch.manual_seed(cfg.seed + 1 + rank())  # per-rank streams for centre sampling and dropout
     restored = checkpointer.resume(source, counter) if source else None  # replaces those streams with the saved ones
     if restarted:
@@ -270,7 +285,7 @@ def _train_in_folder(cfg: SimpleNamespace, device: torch.device, source, restart
              len(dataset), dataset.num_classes, world(), counter.steps_per_epoch, total_steps, counter.global_step)
     if not _steps_left(cfg, counter, stop, checkpointer.renumbering):
         return {}
-    metrics = open_metrics(cfg)
+    metrics = open_metrics(cfg, counter.shown_step if source else None)
     try:
         results = _loop(cfg, state, loader, counter, checkpointer, stop, metrics, signals)
     except BaseException:
@@ -298,15 +313,17 @@ def _log_restart(restored: Restored | None, counter: StepCounter, save_every_ste
 def _steps_left(cfg: SimpleNamespace, counter: StepCounter, stop: int, renumbering: Renumbering | None) -> bool:
     """Whether a resumed run has steps left before `stop`; says what max_steps means when the shown steps are
     not the schedule's, and why nothing is trained when none are left."""
-    if counter.shown_offset:
+    if counter.shown_offset and cfg.max_steps:
         log.info("max_steps=%d counts steps of the LR schedule (%d per epoch now): this run stops at its step %d, "
                  "shown in the log and TensorBoard as step %d", cfg.max_steps, counter.steps_per_epoch, stop,
                  stop + counter.shown_offset)
     if counter.global_step < stop:
         return True
+    end = f"step {stop}" if not counter.shown_offset else \
+        f"step {stop} of the LR schedule, shown as step {stop + counter.shown_offset}"
     log.warning("nothing was trained: the run resumed at global step %d%s, already at or past the end of training "
-                "(step %d: max_steps=%d, num_epoch=%d); raise max_steps or num_epoch to train on", counter.global_step,
-                f" ({renumbering.describe()})" if renumbering else "", stop, cfg.max_steps, cfg.num_epoch)
+                "(%s: max_steps=%d, num_epoch=%d); raise max_steps or num_epoch to train on", counter.shown_step,
+                f" ({renumbering.describe()})" if renumbering else "", end, cfg.max_steps, cfg.num_epoch)
     return False
 
 
@@ -349,7 +366,7 @@ def _loop(cfg, state: TrainingState, loader: FaceLoader, counter: StepCounter, c
             epoch, lr = counter.epoch, state.optimizer.param_groups[0]["lr"]  # of this step, for the log
             losses, outcome = train_step(state, micro_batches, cfg)
             counter.global_step = step + 1
-            _count_nonfinite(outcome, counter, cfg)
+            _count_nonfinite(outcome, counter, cfg, checkpointer.continue_with)
             if outcome != StepOutcome.LOSS_NONFINITE:  # a skipped fp16 overflow step still has a loss worth logging
                 speed(counter.shown_step, losses, epoch, lr, grad_scale)
             final = counter.global_step == stop
@@ -369,7 +386,7 @@ def _loop(cfg, state: TrainingState, loader: FaceLoader, counter: StepCounter, c
                         metrics.log_artifact(Path(cfg.output) / BACKBONE_NAME, name)
     except KeyboardInterrupt:  # a second Ctrl-C
         raise _stopped(f"stopped at once by a second Ctrl-C after global step {counter.shown_step}, without "
-                       f"saving; {last_good(cfg.output)}", EXIT_INTERRUPTED) from None
+                       f"saving; {last_good(cfg.output, checkpointer.continue_with)}", EXIT_INTERRUPTED) from None
     finally:
         signals.stepping = False
     return results
@@ -380,13 +397,15 @@ def _stop(request: StopRequest, counter: StepCounter, checkpointer: Checkpointer
     step = counter.shown_step
     if request == StopRequest.PREEMPT:
         checkpointer.save_for_exit(counter)
-        saved = ("checkpoint saved; --resume continues" if checkpointer.save_all_states else
-                 "backbone.pth saved (save_all_states=False: --resume starts from it with new class centres)")
+        saved = (f"checkpoint saved; continue with: {checkpointer.continue_with}" if checkpointer.save_all_states
+                 else "backbone.pth saved (save_all_states=False: --resume starts from it with new class centres)")
         raise _stopped(f"preempted at global step {step}: {saved}", EXIT_PREEMPTED)
-    last_save = f" (last saved at global step {checkpointer.saved_at})" if checkpointer.saved_at >= 0 else ""
+    checkpointer.settle()  # a save in flight is published first, so that the line says what is on disk
+    saved_at = checkpointer.saved_at + counter.shown_offset  # the shown step, as every line of the log counts
+    last_save = f" (last saved at global step {saved_at})" if checkpointer.saved_at >= 0 else ""
     raise _stopped(f"stopped by Ctrl-C at global step {step}, without saving{last_save}; "
-                   f"{last_good(checkpointer.output)}; to save before stopping, send SIGTERM or SIGUSR1 instead "
-                   "of Ctrl-C", EXIT_INTERRUPTED)
+                   f"{last_good(checkpointer.output, checkpointer.continue_with)}; to save before stopping, send "
+                   "SIGTERM or SIGUSR1 instead of Ctrl-C", EXIT_INTERRUPTED)
 
 
 def _stopped(line: str, exit_code: int) -> RunStopped:

@@ -28,6 +28,6 @@ def read_face_image(path: str | Path, preparation: Preparation | None = None) ->
 def flip_fused_embeddings(model: nn.Module, images: torch.Tensor) -> torch.Tensor:
     """(N, 3, 112, 112) images in [-1, 1] -> (N, D) float32 unit-length embeddings of each image's and its
     mirror image's embeddings summed: what verification (Accuracy-Flip, the recorded threshold) scores."""
-    device = next(model.parameters()).device
-    images = images.to(device)
+    weight = next(model.parameters(), None)  # None: a model run elsewhere (ONNX), which takes CPU tensors
+    images = images.to(weight.device if weight is not None else "cpu")
     return F.normalize((model(images) + model(images.flip(3))).float(), dim=1)

@@ -1,14 +1,14 @@
-"""A trained backbone on disk, written by training and named the one way every tool takes it: a run
-folder, or a ``.pth`` file.
+"""A trained backbone on disk, written by training and named the one way every tool takes it: a run folder,
+or a ``.pth`` file.
 
-A run folder written by train.py holds ``backbone.pth`` (the plain backbone state_dict with CPU
-tensors, as arcface_torch saves it, so either project loads the other's with strict=True) and
-``model.json`` (``network``, ``network_kwargs``, ``embedding_size``, ``num_classes``: what
-``save_backbone`` is given; and ``verification``: per verification set, the operating point of the
-model's last verification, during training or by eval.verification, which tools.inference's verdict
-uses). Given the folder, or a ``.pth`` with a ``model.json`` beside it, nothing else is needed. A bare
-``.pth`` (e.g. from arcface_torch) needs its network and the options it was trained with:
-``--network r50 --network-kw width_mult=0.25 num_features=256``.
+A run folder written by train.py holds ``backbone.pth`` (the plain backbone state_dict with CPU tensors,
+as arcface_torch saves it, so either project loads the other's with strict=True) and ``model.json``
+(``network``, ``network_kwargs``, ``embedding_size``, ``num_classes``, and ``photo_preparation`` when the
+training data recorded one: what ``save_backbone`` is given; and ``verification``: per verification set,
+the operating point of the model's last verification, during training or by eval.verification, which
+tools.inference's verdict uses). Given the folder, or a ``.pth`` with a ``model.json`` beside it, nothing
+else is needed. A bare ``.pth`` (e.g. from arcface_torch) needs its network and the options it was trained
+with: ``--network r50 --network-kw width_mult=0.25 num_features=256``.
 """
 from __future__ import annotations
 
@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from backbones.weights import load_backbone, read_state_dict, suggest_network
+from facedata.photos import PREPARATIONS
 from utils.atomic import atomic_save, write_bytes
 from utils.config import check_network_options
 from utils.distributed import is_main
@@ -51,12 +52,13 @@ def save_backbone(backbone: nn.Module, output_dir: str | os.PathLike, architectu
 
 def record_verification(saved: SavedBackbone, verification: Mapping) -> Path | None:
     """Put `verification` ({set name: operating point}) in the model.json beside `saved`'s weights, replacing
-    the one recorded before; the file written, or None when the weights have no model.json (a bare .pth)."""
+    what was recorded before for those sets (the others stay: a set evaluated alone does not take the place of
+    the held-out one); the file written, or None when the weights have no model.json (a bare .pth)."""
     info_path = saved.weights.parent / MODEL_INFO_NAME
     if not info_path.is_file():
         return None
     info = {key: value for key, value in json.loads(info_path.read_text()).items() if key != "verification"}
-    _write_model_info(info_path, model_info(info, verification))
+    _write_model_info(info_path, model_info(info, {**saved.verification, **verification}))
     return info_path
 
 
@@ -77,6 +79,12 @@ class SavedBackbone:
     network: str
     options: dict[str, object] = field(default_factory=dict)
     verification: dict[str, dict] = field(default_factory=dict)  # model.json's, see the module doc
+    photo_preparation: str | None = None  # how its training photos were prepared (model.json), if known
+
+    @property
+    def info_path(self) -> Path:
+        """The model.json beside the weights (which may not exist: a bare .pth)."""
+        return self.weights.parent / MODEL_INFO_NAME
 
     def describe(self) -> str:
         """``r18 (width_mult=0.125, num_features=32) from output/backbone.pth``."""
@@ -99,9 +107,9 @@ def parse_network_kw(items: Sequence[str]) -> dict[str, object]:
     return options
 
 
-def _read_model_info(path: Path) -> tuple[str, dict[str, object], dict[str, dict]]:
-    """``(network, get_model options, verification)`` from a model.json; the embedding size becomes
-    num_features."""
+def _read_model_info(path: Path) -> tuple[str, dict[str, object], dict[str, dict], str | None]:
+    """``(network, get_model options, verification, photo preparation)`` from a model.json; the embedding size
+    becomes num_features."""
     fix = "pass the .pth file with --network NAME instead, or the run folder train.py wrote"
     try:
         info = json.loads(path.read_text())
@@ -119,7 +127,11 @@ def _read_model_info(path: Path) -> tuple[str, dict[str, object], dict[str, dict
     except ConfigError as error:
         raise WeightsError(f"{error}; {fix}") from None
     verification = info.get("verification", {})
-    return info["network"], options, verification if isinstance(verification, dict) else {}
+    preparation = info.get("photo_preparation")
+    if preparation is not None and preparation not in PREPARATIONS:
+        raise WeightsError(f"{path} records photo_preparation {preparation!r}, not one of {', '.join(PREPARATIONS)}; "
+                           "remove that key, or use the model.json train.py wrote")
+    return info["network"], options, verification if isinstance(verification, dict) else {}, preparation
 
 
 def _merge(info_path: Path, saved_network: str, saved_options: dict[str, object], network: str | None,
@@ -151,16 +163,17 @@ def find_saved_backbone(path: str | Path, network: str | None = None,
         raise WeightsError(f"weights file {located(path)} does not exist; pass a run folder written by train.py or "
                            "a backbone .pth file")
     info_path = weights.parent / MODEL_INFO_NAME
-    verification = {}
+    verification, preparation = {}, None
     if info_path.is_file():
-        saved_network, saved_options, verification = _read_model_info(info_path)
+        saved_network, saved_options, verification, preparation = _read_model_info(info_path)
         network, options = _merge(info_path, saved_network, saved_options, network, options)
     elif network is None:
         suggestion = suggest_network(read_state_dict(weights))
         hint = f" (it fits {suggestion})" if suggestion else ""
         raise ConfigError(f"{weights} is a bare backbone without a {MODEL_INFO_NAME} beside it; pass --network NAME "
                           f"and the options it was trained with as --network-kw KEY=VALUE{hint}")
-    return SavedBackbone(weights=weights, network=network, options=options, verification=verification)
+    return SavedBackbone(weights=weights, network=network, options=options, verification=verification,
+                         photo_preparation=preparation)
 
 
 def load_saved_backbone(path: str | Path, network: str | None = None, options: Mapping[str, object] | None = None,

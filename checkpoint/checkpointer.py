@@ -82,7 +82,8 @@ class Checkpointer:
 
     def __init__(self, output: str, state: TrainingState, loader: FaceLoader, architecture: Mapping,
                  config: Mapping, *, save_every_steps: int = 0, save_all_states: bool = True,
-                 async_save: bool = False, config_file: str = "", overrides: Sequence[str] = ()) -> None:
+                 async_save: bool = False, config_file: str = "", overrides: Sequence[str] = (),
+                 continue_with: str = "--resume") -> None:
         self.output, self.state, self.loader = output, state, loader
         self.architecture, self.config = dict(architecture), dict(config)
         self.save_every_steps, self.save_all_states = save_every_steps, save_all_states
@@ -92,6 +93,7 @@ class Checkpointer:
         self._group = checkpoint_group() if self._staging else None  # the writer thread's own collectives
         self._in_flight: tuple[BackgroundSave, int, int] | None = None  # the save, its shown step, its log level
         self.config_file, self.overrides = str(config_file), list(overrides)
+        self.continue_with = continue_with  # the command line that continues the run, for its stop lines
         self._logged_save_at: int | None = None  # the step of the last save logged at info level
         self.renumbering: Renumbering | None = None  # how resume() renumbered the saved step, if it did
 
@@ -117,7 +119,7 @@ class Checkpointer:
         elif saved["global_step"]:  # step 0 (arcface_torch's 2021 layout) is step 0 however an epoch is cut
             self.renumbering = self._renumber(restored, counter)
         self._follow_schedule_changes(restored.config, counter)
-        log.info("resumed from %s at global step %d (epoch %d), lr %.6f", path, counter.global_step, counter.epoch,
+        log.info("resumed from %s at global step %d (epoch %d), lr %.6f", path, counter.shown_step, counter.epoch,
                  self.state.optimizer.param_groups[0]["lr"])
         _log_config_changes(restored.config, self.config)
         self.saved_at = counter.global_step
@@ -212,7 +214,7 @@ class Checkpointer:
         return logging.DEBUG
 
     def settle(self) -> None:
-        """For a run stopping on an error: let a save in flight publish or fail as it would (its
+        """For a run stopping (on an error, a Ctrl-C): let a save in flight publish or fail as it would (its
         collectives must not outlive the process group); its own error is logged, not raised, so
         that the error that stopped the run is the one reported."""
         try:
@@ -228,9 +230,10 @@ class Checkpointer:
         self.wait_for_save()
 
 
-def last_good(output: str) -> str:
-    """What a stopped run leaves in `output` to continue from, for its last line."""
-    for name, advice in ((POINTER_NAME, " (continue with --resume)"), (BACKBONE_NAME, "")):
+def last_good(output: str, continue_with: str = "--resume") -> str:
+    """What a stopped run leaves in `output` to continue from, for its last line; `continue_with`: the command
+    that continues it (run_config.resume_command)."""
+    for name, advice in ((POINTER_NAME, f" (continue with: {continue_with})"), (BACKBONE_NAME, "")):
         if os.path.exists(os.path.join(output, name)):
             return f"the last good {name} in {output} is untouched{advice}"
     return "no checkpoint had been written yet"

@@ -5,6 +5,9 @@
 - `.tmp-checkpoint-<step>/`: a save being written, renamed to its final name once complete;
 - `checkpoint.json`: `{"format", "directory", "global_step", "world_size", "model"}` with a checksum of
   itself, naming the published folder. `directory` is always the name of a child of the run folder.
+
+`<step>` and `global_step` are the shown step, the one the log and TensorBoard count (it goes on counting
+across a resume that renumbers the LR schedule's step); state.json's progress holds the schedule's.
 """
 from __future__ import annotations
 

@@ -10,6 +10,10 @@ from torch import nn
 
 from utils.errors import CheckpointError
 
+# What the weights are shaped by: a checkpoint must agree on each (the photos' preparation, also in the
+# architecture a run records, may change between starts: it shapes no tensor).
+SHAPE_KEYS = ("network", "network_kwargs", "embedding_size", "num_classes")
+
 
 @dataclass
 class Restored:
@@ -24,8 +28,8 @@ class Restored:
 
 def check_architecture(saved: Mapping, architecture: Mapping, where: Path) -> None:
     """CheckpointError unless the checkpoint at `where` was written for this run's network and classes."""
-    differences = [f"{key} {saved.get(key)!r} there, {value!r} here" for key, value in architecture.items()
-                   if saved.get(key) != value]
+    differences = [f"{key} {saved.get(key)!r} there, {architecture[key]!r} here" for key in SHAPE_KEYS
+                   if key in architecture and saved.get(key) != architecture[key]]
     if differences:
         raise CheckpointError(f"{where} was written for another model ({'; '.join(differences)}); resume with the "
                               "config that wrote it, or start a new output folder")

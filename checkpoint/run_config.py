@@ -3,7 +3,9 @@ resumed) with, so that `--resume` keeps what was said without it being said agai
 from __future__ import annotations
 
 import json
+import shlex
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 from checkpoint.pointer import POINTER_NAME
@@ -11,6 +13,7 @@ from checkpoint.run_dir import AUTO
 from utils.atomic import atomic_save, write_bytes
 from utils.config import override_key
 from utils.errors import ConfigError
+from utils.launcher import launch_words
 
 RUN_CONFIG_NAME = "config.json"
 # Keys that say where a run is, not how it trains: never carried over from an earlier start.
@@ -42,6 +45,25 @@ def kept_overrides(overrides: Sequence[str]) -> list[str]:
     """The overrides a later resume keeps: the last one of each key, where-keys left out."""
     last = {override_key(item): item for item in overrides}
     return [item for key, item in last.items() if key not in WHERE_KEYS]
+
+
+@dataclass(frozen=True)
+class ResumeCommand:
+    """The command line that continues a run: its launcher, `script` and config file, every `--set` given
+    (the last of each key; `output` included, since --resume looks the run up there), then `--resume`."""
+
+    script: str
+    config_file: str
+    overrides: tuple[str, ...] = ()
+
+    def __str__(self) -> str:
+        return self.with_sets()
+
+    def with_sets(self, *extra: str) -> str:
+        """The command with `extra` KEY=VALUE overrides too (each replacing a --set of its key)."""
+        last = {override_key(item): item for item in (*self.overrides, *extra)}
+        sets = [f"--set {shlex.quote(item)}" for key, item in last.items() if key != "resume"]
+        return " ".join([launch_words(), shlex.quote(self.script), shlex.quote(self.config_file), *sets, "--resume"])
 
 
 def write_run_config(output: str, config_file: str, overrides: Sequence[str]) -> None:

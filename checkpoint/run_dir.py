@@ -5,14 +5,16 @@ from __future__ import annotations
 import fcntl
 import os
 import re
+from collections.abc import Callable
 from pathlib import Path
 from typing import IO
 
 from backbones.trained import BACKBONE_NAME
 from checkpoint.arcface import MARKERS, MODEL_FILE, marker_for
 from checkpoint.legacy import LEGACY_FORMAT, LEGACY_NAME, read_legacy
-from checkpoint.manifest import MANIFEST_NAME
+from checkpoint.manifest import MANIFEST_NAME, IntegrityError, read_checked_json
 from checkpoint.pointer import FOLDER_PREFIX, POINTER_NAME, complete_folders, folder_step
+from checkpoint.sharded import STATE_NAME
 from utils.errors import CheckpointError, RunDirError, located
 
 LOCK_NAME = ".lock"
@@ -22,12 +24,14 @@ AUTO = "auto"  # resume = "auto": continue the run in the output folder if there
 WEIGHTS_NAMES = (POINTER_NAME, LEGACY_NAME, *MARKERS, BACKBONE_NAME, MODEL_FILE)
 
 
-def resolve_resume(output: str, resume: bool | str) -> tuple[str, Path] | None:
+def resolve_resume(output: str, resume: bool | str,
+                   continue_with: Callable[..., str] | None = None) -> tuple[str, Path] | None:
     """What to start from: None for a fresh run, else (kind, file) from find_resume_source.
 
     A fresh run (or one starting from another folder's weights) needs an empty or missing output
     folder; `resume=True` continues the run already in `output`; `resume="auto"` continues it if
-    there is one, else starts a fresh run there.
+    there is one, else starts a fresh run there. `continue_with(*KEY=VALUE)`: the command line that continues
+    this run (with those overrides too), for the refusal to start over a run.
     """
     held = _run_files(Path(output))
     if resume == AUTO:
@@ -41,9 +45,42 @@ def resolve_resume(output: str, resume: bool | str) -> tuple[str, Path] | None:
     source = find_resume_source(resume) if resume else None
     same_folder = source is not None and source[1].parent.resolve() == Path(output).resolve()
     if held and not same_folder:
-        raise RunDirError(f"output folder {output} already holds a run ({', '.join(held[:3])}); pass --resume to "
-                          "continue it, or choose a new folder with --set output=<folder>")
+        raise RunDirError(_held_run_problem(output, held, continue_with))
     return source
+
+
+def _held_run_problem(output: str, held: list[str], continue_with: Callable[..., str] | None) -> str:
+    """Why a new run cannot start in `output`, and what to do: continue the run there (one that finished
+    trains on only with a larger num_epoch), or choose another folder."""
+    elsewhere = "or choose a new folder with --set output=<folder>"
+    finished = finished_run(Path(output))
+    if finished is None:
+        how = f"continue it with: {continue_with()}" if continue_with else "pass --resume to continue it"
+        return f"output folder {output} already holds a run ({', '.join(held[:3])}); {how}, {elsewhere}"
+    step, key, value = finished
+    more = f"{key}={2 * value}"
+    how = f"{continue_with(more)}" if continue_with else f"--set {more} --resume"
+    return (f"output folder {output} holds a run that finished training at global step {step} ({key}={value}); "
+            f"to train it on, raise {key} and continue it, e.g. with: {how}; {elsewhere}")
+
+
+def finished_run(output: Path) -> tuple[int, str, int] | None:
+    """(shown global step, the key that ended training, its value: num_epoch or max_steps) of the run in
+    `output` when its checkpoint is at the end of its training, else None (also when that cannot be read: a
+    resume then says what is wrong). The checkpoint's state.json is read here for these words alone."""
+    try:
+        pointer = read_checked_json(output / POINTER_NAME)
+        run = read_checked_json(output / pointer["directory"] / STATE_NAME)["run"]
+        progress, config = run["progress"], run["config"]
+        total = progress["steps_per_epoch"] * config["num_epoch"]
+        by_max_steps = bool(config.get("max_steps")) and config["max_steps"] < total
+        step = progress["global_step"]
+        if step < (config["max_steps"] if by_max_steps else total):
+            return None
+        key = "max_steps" if by_max_steps else "num_epoch"
+        return step + progress.get("shown_offset", 0), key, config[key]
+    except (OSError, IntegrityError, KeyError, TypeError, ValueError):
+        return None
 
 
 def find_resume_source(location: str | os.PathLike) -> tuple[str, Path]:

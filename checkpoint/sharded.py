@@ -104,7 +104,9 @@ def stage_state(state: TrainingState, progress: Mapping, loader_state: Mapping, 
             value = copy(f"optimizer.{index}.{name}", value)
             optimizer_state.setdefault(str(index), {})[name] = \
                 _shard(pfc, value) if index == centres_at and _is_rows(value, pfc) else value
-    staged = Staged(step=progress["global_step"], architecture=dict(architecture),
+    # Folders are named, and checkpoint.json counts, by the shown step (the log's): it never runs backwards,
+    # where the schedule's step restarts lower on a resume with more steps per epoch.
+    staged = Staged(step=progress["global_step"] + progress.get("shown_offset", 0), architecture=dict(architecture),
                     tensors={"centres": _shard(pfc, copy("centres", pfc.weight)), "optimizer": optimizer_state},
                     rank_state={"rng": rng_state(), "loader": dict(loader_state)})
     if is_main():

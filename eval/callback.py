@@ -7,7 +7,7 @@ from collections.abc import Mapping, Sequence
 
 from torch import nn
 
-from eval.verification import VerificationSet, flip_fused, load_bin, operating_point, test
+from eval.verification import VerificationSet, flip_fused, kept_out, load_bin, operating_point, test
 from utils.distributed import agreed, is_main
 from utils.errors import ConfigError, located
 from utils.image import IMAGE_SIZE
@@ -57,6 +57,7 @@ class VerificationCallback:
         self.sets: dict[str, VerificationSet] = {}
         self.highest: dict[str, float] = {}
         self.operating_points: dict[str, dict] = {}
+        self.kept_out: dict[str, dict[str, bool]] = {}
         self.last_step = 0
         agreed(lambda: check_val_targets(val_targets, rec_prefix))
         # Read on rank 0 alone, agreed: a damaged .bin stops every rank with its own line.
@@ -67,6 +68,7 @@ class VerificationCallback:
         for target in val_targets:
             name, path = resolve_target(target, rec_prefix)
             self.sets[name] = load_bin(path, image_size)
+            self.kept_out[name] = kept_out(path)
             self.highest[name] = highest.get(name, 0.0)
 
     def __call__(self, global_step: int, backbone: nn.Module) -> dict[str, float] | None:
@@ -87,7 +89,7 @@ class VerificationCallback:
             _, _, accuracy, std, xnorm, embeddings = test(data_set, backbone, self.batch_size, 10)
             self.highest[name] = max(self.highest[name], accuracy)
             self.operating_points[name] = {**operating_point(flip_fused(embeddings), data_set[1]),
-                                           "by": f"training, step {step}"}
+                                           **self.kept_out[name], "by": f"training, step {step}"}
             logger.info("[%s][%d]XNorm: %f", name, step, xnorm)
             logger.info("[%s][%d]Accuracy-Flip: %1.5f+-%1.5f", name, step, accuracy, std)
             logger.info("[%s][%d]Accuracy-Highest: %1.5f", name, step, self.highest[name])

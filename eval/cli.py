@@ -34,15 +34,15 @@ def add_network_arguments(parser: argparse.ArgumentParser) -> None:
     add_backbone_arguments(parser, source)
 
 
-def open_network(args: argparse.Namespace) -> EvaluatedNetwork:
-    """The model the arguments name; PyTorch weights go to the GPU when there is one."""
+def open_network(args: argparse.Namespace, device: torch.device | None = None) -> EvaluatedNetwork:
+    """The model the arguments name; PyTorch weights go to `device` (default: the GPU when there is one)."""
     if args.onnx is not None:
         if args.network is not None or args.network_kw:
             raise ConfigError("--network and --network-kw describe PyTorch weights, not an --onnx model; drop them")
         from eval.onnx_model import OnnxBackbone  # noqa: PLC0415 (onnx and onnxruntime: a second to import)
 
         return EvaluatedNetwork(OnnxBackbone(args.onnx), args.onnx, args.onnx.stem)
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
     module, trained = load_backbone_from_args(args, device)
     return EvaluatedNetwork(module, trained.weights, trained.network, trained)
 

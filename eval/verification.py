@@ -28,6 +28,7 @@ from PIL import Image
 from torch import nn
 
 from backbones.trained import record_verification
+from dataset import held_out, read_preparation
 from eval.cli import EvaluatedNetwork, add_network_arguments, check_positive, open_network, output_prefix
 from eval.embedding import embed_images
 from eval.roc import roc_points, save_roc_plot, tar_at_far
@@ -91,7 +92,7 @@ def load_bin(path: str | os.PathLike, image_size: tuple[int, int] = (IMAGE_SIZE,
     """
     path = os.fspath(path)
     if not os.path.isfile(path):
-        raise DataError(f"verification set {located(path)} does not exist; check the path (or val_targets / rec)")
+        raise DataError(f"verification set {located(path)} does not exist; check the path given to --bins")
     fix = "pass a .bin as insightface ships them or tools.make_bin writes them"
     try:
         bins, issame = _read_pickle(path)
@@ -292,6 +293,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         curves, operating_points = {}, {}
         for path, name in zip(args.bins, names):
             data_set = load_bin(path)
+            if note := preparation_note(path, network):
+                print(note, file=sys.stderr if note.startswith("warning") else sys.stdout)
             labels = _labels(path, data_set[1])
             acc1, std1, acc2, std2, xnorm, embeddings_list = test(data_set, network.module, args.batch_size,
                                                                   args.nfolds, sys.stderr, name)
@@ -308,7 +311,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 caveat = (f" (at 0 false accepts: {different} different-person pairs cannot measure a FAR below "
                           f"{1 / different:.1g})" if target_far * different < 1 else "")
                 print(f"[{name}]TAR@FAR={target_far:g}: {tar:1.5f}{caveat}")
-            operating_points[name] = operating_point(fused, data_set[1])
+            operating_points[name] = {**operating_point(fused, data_set[1]), **kept_out(path)}
             scores_path = f"{prefix}_{name}_scores.npy"
             np.save(scores_path, scores)
             print(f"[{name}]scores (cosine, one per pair, in .bin order): {scores_path}")
@@ -319,6 +322,27 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"ROC plot: {plot_path}")
         print(record_operating_points(network, operating_points))
     return 0
+
+
+def kept_out(path: str | os.PathLike) -> dict[str, bool]:
+    """``{"held_out": ...}`` for an operating point, when the set's record says whether its people were kept
+    out of training (tools.make_bin); {} when it does not. tools.inference's verdict prefers such a set."""
+    known = held_out(path)
+    return {} if known is None else {"held_out": known}
+
+
+def preparation_note(path: Path, network: EvaluatedNetwork) -> str | None:
+    """One line comparing how the set's photos were prepared (recorded beside it by tools.make_bin) with the
+    model's training photos (its model.json), or None when either is unknown."""
+    trained = network.saved.photo_preparation if network.saved is not None else None
+    recorded = read_preparation(path)
+    if trained is None or recorded is None:
+        return None
+    if recorded == trained:
+        return f"{path}: photos prepared with --{recorded}, as the model's training photos ({network.saved.info_path})"
+    return (f"warning: {path} holds photos prepared with --{recorded}, but {network.saved.info_path} records "
+            f"--{trained} for the training photos, so its scores understate the model; make it again with "
+            f"tools.make_bin --{trained}")
 
 
 def record_operating_points(network: EvaluatedNetwork, operating_points: dict[str, dict]) -> str:

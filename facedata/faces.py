@@ -16,6 +16,7 @@ from facedata.images import BadImageError, decode, image_io, is_jpeg, split_view
 from facedata.sources import FolderSource, RecSource, Source, SyntheticSource
 from facedata.view_sources import VIEW_SOURCES
 from utils.errors import DataError
+from utils.image import IMAGE_SIZE
 
 log = logging.getLogger(__name__)
 
@@ -78,6 +79,10 @@ class FaceDataset(Dataset):
         """The views sample ``index``'s decoded image holds (all V for view_source 'record', else one),
         on the image's device; DataError naming the record when its shape does not fit."""
         count = self.view_source.views_per_image(self.num_views)
+        if isinstance(self.source, FolderSource) and tuple(image.shape[1:]) != (IMAGE_SIZE, count * IMAGE_SIZE):
+            # Photos, not records: packing prepares them (crop, pad, landmarks...), training does not.
+            raise DataError(f"{self.source.describe(index)} is {image.shape[1]}x{image.shape[2]} (HxW); "
+                            f"{self.source.pack_first(count)}")
         fix = None if count == self.num_views else (
             f"view_source={self.view_source.name!r} takes one view per record; use view_source='record' for "
             "records that hold several views side by side")

@@ -115,6 +115,21 @@ def scan_identities(root: str) -> list[tuple[str, list[str]]]:
     return identities
 
 
+def empty_folders(root: str) -> list[str]:
+    """The sub-folders of ``root`` that hold no image (scan_identities leaves them out), sorted."""
+    return [name for name in sorted(os.listdir(root)) if os.path.isdir(os.path.join(root, name))
+            and not any(f.lower().endswith(PACKABLE_SUFFIXES) for f in os.listdir(os.path.join(root, name)))]
+
+
+def skipped_folders_line(root: str) -> str | None:
+    """One line naming the image-less sub-folders of ``root`` a tool skipped, or None when there are none."""
+    empty = empty_folders(root)
+    if not empty:
+        return None
+    return (f"skipped {len(empty)} sub-folder(s) of {root} without images ({', '.join(PACKABLE_SUFFIXES)}): "
+            f"{', '.join(empty[:10])}{' ...' if len(empty) > 10 else ''}")
+
+
 def group_views(paths: list[str], views: int) -> list[list[str]]:
     """An identity's images V at a time; the last group is topped up with the first images, so
     every record holds V different images whenever the identity has at least V."""

@@ -28,10 +28,12 @@ import torch
 from PIL import Image
 
 from facedata.alignment import align_face
-from utils.errors import DataError, FaceImageError, located
+from utils.errors import ConfigError, DataError, FaceImageError, located
 from utils.image import IMAGE_SIZE
 
 FITS = ("resize", "crop", "pad")
+LANDMARKS = "landmarks"
+PREPARATIONS = (*FITS, LANDMARKS)  # the names a preparation is recorded by, each the tools' option --<name>
 LANDMARK_NUMBERS = 10  # five (x, y) points
 
 
@@ -58,6 +60,11 @@ class Preparation:
     def __post_init__(self) -> None:
         if self.fit not in FITS:
             raise ValueError(f"fit {self.fit!r} is not one of {FITS}")
+
+    @property
+    def name(self) -> str:
+        """``resize``, ``crop``, ``pad`` or ``landmarks``: what the preparation records say (PREPARATIONS)."""
+        return LANDMARKS if self.landmarks is not None else self.fit
 
     def describe(self) -> str:
         """``crop to 112x112`` or ``aligned by the landmarks in X``: for the tools' summary lines."""
@@ -161,25 +168,38 @@ def stretch_warning(stretched: Sequence[tuple[str, tuple[int, int]]], total: int
             "Prepare training, .bin and inference photos with the same option")
 
 
+class _FitOption(argparse.Action):
+    """``--resize``/``--crop``/``--pad``: sets ``fit``, and ``fit_given`` so that a tool can tell an option given
+    from the default (a recorded preparation wins over the default, not over an option given)."""
+
+    def __init__(self, option_strings, dest, const, **kwargs) -> None:
+        super().__init__(option_strings, dest, nargs=0, const=const, **kwargs)
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        setattr(namespace, self.dest, self.const)
+        namespace.fit_given = True
+
+
 def add_preparation_arguments(parser: argparse.ArgumentParser, photo_names: str) -> None:
     """``--resize`` / ``--crop`` / ``--pad`` and ``--landmarks FILE``: the same in every tool that reads photos.
-    ``photo_names`` says how this tool's landmarks file names a photo."""
+    ``photo_names`` says how this tool's landmarks file names a photo. ``args.fit`` is ``resize`` unless an
+    option says otherwise (``args.fit_given`` says whether one did)."""
     group = parser.add_argument_group(
         "preparing photos (the same options in tools.pack_rec, tools.make_bin and tools.inference)")
     fit = group.add_mutually_exclusive_group()
-    fit.add_argument("--resize", dest="fit", action="store_const", const="resize",
+    fit.add_argument("--resize", dest="fit", action=_FitOption, const="resize",
                      help=f"stretch every photo to {IMAGE_SIZE}x{IMAGE_SIZE} (default; warns when that changes a "
                           "photo's aspect ratio)")
-    fit.add_argument("--crop", dest="fit", action="store_const", const="crop",
+    fit.add_argument("--crop", dest="fit", action=_FitOption, const="crop",
                      help="cut the largest centred square, then resize it: keeps the aspect ratio")
-    fit.add_argument("--pad", dest="fit", action="store_const", const="pad",
+    fit.add_argument("--pad", dest="fit", action=_FitOption, const="pad",
                      help=f"keep the whole photo: shrink it to fit {IMAGE_SIZE}x{IMAGE_SIZE} if larger, centre it "
                           "on black")
     group.add_argument("--landmarks", type=Path, metavar="FILE",
                        help="align each photo by its five landmarks instead of fitting it, as the IJB evaluation "
                             "does: lines 'PHOTO x1 y1 ... x5 y5' (eyes, nose tip, mouth corners); PHOTO is "
                             f"{photo_names}")
-    parser.set_defaults(fit="resize")
+    parser.set_defaults(fit="resize", fit_given=False)
 
 
 def preparation_from_args(args: argparse.Namespace, root: str | os.PathLike | None = None) -> Preparation:
@@ -187,3 +207,29 @@ def preparation_from_args(args: argparse.Namespace, root: str | os.PathLike | No
     if args.landmarks is None:
         return Preparation(args.fit)
     return Preparation(args.fit, read_landmarks(args.landmarks), args.landmarks, None if root is None else Path(root))
+
+
+def given_preparation(args: argparse.Namespace) -> str | None:
+    """The preparation an option asked for (``--landmarks`` over a fit), or None when none was given."""
+    if args.landmarks is not None:
+        return LANDMARKS
+    return args.fit if getattr(args, "fit_given", False) else None
+
+
+def preparation_following(args: argparse.Namespace, recorded: str | None, where: str | None,
+                          root: str | os.PathLike | None = None) -> tuple[Preparation, str | None]:
+    """The Preparation to use when ``where`` (e.g. ``output/run/model.json``) records that its photos were
+    prepared as ``recorded`` (a PREPARATIONS name; None: nothing recorded), and the one line to say about it:
+    without an option, the recorded one is used and said; an option that differs is used, with a warning
+    naming both; one that agrees needs no line."""
+    given = given_preparation(args)
+    if recorded is None or given == recorded:
+        return preparation_from_args(args, root), None
+    if given is not None:
+        return preparation_from_args(args, root), (
+            f"warning: --{given} given, but {where} records --{recorded}, the preparation of the photos the model "
+            f"was trained on; faces prepared otherwise score worse: drop --{given} to use --{recorded}")
+    if recorded == LANDMARKS:
+        raise ConfigError(f"{where} records photos aligned by their landmarks (--landmarks); pass --landmarks FILE "
+                          "with these photos' five points (or --resize, --crop or --pad to fit them anyway)")
+    return Preparation(recorded), f"photos prepared with --{recorded}, as {where} records (another option overrides it)"

@@ -148,6 +148,14 @@ class FolderSource:
     def describe(self, index: int) -> str:
         return f"image {self.paths[index]}"
 
+    def pack_first(self, views: int) -> str:
+        """What to do with photos that are not already 112x112 faces (`views` side by side): pack the folder,
+        which prepares every photo, and train on the records."""
+        packed = f"{self.root.rstrip(os.sep)}_packed"
+        return (f"an image folder trains on photos that are {IMAGE_SIZE}x{views * IMAGE_SIZE} faces already; pack "
+                f"it first, which prepares every photo: python -m tools.pack_rec {self.root} {packed} --views "
+                f"{views} --crop (or --resize, --pad, --landmarks FILE), then train with --set rec={packed}")
+
     def read(self, index: int) -> tuple[bytes, int]:
         with open(self.paths[index], "rb") as f:
             return f.read(), int(self.labels[index])
@@ -183,3 +191,20 @@ class SyntheticSource:
 
     def load(self, index: int) -> tuple[torch.Tensor, int]:
         return self.image, index % self.num_classes  # shared: the dataset copies views, never writes here
+
+
+def classes_in_header(rec: str) -> int | None:
+    """The number of identities the header record of config key ``rec``'s train.rec gives (insightface's
+    layout: key 0's label (a, b), identities a..b-1), read alone; None when there is no such header or it
+    cannot be read (a dry run plans without it, and training then reads the data whole)."""
+    rec_path, idx_path = os.path.join(rec, "train.rec"), os.path.join(rec, "train.idx")
+    if not (os.path.isfile(rec_path) and os.path.isfile(idx_path)):
+        return None
+    try:
+        reader = RecordReader(idx_path, rec_path)
+        header = unpack(reader.read(0))[0] if 0 in reader else None
+    except (DataError, OSError, ValueError):
+        return None
+    if header is None or header.flag <= 0:
+        return None
+    return int(header.label[1]) - int(header.label[0])

@@ -15,6 +15,7 @@ import json
 import logging
 import multiprocessing
 import os
+import shlex
 import signal
 import socket
 import subprocess
@@ -47,6 +48,17 @@ QUIET = ["network=r18", "network_kwargs={'width_mult': 0.125}", "embedding_size=
 FP16_ON_CPU = ["fp16=True", "network_kwargs={'width_mult': 0.0625}"]
 INFO = {"network": "r18", "network_kwargs": {"width_mult": 0.125}, "embedding_size": 32, "num_classes": 20}
 FP16_INFO = {**INFO, "network_kwargs": {"width_mult": 0.0625}}
+
+
+def continue_command(data: Path, output: Path, *overrides: str, config: str = CONFIG, base: Sequence[str] = QUIET,
+                     launcher: str = "python") -> str:
+    """The command line a user types to continue the run `arguments(data, output, *overrides)` started, as its
+    stop lines must print it: each --set once (a later one of a key in the place of the first), then --resume."""
+    sets: dict[str, str] = {}
+    for item in [f"rec={data}", f"output={output}", *base, *overrides]:
+        sets[item.split("=", 1)[0]] = item
+    return " ".join([launcher, "train.py", config, *(f"--set {shlex.quote(item)}" for item in sets.values()),
+                     "--resume"])
 
 
 def digest(path: Path) -> str:

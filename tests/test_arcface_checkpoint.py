@@ -273,7 +273,7 @@ def test_train_v2_resumes_in_one_process_on_pairface_schedule(data, sources, tmp
     log = (output / "training.log").read_text()
     assert "imported arcface_torch checkpoint (train_v2, 2 ranks, global step 10)" in log
     assert "decays with power 1 (train_v2's default), pairface's with power 2" in log
-    assert f"resumed from {output / 'checkpoint_gpu_0.pt'} at global step 20 (epoch 2)" in log
+    assert f"resumed from {output / 'checkpoint_gpu_0.pt'} at global step 10 (epoch 2)" in log
     losses, lrs = scalars(output, "loss"), scalars(output, "learning_rate")
     assert sorted(losses) == [11, 12] and all(0 < loss < 100 for loss in losses.values())
     for step in (21, 22):  # logged at 1-based step s (shown as s - 10): the LR of 0-based step s - 1

@@ -130,7 +130,7 @@ def test_missing_or_broken_config_file(tmp_path):
 
 def test_missing_data_path_is_a_config_error(tmp_path):
     cfg = load_config(write(tmp_path, f"rec = {str(tmp_path / 'absent')!r}\n"))
-    with pytest.raises(ConfigError, match=r"data folder .*absent.* \(config key 'rec'\) does not exist"):
+    with pytest.raises(ConfigError, match=r"config key 'rec' names data folder .*absent, which does not exist"):
         check_data_path(cfg)
     with pytest.raises(ConfigError, match="'rec' is empty"):
         check_data_path(load_config(write(tmp_path, "")))

@@ -133,16 +133,17 @@ def test_a_kill_at_each_stage_of_a_save_resumes_as_the_uninterrupted_run(data, t
 @pytest.fixture(scope="module")
 def saved_by_one_process(data, tmp_path_factory) -> Path:
     """A 1-process run (10 steps per epoch) published at step 2; on 2 processes (5 per epoch) it resumes
-    at step 1, and its first save lands on step 2 again."""
+    at step 1 of the schedule (shown as 2), and its first save is the schedule's step 2 again, shown (and its
+    folder named) as step 3: the shown step never runs backwards, so that no folder name is taken twice."""
     output = tmp_path_factory.mktemp("one") / "run"
     assert run_child(data, output, *OVERRIDES, "max_steps=2") == (0, "")
     return output
 
 
 RENUMBERED = {  # the first save of the 2-process run, killed on rank 0 at each stage; the step published after
-    "folder complete, not renamed": (["os", "rename", r"\.tmp-checkpoint-000000002$"], 2),
+    "folder complete, not renamed": (["os", "rename", r"\.tmp-checkpoint-000000003$"], 2),
     "renamed, not published": (["os", "replace", r"\.tmp-checkpoint\.json"], 2),
-    "published, old folder still there": (["shutil", "rmtree", r"checkpoint-000000002$"], 2),
+    "published, old folder still there": (["shutil", "rmtree", r"checkpoint-000000002$"], 3),
     "a full disk": (["--fsize", str(256 << 10)], 2),
 }
 

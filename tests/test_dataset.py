@@ -260,3 +260,20 @@ def test_bad_settings_are_named():
     with pytest.raises(DataError, match=r"pairs\.rec record key 1 is 112x224 \(HxW\), not 1 square view\(s\) .*"
                                         r"view_source='identity' takes one view per record"):
         build_dataset(PAIRS, num_views=2, view_source="identity")[0]
+
+
+@pytest.mark.parametrize("view_source, views", [("record", 2), ("identity", 1)])
+def test_an_image_folder_of_photos_that_are_not_faces_yet_says_to_pack_it_first(tmp_path, view_source, views):
+    """92x112 portraits as a newcomer has them: under either view source, one sentence with the command that
+    prepares them (tools.pack_rec), not advice that sends the user from one view_source to the other."""
+    photos = tmp_path / "photos"
+    (photos / "s1").mkdir(parents=True)
+    Image.new("RGB", (92, 112), (90, 60, 30)).save(photos / "s1" / "1.png")
+    ds = build_dataset(str(photos), num_views=2, view_source=view_source)
+    with pytest.raises(DataError) as raised:
+        ds.load(0, 0)
+    assert str(raised.value) == (
+        f"image {photos / 's1' / '1.png'} is 112x92 (HxW); an image folder trains on photos that are "
+        f"112x{112 * views} faces already; pack it first, which prepares every photo: python -m tools.pack_rec "
+        f"{photos} {photos}_packed --views {views} --crop (or --resize, --pad, --landmarks FILE), then train with "
+        f"--set rec={photos}_packed")

@@ -158,7 +158,7 @@ def test_a_node_that_comes_back_grows_the_run_at_the_next_restart_losing_nothing
     lost = re.search(renumbering("10", "1 and 20"), log)
     assert lost is not None, log[-3000:]
     assert restart_line("2 process(es)", 1, int(lost.group(3))) in log
-    preempted = re.findall(r"preempted at global step (\d+): checkpoint saved; --resume continues", log)
+    preempted = re.findall(r"preempted at global step (\d+): checkpoint saved; continue with: .* --resume", log)
     assert preempted, log[-3000:]
     stopped = int(preempted[-1])  # torchrun stopped the survivor with a SIGTERM for the new rendezvous
     grown = re.search(r"resuming a run of 1 process\(es\) and " + renumbering("20", "2 and 10"), log)

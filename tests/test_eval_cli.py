@@ -15,6 +15,7 @@ import re
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import onnx
@@ -445,3 +446,29 @@ def test_an_undecodable_ijb_image_is_one_sentence_even_from_a_worker(run, tmp_pa
     with pytest.raises(SystemExit):
         ijb.main(["--model", str(run), "--root", str(tmp_path / "IJBC"), "--workers", "1"])
     assert re.search(r"face image .*5\.jpg cannot be decoded", assert_one_sentence(capsys.readouterr().err))
+
+
+def test_evaluation_compares_the_sets_preparation_with_the_models_and_keeps_other_sets_thresholds(run, noise_bin,
+                                                                                                   tmp_path, capsys):
+    folder = Path(shutil.copytree(run, tmp_path / "run"))
+    info = json.loads((folder / "model.json").read_text())
+    earlier = {"threshold": 0.3, "far": 0.01, "accuracy": 0.9, "pairs": 300, "by": "eval.verification"}
+    (folder / "model.json").write_text(json.dumps({**info, "photo_preparation": "crop",
+                                                   "verification": {"faces_val": earlier}}))
+    held_out = shutil.copy(noise_bin, tmp_path / "noise.bin")
+    # What tools.make_bin leaves beside a set of --pad photos, none of whose people trained the model.
+    (tmp_path / "noise.bin.preparation.json").write_text('{"photo_preparation": "pad", "people_in_training": 0}')
+    assert verification.main(["--model", str(folder), "--bins", str(held_out), "--batch-size", "8"]) == 0
+    warnings = [line for line in capsys.readouterr().err.splitlines() if line.startswith("warning")]
+    assert warnings == [f"warning: {held_out} holds photos prepared with --pad, but {folder / 'model.json'} records "
+                        "--crop for the training photos, so its scores understate the model; make it again with "
+                        "tools.make_bin --crop"]
+    recorded = json.loads((folder / "model.json").read_text())["verification"]
+    assert recorded["faces_val"] == earlier and recorded["noise"]["held_out"] is True
+
+
+def test_a_missing_bin_names_the_option_it_came_from(run, tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        verification.main(["--model", str(run), "--bins", str(tmp_path / "nope.bin")])
+    assert assert_one_sentence(capsys.readouterr().err) == (
+        f"verification set {tmp_path / 'nope.bin'} does not exist; check the path given to --bins")

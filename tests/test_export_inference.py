@@ -346,3 +346,49 @@ def test_inference_cli_turns_user_errors_into_one_line(r18_weights, tmp_path, ca
     assert "fits network r18, width_mult=0.25" in err
     err = exits_with(capsys, inference.main, [str(face), str(face), str(face), "--weights", str(path), *R18])
     assert "3 images given; give one image" in err
+
+
+def test_inference_takes_an_onnx_model_as_eval_does(r18_weights, tmp_path, capsys):
+    path, model = r18_weights
+    export_onnx.export_onnx(model, tmp_path / "r18.onnx")
+    a, b = write_face(tmp_path / "a.jpg", (112, 112), seed=5), write_face(tmp_path / "b.png", (112, 112), seed=6)
+    assert inference.main([str(a), str(b), "--onnx", str(tmp_path / "r18.onnx")]) == 0
+    out = capsys.readouterr().out
+    expected = reference_embeddings(path, a, b)
+    assert float(re.search(r"cosine similarity: (\S+)", out).group(1)) == pytest.approx(
+        float(expected[0] @ expected[1]), abs=1e-4)
+    assert f"no threshold is known for {tmp_path / 'r18.onnx'}: an ONNX model records no verification" in out
+    assert "--network and --network-kw describe PyTorch weights" in exits_with(
+        capsys, inference.main, [str(a), "--onnx", str(tmp_path / "r18.onnx"), "--network", "r18"])
+
+
+def test_the_verdict_names_its_set_and_prefers_the_one_of_people_kept_out_of_training(r18_weights, r18_run, tmp_path,
+                                                                                      capsys):
+    path, _ = r18_weights
+    a, b = write_face(tmp_path / "a.jpg", (112, 112), seed=5), write_face(tmp_path / "b.png", (112, 112), seed=6)
+    expected = reference_embeddings(path, a, b)
+    similarity = float(expected[0] @ expected[1])
+    run = Path(shutil.copytree(r18_run, tmp_path / "run"))
+    info = json.loads((run / "model.json").read_text())
+    point = {"far": 0.02, "accuracy": 0.9, "pairs": 100, "by": "eval.verification"}
+    sets = {"train_people": {**point, "threshold": similarity + 1e-3, "held_out": False},  # recorded first
+            "faces_val": {**point, "threshold": similarity - 1e-3, "held_out": True}}
+    (run / "model.json").write_text(json.dumps({**info, "verification": sets}))
+    assert inference.main(["--model", str(run), str(a), str(b)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[-1] == "verdict: same person, by the threshold of faces_val (its people were kept out of training)"
+    assert lines[-3].startswith("different people at threshold") and "on train_people" in lines[-3]
+
+
+def test_a_model_trained_on_aligned_photos_asks_for_their_landmarks(r18_run, tmp_path, capsys):
+    run = Path(shutil.copytree(r18_run, tmp_path / "run"))
+    info = json.loads((run / "model.json").read_text())
+    (run / "model.json").write_text(json.dumps({**info, "photo_preparation": "landmarks"}))
+    face = write_face(tmp_path / "a.jpg", (112, 112), seed=5)
+    assert (f"{run / 'model.json'} records photos aligned by their landmarks (--landmarks); pass --landmarks FILE "
+            "with these photos' five points") in exits_with(capsys, inference.main, ["--model", str(run), str(face)])
+    assert inference.main(["--model", str(run), str(face), "--resize"]) == 0
+    assert "warning: --resize given, but" in capsys.readouterr().err
+    (run / "model.json").write_text(json.dumps({**info, "photo_preparation": "squash"}))
+    assert "records photo_preparation 'squash', not one of resize, crop, pad, landmarks" in exits_with(
+        capsys, inference.main, ["--model", str(run), str(face)])

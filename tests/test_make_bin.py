@@ -7,6 +7,7 @@ bytes, and PIL's own resize of them.
 from __future__ import annotations
 
 import io
+import json
 import pickle
 import re
 from collections import Counter
@@ -190,3 +191,74 @@ def test_refusals_are_one_sentence_and_nothing_is_overwritten(photos, tmp_path, 
         capsys, [str(photos), str(tmp_path / "y.bin"), "--random", "0"])
     assert "missing does not exist" in one_sentence(capsys, [str(tmp_path / "missing"), str(tmp_path / "y.bin"),
                                                              "--random", "1"])
+
+
+def padded(path) -> np.ndarray:
+    """A 140x112 photo as --pad must store it, computed straight with PIL: shrunk to 112x90, centred on black."""
+    image = Image.open(path).convert("RGB").resize((112, 90), Image.BILINEAR)
+    canvas = np.zeros((112, 112, 3), np.uint8)
+    canvas[11:101] = np.asarray(image)
+    return canvas
+
+
+def cropped(path) -> np.ndarray:
+    """The same photo as --crop must store it: its centred 112x112 square (no resizing needed)."""
+    return np.asarray(Image.open(path).convert("RGB"))[:, 14:126]
+
+
+def test_a_bin_beside_packed_records_is_prepared_as_they_were_unless_told_otherwise(tmp_path, capsys):
+    photos = tmp_path / "photos_val"
+    rng = np.random.default_rng(1)
+    for name in ("s21", "s22"):
+        (photos / name).mkdir(parents=True)
+        for number in (1, 2):
+            Image.fromarray(rng.integers(0, 256, (112, 140, 3), dtype=np.uint8)).save(photos / name / f"{number}.png")
+    (photos / "s23").mkdir()  # an empty person folder
+    data = tmp_path / "data"
+    data.mkdir()
+    # What tools.pack_rec leaves beside the train.rec of photos packed with --pad.
+    (data / "train.rec.preparation.json").write_text('{"photo_preparation": "pad", "people": ["s1", "s2", "s21"]}')
+
+    assert make_bin.main([str(photos), str(data / "val.bin"), "--random", "2"]) == 0
+    out, err = capsys.readouterr()
+    assert f"photos prepared with --pad, as {data / 'train.rec'} records (another option overrides it)" in out
+    assert f"skipped 1 sub-folder(s) of {photos} without images (.jpg, .jpeg, .png, .webp, .bmp, .tif, .tiff): s23" \
+           in out.splitlines()
+    assert "every one of the 4 photos prepared (pad to 112x112) and re-encoded" in out and "warning" not in err
+    with open(data / "val.bin", "rb") as f:
+        bins, _ = pickle.load(f)
+    files = {Image.open(io.BytesIO(entry)).tobytes(): entry for entry in bins}
+    expected = {padded(path).tobytes() for path in sorted(photos.glob("*/*.png"))}
+    assert set(files) == expected  # lossless PNG: every stored face is exactly the padded photo
+    assert (f"note: 1 of the 2 people in this set are among the people {data / 'train.rec'} was packed from (e.g. "
+            "s21): it does not measure faces the model has never seen, and tools.inference prefers a set of people "
+            "kept out of training") in out.splitlines()
+    recorded = json.loads((data / "val.bin.preparation.json").read_text())
+    assert recorded["photo_preparation"] == "pad" and recorded["people_in_training"] == 1
+
+    assert make_bin.main([str(photos), str(data / "crop.bin"), "--random", "2", "--crop"]) == 0
+    err = capsys.readouterr().err
+    assert [line for line in err.splitlines() if line.startswith("warning")] == [
+        f"warning: --crop given, but {data / 'train.rec'} records --pad, the preparation of the photos the model was "
+        "trained on; faces prepared otherwise score worse: drop --crop to use --pad"]
+    with open(data / "crop.bin", "rb") as f:
+        bins, _ = pickle.load(f)
+    assert {Image.open(io.BytesIO(entry)).tobytes() for entry in bins} == {
+        cropped(path).tobytes() for path in sorted(photos.glob("*/*.png"))}
+    assert '"photo_preparation": "crop"' in (data / "crop.bin.preparation.json").read_text()
+
+
+def test_the_summary_says_how_many_photos_were_stored_as_they_were(photos, tmp_path, capsys):
+    (tmp_path / "pairs.txt").write_text(PAIRS_TXT)
+    assert make_bin.main([str(photos), str(tmp_path / "mine.bin"), "--pairs", str(tmp_path / "pairs.txt")]) == 0
+    # Ann_Lee_0003 (150x150) and Bo_Chen_0002 (a BMP) are prepared; the four 112x112 JPEG/PNG files are not.
+    assert ("2 of 6 photos prepared (resize to 112x112) and re-encoded, the others already 112x112, stored as they "
+            "were") in capsys.readouterr().out
+    square = tmp_path / "square"
+    for name in ("a", "b"):
+        (square / name).mkdir(parents=True)
+        for number in (1, 2):
+            Image.new("RGB", (112, 112), (number * 60, 0, 0)).save(square / name / f"{number}.png")
+    assert make_bin.main([str(square), str(tmp_path / "square.bin"), "--random", "1"]) == 0
+    assert re.search(r"4 images, every one of the [34] photos already 112x112, stored as it was$",
+                     capsys.readouterr().out.splitlines()[0])

@@ -206,3 +206,14 @@ def test_a_run_that_does_not_fit_warns_with_the_largest_batch_and_fewest_process
     assert not result.fits and 0 < result.largest_batch_size < 4
     assert (f"the memory plan does not fit: {result.total / 2 ** 30:.2f} GiB planned" in log
             and f"the largest batch_size that fits on 1 process(es) is {result.largest_batch_size}" in log)
+
+
+def test_the_dry_run_reads_the_class_count_from_the_datas_header_when_the_config_leaves_it_to_the_data(data, capsys):
+    """The `data` fixture packs 20 identities: num_classes None plans for 20 centres, read from one record."""
+    settings = ["--set", f"rec={data}", "--set", "num_classes=None", "--set", "embedding_size=32"]
+    status, out, _ = dry_run(capsys, *settings, "--json")
+    report = json.loads(out)
+    assert status == 0 and report["config"]["num_classes"] is None and report["memory"]["num_classes"] == 20
+    assert report["memory"]["class_centres"] == 20 * 32 * 4
+    status, out, _ = dry_run(capsys, *settings)
+    assert f"num_classes = None  # 20, read from {data}/train.rec's header" in out.splitlines()

@@ -17,6 +17,7 @@ from tests.run_helpers import (
     FP16_ON_CPU,
     QUIET,
     ROOT,
+    continue_command,
     file_states,
     finish,
     load_run,
@@ -62,8 +63,9 @@ def test_too_many_in_a_row_stop_the_run_and_leave_the_last_checkpoint_untouched(
     assert status == 1
     assert only_line(stderr) == (
         f"error: stopped at global step 7: 3 non-finite losses in a row (max_nonfinite_steps=3); the last good "
-        f"checkpoint.json in {output} is untouched (continue with --resume); lower lr, try bf16 instead of fp16, "
-        "or check the data")
+        f"checkpoint.json in {output} is untouched (continue with: "
+        f"{continue_command(data, output, 'max_steps=20', 'save_every_steps=1', 'max_nonfinite_steps=3')}); lower "
+        "lr, try bf16 instead of fp16, or check the data")
     assert {name: file_states(output)[name] for name in good} == good
     log = (output / "training.log").read_text()
     for step, count in ((5, 1), (6, 2), (7, 3)):

@@ -45,8 +45,13 @@ def walked(tmp_path_factory) -> dict[str, subprocess.CompletedProcess]:
     (folder / "configs").symlink_to(ROOT / "configs")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
     results = {}
-    for command in readme_commands():
-        results[command.split()[2] if command.startswith("python -m") else command.split()[0]] = result = \
+    inference = readme_commands()[-1]
+    # Then the README's inference again, as a newcomer would try it: with another preparation, and with none.
+    for command in [*readme_commands(), inference.replace("--crop", "--pad"), inference.replace(" --crop", "")]:
+        name = command.split()[2] if command.startswith("python -m") else command.split()[0]
+        if name in results:
+            name += " --pad" if "--pad" in command else " (no option)"
+        results[name] = result = \
             subprocess.run(["bash", "-c", command], cwd=folder, env=env, capture_output=True, text=True, timeout=600)
         assert result.returncode == 0, f"{command}\n{result.stdout[-2000:]}\n{result.stderr[-2000:]}"
     results["folder"] = folder
@@ -94,3 +99,36 @@ def test_inference_gives_a_verdict_that_agrees_with_the_similarity_and_the_recor
     verdict = "same person" if similarity > point["threshold"] else "different people"
     assert (f"{verdict} at threshold {point['threshold']:.4f} (FAR {point['far']:.4g} on my_faces_val, 100 pairs; "
             "eval.verification)") in out.splitlines()
+
+
+def similarity(result: subprocess.CompletedProcess) -> float:
+    return float(re.search(r"cosine similarity: (\S+)", result.stdout).group(1))
+
+
+def test_the_preparation_is_recorded_with_the_records_and_carried_into_the_model(walked):
+    folder = walked["folder"]
+    assert json.loads((folder / "data/my_faces/train.rec.preparation.json").read_text())["photo_preparation"] == "crop"
+    assert json.loads((folder / "data/my_faces/my_faces_val.bin.preparation.json").read_text())[
+        "photo_preparation"] == "crop"
+    info = json.loads((folder / "output/my_faces/model.json").read_text())
+    assert info["photo_preparation"] == "crop"
+    # None of photos_val's people were packed: its threshold stands for faces the model has never seen.
+    assert json.loads((folder / "data/my_faces/my_faces_val.bin.preparation.json").read_text())[
+        "people_in_training"] == 0
+    assert info["verification"]["my_faces_val"]["held_out"] is True
+    assert ("data/my_faces/my_faces_val.bin: photos prepared with --crop, as the model's training photos "
+            "(output/my_faces/model.json)") in walked["eval.verification"].stdout.splitlines()
+
+
+def test_inference_prepares_photos_as_the_model_records_unless_told_otherwise_and_then_warns(walked):
+    cropped, padded, default = (walked[name] for name in ("tools.inference", "tools.inference --pad",
+                                                          "tools.inference (no option)"))
+    assert "warning" not in cropped.stderr + default.stderr
+    assert ("photos prepared with --crop, as output/my_faces/model.json records (another option overrides it)"
+            in default.stdout.splitlines())
+    assert similarity(default) == similarity(cropped)  # the recorded preparation, not the --resize default
+    warnings = [line for line in padded.stderr.splitlines() if line.startswith("warning")]
+    assert warnings == ["warning: --pad given, but output/my_faces/model.json records --crop, the preparation of the "
+                        "photos the model was trained on; faces prepared otherwise score worse: drop --pad to use "
+                        "--crop"]
+    assert similarity(padded) != similarity(cropped)  # --pad was used, as asked

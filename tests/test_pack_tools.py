@@ -1,6 +1,7 @@
 """tools/pack_rec.py and tools/make_synthetic.py, run end to end and read back."""
 from __future__ import annotations
 
+import json
 import os
 import pickle
 
@@ -171,3 +172,21 @@ def test_make_synthetic_writes_train_rec_and_val_bin(tmp_path, capsys):
     # Never overwrites silently.
     assert "already holds" in exits_with(capsys, make_synthetic.main, args)
     assert "--val-pairs 3" in exits_with(capsys, make_synthetic.main, [*args, "--val-pairs", "3"])
+
+
+def test_pack_records_its_preparation_beside_the_records_and_lists_folders_without_images(tmp_path, capsys):
+    photos = tmp_path / "photos"
+    for name in ("anna", "bo"):
+        (photos / name).mkdir(parents=True)
+        for number in range(2):
+            Image.new("RGB", (92, 112), (40 * number, 90, 200)).save(photos / name / f"{number}.png")
+    (photos / "cy").mkdir()  # an empty person folder
+    (photos / "dee").mkdir()
+    (photos / "dee" / "notes.txt").write_text("no photo here")
+    assert pack_rec.main([str(photos), str(tmp_path / "data"), "--crop", "--workers", "1"]) == 0
+    out = capsys.readouterr().out
+    assert (f"skipped 2 sub-folder(s) of {photos} without images (.jpg, .jpeg, .png, .webp, .bmp, .tif, .tiff): "
+            "cy, dee") in out.splitlines()
+    assert "2 identities (classes 0..1), crop to 112x112" in out
+    assert json.loads((tmp_path / "data" / "train.rec.preparation.json").read_text()) == {
+        "photo_preparation": "crop", "landmarks_file": None, "written_by": "tools.pack_rec", "people": ["anna", "bo"]}

@@ -28,7 +28,7 @@ from checkpoint.pointer import POINTER_NAME
 from tests.run_helpers import assert_same_run, descendants, finish, run_here, start_cli, wait_for_log
 
 OVERRIDES = ["batch_size=2", "max_steps=12"]
-PREEMPTED = re.compile(r"preempted at global step (\d+): checkpoint saved; --resume continues")
+PREEMPTED = re.compile(r"preempted at global step (\d+): checkpoint saved; continue with: .* --resume")
 pytestmark = pytest.mark.slow  # five torchrun launches and a python train.py: 16 Python starts
 
 

@@ -14,6 +14,8 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+from torch.utils.tensorboard import SummaryWriter
 
 from checkpoint.pointer import POINTER_NAME
 from checkpoint.sharded import restore_state, save_state
@@ -32,6 +34,7 @@ from tests.run_helpers import (
 )
 from tools import make_synthetic
 from utils.lr_scheduler import build_scheduler
+from utils.metrics import open_metrics
 
 # 1 process, 40 records, batch 4: 10 steps per epoch (5 with gradient_acc=2); each case names its data set.
 ONE_PROCESS = {
@@ -134,3 +137,20 @@ def test_grad_scaler_state_round_trips_through_a_checkpoint(tmp_path, device):
     for run in (original, restored):
         step(run, overflow=False)  # completes the growth interval: the scale doubles
     assert restored.scaler.get_scale() == scaler.get_scale() == 2.0 ** 10
+
+
+def test_a_resumed_run_leaves_one_tensorboard_point_per_step(tmp_path):
+    """An earlier start logged every 3 steps up to step 6 but was last saved at step 4: the resumed run trains
+    5 and 6 again and logs 6 over a shorter window. TensorBoard's reader (not ours) then shows one point at 6,
+    the resumed run's, where two would stand otherwise."""
+    earlier = SummaryWriter(log_dir=str(tmp_path / "tensorboard"))
+    earlier.add_scalar("loss", 1.0, 3)
+    earlier.add_scalar("loss", 2.0, 6)
+    earlier.close()
+    metrics = open_metrics(SimpleNamespace(output=str(tmp_path), using_wandb=False, wandb_log_all=False),
+                           resumed_at=4)
+    metrics.add_scalar("loss", 3.0, 6)
+    metrics.close()
+    events = EventAccumulator(str(tmp_path / "tensorboard"))
+    events.Reload()
+    assert [(event.step, event.value) for event in events.Scalars("loss")] == [(3, 1.0), (6, 3.0)]

@@ -99,14 +99,22 @@ def test_steps_count_on_across_a_renumbering_and_max_steps_is_explained(run):
     assert sorted(scalars(run.output, "loss")) == [1, 2, 3, 4, 5, 6, 7]
     assert re.findall(r"Global Step: (\d+)", log) == ["6", "7"]
     assert re.findall(r"\[synthetic_val\]\[(\d+)\]XNorm", log) == ["6", "7"]
+    # One count in what the user reads: the resume, the saves and the checkpoint folders say the shown step too.
+    assert f"resumed from {run.output / 'checkpoint.json'} at global step 5 (epoch 0)" in log
+    assert re.findall(r"saved (\S+) at global step (\d+)", log) == [
+        (str(run.output / f"checkpoint-00000000{step}"), str(step)) for step in (6, 7)]
 
 
 def test_a_resume_with_nothing_left_to_train_says_so_and_why(run):
-    assert ("nothing was trained: the run resumed at global step 4, already at or past the end of training (step "
-            "3: max_steps=3, num_epoch=40); raise max_steps or num_epoch to train on") in run.logs["D"]
-    assert ("nothing was trained: the run resumed at global step 8 (step 4 of the saved run, which had 5 steps per "
-            "epoch where this one has 10), already at or past the end of training (step 8: max_steps=8, "
-            "num_epoch=40)") in run.logs["E"]
+    # Every step said is the shown one (C showed its schedule steps 3..4 as 6..7), the schedule's only beside it.
+    assert ("nothing was trained: the run resumed at global step 7, already at or past the end of training (step "
+            "3 of the LR schedule, shown as step 6: max_steps=3, num_epoch=40); raise max_steps or num_epoch to train "
+            "on") in run.logs["D"]
+    assert ("nothing was trained: the run resumed at global step 7 (step 4 of the saved run, which had 5 steps per "
+            "epoch where this one has 10), already at or past the end of training (step 8 of the LR schedule, shown "
+            "as step 7: max_steps=8, num_epoch=40)") in run.logs["E"]
+    for name in "DE":
+        assert f"resumed from {run.output / 'checkpoint.json'} at global step 7 (epoch 0)" in run.logs[name]
     for name in "DE":  # nothing verified again, nothing saved
         assert "Accuracy-" not in run.logs[name] and not re.search("saved .* at global step", run.logs[name])
 

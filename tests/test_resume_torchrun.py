@@ -72,7 +72,7 @@ def assert_went_on(run: Path, saved_as: tuple[int, int, int], resumed_as: tuple[
             f"{epoch_after}: step {step_before} becomes step {step_after} of the LR schedule; the log and TensorBoard "
             f"go on counting from step {step_before}; the data order of this epoch differs from the original "
             "run") in log
-    assert f"resumed from {run / 'checkpoint.json'} at global step {step_after} (epoch 0)" in log
+    assert f"resumed from {run / 'checkpoint.json'} at global step {step_before} (epoch 0)" in log
     continued = load_run(run, INFO21)
     assert continued["world_size"] == world_after and continued["progress"]["global_step"] == final_step
     shown_offset = step_before - step_after  # TensorBoard's step minus the schedule's, after the resume

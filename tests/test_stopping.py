@@ -18,7 +18,7 @@ import pytest
 
 from checkpoint.pointer import POINTER_NAME
 from tests.nan_injection import nan_at_steps
-from tests.run_helpers import run_here, start_child, start_cli, wait_for_log
+from tests.run_helpers import continue_command, run_here, start_child, start_cli, wait_for_log
 
 EXIT_INTERRUPTED, EXIT_PREEMPTED = 130, 75
 
@@ -59,18 +59,21 @@ def test_sigterm_to_every_process_saves_where_it_stopped(data, tmp_path):
     os.killpg(process.pid, signal.SIGTERM)  # the data worker too, as SLURM signals every process of a job
     _, stderr = process.communicate(timeout=120)
     assert process.returncode == EXIT_PREEMPTED and "Traceback" not in stderr, stderr[-3000:]
-    stop = stop_line(output, r"preempted at global step (\d+): checkpoint saved; --resume continues")
+    command = continue_command(data, output, "batch_size=2", "num_workers=1", "max_steps=12")
+    stop = stop_line(output, rf"preempted at global step (\d+): checkpoint saved; continue with: {re.escape(command)}")
     assert published_step(output) == int(stop.group(1))
 
 
 def test_ctrl_c_stops_after_the_step_without_saving_and_says_how_to_continue(data, tmp_path):
     output = tmp_path / "run"
     child, stderr = start_in_a_terminal(data, output, "num_workers=1", "save_every_steps=2", "max_steps=12")
+    command = continue_command(data, output, "batch_size=2", "num_workers=1", "save_every_steps=2", "max_steps=12")
     wait_for_log(output, "Global Step: 3 ", child.is_alive)
     ctrl_c(child)
     ended(child, stderr)
     stop = stop_line(output, r"stopped by Ctrl-C at global step (\d+), without saving \(last saved at global step "
-                     rf"(\d+)\); the last good checkpoint.json in {output} is untouched \(continue with --resume\); "
+                     rf"(\d+)\); the last good checkpoint.json in {output} is untouched \(continue with: "
+                     rf"{re.escape(command)}\); "
                      "to save before stopping, send SIGTERM or SIGUSR1 instead of Ctrl-C")
     stopped, saved = int(stop.group(1)), int(stop.group(2))
     assert 3 <= stopped < 12 and saved == published_step(output) == stopped - 1 - (stopped - 1) % 2
@@ -84,6 +87,7 @@ def test_a_second_ctrl_c_stops_at_once_without_a_traceback(data, tmp_path):
     # 4 micro-batches a step: long enough for both presses to land inside step 3, which starts once step 2's
     # save is published
     child, stderr = start_in_a_terminal(data, output, "gradient_acc=4", "save_every_steps=1", "max_steps=5")
+    command = continue_command(data, output, "batch_size=2", "gradient_acc=4", "save_every_steps=1", "max_steps=5")
     deadline = time.monotonic() + 300
     while not ((output / POINTER_NAME).is_file() and published_step(output) == 2):
         assert child.is_alive() and time.monotonic() < deadline, "step 2's checkpoint was never published"
@@ -93,7 +97,7 @@ def test_a_second_ctrl_c_stops_at_once_without_a_traceback(data, tmp_path):
     ctrl_c(child)
     ended(child, stderr)
     stop = stop_line(output, r"stopped at once by a second Ctrl-C after global step (\d+), without saving; the last "
-                     rf"good checkpoint.json in {output} is untouched \(continue with --resume\)")
+                     rf"good checkpoint.json in {output} is untouched \(continue with: {re.escape(command)}\)")
     assert published_step(output) == int(stop.group(1))
 
 

@@ -3,8 +3,12 @@ its log, TensorBoard file, verification lines and checkpoints; resume (also on a
 the output folder guard."""
 from __future__ import annotations
 
+import os
 import re
+import shlex
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -13,7 +17,7 @@ import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from backbones import get_model
-from tests.run_helpers import digest, load_run, run_cli, run_here
+from tests.run_helpers import ROOT, continue_command, digest, load_run, run_cli, run_here
 
 NETWORK = ["network=r18", "network_kwargs={'width_mult': 0.125}", "embedding_size=32"]
 TINY = (*NETWORK, "batch_size=4", "num_workers=0", "frequent=2", "verbose=4", "num_epoch=2")
@@ -87,7 +91,7 @@ def test_resume_on_one_process_continues_at_the_saved_step_with_the_saved_lr(two
     result = train_here(data, output, "max_steps=10", resume=True)
     assert result.returncode == 0, result.stderr[-3000:]
     log = (output / "training.log").read_text()
-    assert f"resumed from {output / 'checkpoint.json'} at global step 8 (epoch 0), lr {saved_lr:.6f}" in log
+    assert f"resumed from {output / 'checkpoint.json'} at global step 4 (epoch 0), lr {saved_lr:.6f}" in log
     assert ("resuming a run of 2 process(es) and 5 steps per epoch with 1 and 10: step 4 becomes step 8 of the LR "
             "schedule; the log and TensorBoard go on counting from step 4; the data order of this epoch differs from "
             "the original run") in log
@@ -116,16 +120,25 @@ def test_resume_in_the_same_world_continues_exactly_where_it_stopped(data, tmp_p
     assert scheduler["last_epoch"] == 6
 
 
-def test_an_existing_run_is_never_overwritten_without_resume(data, tmp_path):
+def test_an_existing_run_is_never_overwritten_without_resume_and_a_finished_one_says_how_to_train_on(data, tmp_path):
     output = tmp_path / "run"
     assert train_here(data, output, "max_steps=1").returncode == 0
     before = {p.name: digest(p) for p in output.iterdir() if p.is_file()}
     again = train_here(data, output, "max_steps=1")
     assert again.returncode != 0
+    command = continue_command(data, output, "max_steps=2", base=TINY)
     assert again.stderr.strip().splitlines() == [
-        f"error: output folder {output} already holds a run (backbone.pth, checkpoint-000000001, checkpoint.json); "
-        "pass --resume to continue it, or choose a new folder with --set output=<folder>"]
+        f"error: output folder {output} holds a run that finished training at global step 1 (max_steps=1); to "
+        f"train it on, raise max_steps and continue it, e.g. with: {command}; or choose a new folder with --set "
+        "output=<folder>"]
     assert {p.name: digest(p) for p in output.iterdir() if p.is_file()} == before
+    # The command given continues this run, not the config's own output folder's.
+    on = subprocess.run([sys.executable, *shlex.split(command)[1:]], cwd=ROOT, capture_output=True, text=True,
+                        env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=300)
+    assert on.returncode == 0, on.stderr[-3000:]
+    log = (output / "training.log").read_text()
+    assert f"resumed from {output / 'checkpoint.json'} at global step 1" in log
+    assert "training finished at global step 2" in log
 
 
 def test_starting_from_a_bare_backbone_loads_it_and_says_so(data, tmp_path):

@@ -14,8 +14,8 @@ from torch.utils.data import DistributedSampler
 import train
 from facedata.recordio import RecordReader, RecordWriter, pack, unpack
 from tests.nan_injection import nan_at_steps
-from tests.run_helpers import load_run, run_here, start_cli
-from tests.test_train import train_here
+from tests.run_helpers import continue_command, load_run, run_here, start_cli
+from tests.test_train import TINY, train_here
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -39,11 +39,11 @@ def test_unknown_key_exits_non_zero_with_one_sentence_from_the_command_line():
     (["configs/synthetic_pair.py", "--set", "batch_size=big"],
      "error: config key 'batch_size' must be int, not str 'big' (from --set batch_size=big); see configs/base.py"),
     (["configs/synthetic_pair.py", "--set", "rec=/no/such/folder"],
-     "error: data folder /no/such/folder (config key 'rec') does not exist; point rec at the folder holding "
-     "train.rec/train.idx, e.g. --set rec=/data/ms1mv3"),
+     "error: config key 'rec' names data folder /no/such/folder, which does not exist; point rec at the folder "
+     "holding train.rec/train.idx, e.g. --set rec=/data/ms1mv3"),
     (["configs/synthetic_pair.py", "--set", "rec=no/such/folder"],
-     f"error: data folder no/such/folder (looked up from {ROOT}) (config key 'rec') does not exist; point rec at "
-     "the folder holding train.rec/train.idx, e.g. --set rec=/data/ms1mv3"),
+     f"error: config key 'rec' names data folder no/such/folder (looked up from {ROOT}), which does not exist; "
+     "point rec at the folder holding train.rec/train.idx, e.g. --set rec=/data/ms1mv3"),
     (["configs/synthetic_pair.py", "--set", "val_targets=orl_val"],
      "error: config key 'val_targets' must be tuple[str, ...], not str 'orl_val' (from --set val_targets=orl_val); "
      "write a tuple, e.g. --set \"val_targets=('orl_val',)\""),
@@ -74,9 +74,10 @@ def test_nonfinite_losses_skip_steps_and_too_many_in_a_row_stop_the_run(data, tm
     with nan_at_steps({2, 12, 13}):
         result = train_here(data, output, "max_nonfinite_steps=2", "verbose=100")
     assert result.returncode == 1
+    command = continue_command(data, output, "max_nonfinite_steps=2", "verbose=100", base=TINY)
     assert only_line(result.stderr) == (
         f"error: stopped at global step 13: 2 non-finite losses in a row (max_nonfinite_steps=2); the last good "
-        f"checkpoint.json in {output} is untouched (continue with --resume); lower lr, try bf16 instead of fp16, "
+        f"checkpoint.json in {output} is untouched (continue with: {command}); lower lr, try bf16 instead of fp16, "
         "or check the data")
     log = (output / "training.log").read_text()
     assert "Global Step 2: non-finite loss, step skipped (1 in a row, 1 in this run)" in log
@@ -88,6 +89,10 @@ def test_nonfinite_losses_skip_steps_and_too_many_in_a_row_stop_the_run(data, tm
     assert torch.isfinite(checkpoint["class_centres"]).all()
     backbone = torch.load(output / "backbone.pth", weights_only=True)  # also from step 10
     assert all(torch.equal(backbone[k], v) for k, v in checkpoint["backbone"].items())
+    # Started again without --resume, the run (at step 10 of 20) is told the command that continues it.
+    assert run_here(data, output, "max_nonfinite_steps=2", "verbose=100", base=TINY) == (1, (
+        f"error: output folder {output} already holds a run (backbone.pth, checkpoint-000000010, checkpoint.json); "
+        f"continue it with: {command}, or choose a new folder with --set output=<folder>\n"))
 
 
 def copy_with_bad_records(data: Path, output: Path, bad_samples: set[int]) -> Path:

@@ -4,16 +4,18 @@
     python -m tools.inference --model output/run face.jpg --save face.npy
     python -m tools.inference a.jpg b.jpg --model output/run --crop
     python -m tools.inference a.jpg --model backbone.pth --network r18 --network-kw width_mult=0.25
+    python -m tools.inference a.jpg b.jpg --onnx w600k_r50.onnx
 
 (--network-kw takes every value up to the next option, so images go before it.)
 
-Photos are prepared as every tool prepares them (--resize, the default, --crop, --pad or --landmarks:
-use the option the training records were packed with). Each embedding is the photo's and its mirror
-image's summed and L2-normalised, as verification scores them. One photo: its embedding is printed, or
-saved as a float32 .npy of shape (num_features,). Two photos: their cosine similarity, and the verdict at
-the threshold of the model's last verification (recorded in model.json by training or eval.verification:
-the similarity above which a pair is the same person, and the false-accept rate it gave on that set);
---save writes both embeddings, shape (2, num_features).
+Photos are prepared as every tool prepares them (--resize, --crop, --pad or --landmarks). By default, as
+the training photos were (model.json records the option tools.pack_rec packed them with; --resize when it
+records none); an option that differs from the recorded one is used, with a warning naming both. Each
+embedding is the photo's and its mirror image's summed and L2-normalised, as verification scores them. One
+photo: its embedding is printed, or saved as a float32 .npy of shape (num_features,). Two photos: their
+cosine similarity, and the verdict at the threshold of the model's last verification (recorded in
+model.json by training or eval.verification: the similarity above which a pair is the same person, and the
+false-accept rate it gave on that set); --save writes both embeddings, shape (2, num_features).
 """
 from __future__ import annotations
 
@@ -26,8 +28,8 @@ import numpy as np
 import torch
 
 from backbones import flip_fused_embeddings, read_face_image
-from backbones.trained import SavedBackbone, add_backbone_arguments, load_backbone_from_args
-from dataset import add_preparation_arguments, preparation_from_args
+from dataset import add_preparation_arguments, preparation_following
+from eval.cli import EvaluatedNetwork, add_network_arguments, open_network
 from utils.cli import exit_on_user_error
 from utils.errors import ConfigError
 
@@ -35,7 +37,7 @@ from utils.errors import ConfigError
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("images", nargs="+", type=Path, help="one or two face photos")
-    add_backbone_arguments(parser)
+    add_network_arguments(parser)
     parser.add_argument("--save", type=Path, help="write the embedding(s) to this .npy file")
     add_preparation_arguments(parser, "the photo's path as given here")
     return parser.parse_args(argv)
@@ -49,20 +51,39 @@ def check_args(args: argparse.Namespace) -> None:
                           "first or choose another path")
 
 
-def verdicts(similarity: float, saved: SavedBackbone) -> list[str]:
-    """One line per verification set recorded with the model: same person or not at its threshold."""
+def verdict_set(verification: dict[str, dict]) -> tuple[str, str]:
+    """The recorded set whose threshold the verdict uses, and why: the first one of people kept out of
+    training, else the first whose people are not known to have been in training, else the first."""
+    for wanted, why in ((True, "its people were kept out of training"),
+                        (None, "the first recorded set not known to hold training people")):
+        for name, point in verification.items():
+            if point.get("held_out") is wanted:
+                return name, why
+    return next(iter(verification)), "every recorded set holds people the model was trained on"
+
+
+def verdicts(similarity: float, network: EvaluatedNetwork) -> list[str]:
+    """One line per verification set recorded with the model: same person or not at its threshold; with more
+    than one set, a last line naming the set the verdict goes by, and why."""
+    saved = network.saved
+    if saved is None:
+        return [f"no threshold is known for {network.path}: an ONNX model records no verification; judge the "
+                "similarity by a threshold of your own, or pass the run folder with --model"]
     if not saved.verification:
         return [f"no threshold is known for {saved.weights}: its model.json records no verification; run "
                 f"python -m eval.verification --model {saved.weights.parent} --bins YOUR_SET.bin to record one"]
-    lines = []
+    lines, said = [], {}
     for name, point in saved.verification.items():
-        verdict = "same person" if similarity > point["threshold"] else "different people"
-        lines.append(f"{verdict} at threshold {point['threshold']:.4f} (FAR {point['far']:.4g} on {name}, "
+        said[name] = "same person" if similarity > point["threshold"] else "different people"
+        lines.append(f"{said[name]} at threshold {point['threshold']:.4f} (FAR {point['far']:.4g} on {name}, "
                      f"{point['pairs']} pairs; {point['by']})")
+    if len(lines) > 1:
+        name, why = verdict_set(saved.verification)
+        lines.append(f"verdict: {said[name]}, by the threshold of {name} ({why})")
     return lines
 
 
-def report(embeddings: np.ndarray, save: Path | None, saved: SavedBackbone) -> None:
+def report(embeddings: np.ndarray, save: Path | None, network: EvaluatedNetwork) -> None:
     """Save and/or print what the user asked for: the embedding, or the pair's similarity and verdict."""
     if save:
         saved_array = embeddings[0] if len(embeddings) == 1 else embeddings
@@ -71,7 +92,7 @@ def report(embeddings: np.ndarray, save: Path | None, saved: SavedBackbone) -> N
     if len(embeddings) == 2:
         similarity = float(embeddings[0] @ embeddings[1])
         print(f"cosine similarity: {similarity:.6f}")
-        print("\n".join(verdicts(similarity, saved)))
+        print("\n".join(verdicts(similarity, network)))
     elif not save:
         np.set_printoptions(threshold=sys.maxsize, precision=6, suppress=True)
         print(embeddings[0])
@@ -82,10 +103,14 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s: %(message)s")
     with exit_on_user_error():
         check_args(args)
-        preparation = preparation_from_args(args)
+        network = open_network(args, torch.device("cpu"))
+        saved = network.saved
+        recorded = None if saved is None else saved.photo_preparation
+        preparation, said = preparation_following(args, recorded, None if saved is None else str(saved.info_path))
+        if said:
+            print(said, file=sys.stderr if said.startswith("warning") else sys.stdout)
         images = torch.stack([read_face_image(path, preparation) for path in args.images])
-        model, saved = load_backbone_from_args(args)
-        report(flip_fused_embeddings(model, images).numpy(), args.save, saved)
+        report(flip_fused_embeddings(network.module, images).numpy(), args.save, network)
     return 0
 
 

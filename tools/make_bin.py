@@ -6,7 +6,10 @@
 IMAGE_FOLDER holds one sub-folder of face photos per identity. Each photo becomes a 112x112 face as in
 every tool that reads photos (facedata/photos.py): ``--resize`` (the default; a warning names the photos
 whose aspect ratio that changed), ``--crop``, ``--pad``, or ``--landmarks FILE``. Use the option the
-training records were packed with (tools.pack_rec), so that evaluation sees faces as training did.
+training records were packed with (tools.pack_rec), so that evaluation sees faces as training did: when
+OUT.bin goes beside a train.rec whose preparation tools.pack_rec recorded, that one is the default (an
+option that differs gets a warning). The preparation is recorded beside OUT.bin too
+(``OUT.bin.preparation.json``), for eval.verification to check against the model's.
 
 --pairs FILE: LFW's pairs.txt format. A header line (``folds pairs_per_fold``: 2 x folds x
 pairs_per_fold pairs follow, or a single count N: 2N follow), then ``name n1 n2`` for photos n1 and n2
@@ -41,9 +44,13 @@ from dataset import (
     PreparedFace,
     add_preparation_arguments,
     encode,
-    preparation_from_args,
+    preparation_following,
+    read_preparation,
+    read_record,
     scan_identities,
+    skipped_folders_line,
     stretch_warning,
+    write_preparation,
 )
 from utils.cli import exit_on_user_error
 from utils.errors import ConfigError, DataError, located
@@ -51,6 +58,7 @@ from utils.image import IMAGE_SIZE
 from utils.progress import progress
 
 JPEG_QUALITY = 95
+TRAINING_RECORDS = "train.rec"  # beside the .bin, as val_targets look sets up: its preparation is the default
 
 Pair = tuple[Path, Path, bool]  # first image, second image, same person
 
@@ -205,6 +213,17 @@ def write_bin(path: Path, bins: list[bytes], issame: list[bool]) -> None:
     os.replace(partial, path)
 
 
+def stored_line(faces: dict[Path, PreparedFace | None], preparation: Preparation) -> str:
+    """How the .bin stores its photos: prepared and re-encoded, or byte for byte (see the module doc)."""
+    reencoded = sum(face is not None for face in faces.values())
+    if reencoded == len(faces):
+        return f"every one of the {len(faces)} photos prepared ({preparation.describe()}) and re-encoded"
+    if reencoded == 0:
+        return f"every one of the {len(faces)} photos already {IMAGE_SIZE}x{IMAGE_SIZE}, stored as it was"
+    return (f"{reencoded} of {len(faces)} photos prepared ({preparation.describe()}) and re-encoded, the others "
+            f"already {IMAGE_SIZE}x{IMAGE_SIZE}, stored as they were")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     with exit_on_user_error():
@@ -222,14 +241,26 @@ def main(argv: Sequence[str] | None = None) -> int:
             pairs = read_pairs(args.pairs, args.images)
         else:
             pairs = random_pairs(args.images, args.random, args.seed)
-        preparation = preparation_from_args(args, args.images)
+        records = args.output.parent / TRAINING_RECORDS
+        preparation, said = preparation_following(args, read_preparation(records), str(records), args.images)
+        if said:
+            print(said, file=sys.stderr if said.startswith("warning") else sys.stdout)
+        people = sorted({path.parent.name for first, second, _ in pairs for path in (first, second)})
+        training_people = read_record(records).get("people")
+        in_training = sorted(set(people) & set(training_people)) if isinstance(training_people, list) else None
+        if in_training:
+            print(f"note: {len(in_training)} of the {len(people)} people in this set are among the people "
+                  f"{records} was packed from (e.g. {in_training[0]}): it does not measure faces the model has "
+                  "never seen, and tools.inference prefers a set of people kept out of training")
+        if args.random is not None and (skipped := skipped_folders_line(str(args.images))):
+            print(skipped)
         bins, faces = encode_pairs(pairs, preparation, sys.stderr)
         issame = [same for _, _, same in pairs]
         write_bin(args.output, bins, issame)
-    reencoded = sum(face is not None for face in faces.values())
+        write_preparation(args.output, preparation, "tools.make_bin",
+                          None if in_training is None else {"people_in_training": len(in_training)})
     print(f"wrote {args.output}: {len(issame)} pairs ({sum(issame)} same person, {len(issame) - sum(issame)} "
-          f"different), {len(bins)} images, {reencoded} of {len(faces)} photos prepared ({preparation.describe()}) "
-          "and re-encoded, the others stored as they were")
+          f"different), {len(bins)} images, {stored_line(faces, preparation)}")
     stretched = [(str(path), face.stretched_from) for path, face in faces.items() if face and face.stretched_from]
     if warning := stretch_warning(stretched, len(faces)):
         print(warning, file=sys.stderr)

@@ -6,13 +6,14 @@ Any image size and grayscale images are fine: every photo becomes a 112x112 RGB 
 that reads photos (facedata/photos.py): stretched (``--resize``, the default; a warning names the photos
 whose aspect ratio that changed), centre-cropped (``--crop``), shrunk to fit and centred on black
 (``--pad``), or aligned by its five landmarks (``--landmarks FILE``, photos named relative to the input
-folder). Prepare the .bin sets (tools.make_bin) and inference photos (tools.inference) with the same
-option.
+folder). The preparation is recorded beside the records (``train.rec.preparation.json``): training
+carries it into the run's model.json, and tools.make_bin (writing beside train.rec) and tools.inference
+prepare their photos the same way by default.
 
 With ``--views V`` each record holds V different images of one identity side by side (112 x 112V); an
 identity's images are taken V at a time in name order, its last record topped up with its first images,
-and identities with fewer than V images are left out (and listed). Classes are numbered in the sorted
-order of the sub-folders that were kept.
+and identities with fewer than V images are left out (and listed, as are sub-folders without images).
+Classes are numbered in the sorted order of the sub-folders that were kept.
 """
 from __future__ import annotations
 
@@ -30,7 +31,9 @@ from dataset import (
     pack_identity,
     preparation_from_args,
     scan_identities,
+    skipped_folders_line,
     stretch_warning,
+    write_preparation,
 )
 from utils.cli import exit_on_user_error
 from utils.errors import ConfigError, DataError
@@ -73,8 +76,12 @@ def main(argv: list[str] | None = None) -> int:
             for records, identity_stretched in progress(packed, len(kept), "packing identities", sys.stderr):
                 writer.write_identity(records)
                 stretched += identity_stretched
+        # Once the records are whole; the people, so that tools.make_bin can tell whether a set holds others.
+        write_preparation(writer.rec_path, preparation, "tools.pack_rec", {"people": [name for name, _ in kept]})
     if warning := stretch_warning(stretched, sum(len(paths) for _, paths in kept)):
         print(warning, file=sys.stderr)
+    if skipped := skipped_folders_line(args.input):
+        print(skipped)
     if left_out:
         print(f"left out {len(left_out)} identities with fewer than {args.views} images: "
               f"{', '.join(left_out[:10])}{' ...' if len(left_out) > 10 else ''}")

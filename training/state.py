@@ -103,11 +103,13 @@ def precision(cfg: SimpleNamespace) -> torch.dtype | None:
     return torch.float16 if cfg.fp16 else torch.bfloat16 if cfg.bf16 else None
 
 
-def architecture(cfg: SimpleNamespace, num_classes: int) -> dict:
-    """What the saved weights are shaped for: a checkpoint must match it to be resumed by this run, and
-    model.json records it beside backbone.pth."""
-    return {"network": cfg.network, "network_kwargs": dict(cfg.network_kwargs),
-            "embedding_size": cfg.embedding_size, "num_classes": num_classes}
+def architecture(cfg: SimpleNamespace, num_classes: int, photo_preparation: str | None = None) -> dict:
+    """What the saved weights are shaped for (a checkpoint must match it to be resumed by this run: the
+    SHAPE_KEYS), and how the training photos were prepared when the data records it; model.json records it
+    all beside backbone.pth."""
+    shapes = {"network": cfg.network, "network_kwargs": dict(cfg.network_kwargs),
+              "embedding_size": cfg.embedding_size, "num_classes": num_classes}
+    return {**shapes, **({"photo_preparation": photo_preparation} if photo_preparation else {})}
 
 
 def build_networks(cfg: SimpleNamespace, num_classes: int, device: torch.device) -> tuple[nn.Module, PartialFC]:

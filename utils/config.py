@@ -244,8 +244,8 @@ def check_data_path(cfg: SimpleNamespace) -> None:
         raise ConfigError("config key 'rec' is empty; set it to the folder holding train.rec/train.idx "
                           "(e.g. --set rec=/data/ms1mv3) or to \"synthetic\"")
     if not os.path.exists(cfg.rec):
-        raise ConfigError(f"data folder {located(cfg.rec)} (config key 'rec') does not exist; point rec at the folder "
-                          "holding train.rec/train.idx, e.g. --set rec=/data/ms1mv3")
+        raise ConfigError(f"config key 'rec' names data folder {located(cfg.rec)}, which does not exist; point rec at "
+                          "the folder holding train.rec/train.idx, e.g. --set rec=/data/ms1mv3")
 
 
 def planned_world_size(world_size: int | None, environ: Mapping[str, str]) -> int:

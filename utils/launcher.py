@@ -73,3 +73,13 @@ def torchrun_run_id() -> str | None:
     which cannot tell one run from another."""
     run_id = os.environ.get("TORCHELASTIC_RUN_ID")
     return None if run_id in (None, "none") else run_id
+
+
+def launch_words() -> str:
+    """How this process was started, for a command line that starts it again: ``python``, ``srun python``
+    or ``torchrun [its options]`` (torchrun's own options are not known to its processes)."""
+    if "TORCHELASTIC_RUN_ID" in os.environ:
+        return "torchrun [the same torchrun options]"
+    if "SLURM_PROCID" in os.environ and int(os.environ.get("SLURM_NTASKS", "1")) > 1:
+        return "srun python"
+    return "python"

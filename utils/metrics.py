@@ -47,14 +47,19 @@ class Metrics:
             self.wandb_run.finish()
 
 
-def open_metrics(cfg: SimpleNamespace) -> Metrics:
-    """This process's sinks: TensorBoard on rank 0; W&B on rank 0, or on every rank with wandb_log_all."""
+def open_metrics(cfg: SimpleNamespace, resumed_at: int | None = None) -> Metrics:
+    """This process's sinks: TensorBoard on rank 0; W&B on rank 0, or on every rank with wandb_log_all.
+
+    `resumed_at`: the (shown) step a resumed run continues from. What an earlier start logged after it (steps
+    it trained again, or a window cut short by a stop) is purged from TensorBoard's view, so that every step
+    has one point, this run's."""
     tensorboard = None
     if is_main():
         # a quarter of a second to import; a start refused before its steps never needs it
         from torch.utils.tensorboard import SummaryWriter  # noqa: PLC0415
 
-        tensorboard = SummaryWriter(log_dir=os.path.join(cfg.output, "tensorboard"))
+        tensorboard = SummaryWriter(log_dir=os.path.join(cfg.output, "tensorboard"),
+                                    purge_step=None if resumed_at is None else resumed_at + 1)
     wandb_run = _wandb_run(cfg) if cfg.using_wandb and (is_main() or cfg.wandb_log_all) else None
     return Metrics(tensorboard, wandb_run)
 
