@@ -49,6 +49,14 @@ def _gpu_index(local_rank: int, sharing: int | None, visible: int) -> int:
                       "each task one GPU (srun --gpus-per-task=1) or every task all of the node's (--gpus-per-node)")
 
 
+def use_device_in_this_thread(device: torch.device) -> None:
+    """Make `device` the calling thread's current CUDA device (nothing on a CPU). A new thread starts on
+    GPU 0 whatever its process's device: its first CUDA call (NCCL's and DCP's streams, a stream
+    context's exit) would create a context there, ~0.5 GB on GPU 0 for every rank of the node."""
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+
+
 def cuda_unavailable_reason() -> str:
     """Why torch.cuda.is_available() is False, as far as can be told, and what to do."""
     build = torch.version.cuda
