@@ -51,11 +51,9 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-import torch
-
+from bench.gpu_ready import cuda_problem
 from bench.step_memory import ratios
 from tests.run_helpers import CONFIG, FP16_ON_CPU, arguments
-from utils.device import cuda_unavailable_reason
 
 ROOT = Path(__file__).resolve().parent.parent
 SPEED = re.compile(r"Speed ([\d.]+) samples/sec ([\d.]+) images/sec   Loss ([\d.]+)")
@@ -73,17 +71,6 @@ NAME_WIDTH = 44
 PHOTOS_PER_IDENTITY = 8
 Row = tuple[str, str, bool]  # (name, result, passed)
 Rows = Iterator[Row]
-
-
-def cuda_problem() -> str | None:
-    """Why CUDA cannot run this check, or None: no usable driver, or a GPU that cannot run a kernel."""
-    if not torch.cuda.is_available():
-        return cuda_unavailable_reason()
-    try:
-        torch.ones(1, device="cuda").add_(1).item()
-    except RuntimeError as error:
-        return f"a first CUDA operation failed: {str(error).splitlines()[0]}"
-    return None
 
 
 def budget_scale(tiny: bool) -> int:

@@ -2,7 +2,7 @@
 Python cannot import is installed from the wheels bench/fetch_gpu_wheels.sh downloaded (no package
 registry is needed, nor reachable there), into a folder of its own that the check puts on PYTHONPATH.
 
-    python3 -m bench.gpu_wheels --wheels .gpu-wheels --target .gpu-site
+    python3 -m bench.gpu_wheels --wheels .gpu-wheels --target .gpu-site [--tiny]
 
 Standard library only: it runs before anything the wheels provide. One `error:` line and exit 1 when
 a wheel is missing or pip cannot install it.
@@ -20,12 +20,12 @@ LIST = Path(__file__).resolve().with_name("gpu_wheels.txt")
 FETCH = "bash bench/fetch_gpu_wheels.sh"
 
 
-def read_list(path: Path) -> list[tuple[str, str]]:
-    """(module, requirement) of each line of `path`, comments dropped."""
+def read_list(path: Path, tiny: bool = False) -> list[tuple[str, str]]:
+    """(module, requirement) of each line of `path`, comments dropped; with `tiny`, not those marked gpu."""
     entries = []
     for line in path.read_text().splitlines():
         fields = line.split("#", 1)[0].split()
-        if fields:
+        if fields and not (tiny and fields[2:] == ["gpu"]):
             entries.append((fields[0], fields[1]))
     return entries
 
@@ -80,8 +80,9 @@ def main(argv=None) -> int:
     parser.add_argument("--wheels", type=Path, default=Path(".gpu-wheels"), help="the downloaded wheels")
     parser.add_argument("--target", type=Path, default=Path(".gpu-site"), help="where to install (put on PYTHONPATH)")
     parser.add_argument("--list", type=Path, default=LIST, help="module and requirement, one pair a line")
+    parser.add_argument("--tiny", action="store_true", help="only what `gpu_check --tiny` imports")
     args = parser.parse_args(argv)
-    missing = missing_modules(read_list(args.list))
+    missing = missing_modules(read_list(args.list, args.tiny))
     if not missing:
         print("every module the check imports is here")
         return 0

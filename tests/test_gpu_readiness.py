@@ -2,8 +2,9 @@
 setup, the numerics switches, the grad scaler after a skipped step, the deferred label check and the
 half-precision backward of PartialFC.
 
-Where a test needs a GPU that is not there, it replaces torch's *hardware queries* (is CUDA
-available, how many devices) and nothing else: the logic under test runs as it is.
+Where a test needs a GPU that is not there (or, on a GPU machine, needs CUDA to be absent), it replaces
+torch's *hardware queries* (is CUDA available, how many devices) and nothing else: the logic under test
+runs as it is, and the file passes on a GPU machine too.
 """
 from __future__ import annotations
 
@@ -49,13 +50,14 @@ def numerics():
         os.environ.pop("CUBLAS_WORKSPACE_CONFIG", None)
 
 
-def test_auto_and_cpu_choose_the_cpu_without_cuda():
-    assert not torch.cuda.is_available()  # this test machine
+def test_auto_and_cpu_choose_the_cpu_without_cuda(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # as on this test machine
     assert choose_device("auto", 0, 1) == torch.device("cpu")
     assert choose_device("cpu", 0, 1) == torch.device("cpu")
 
 
 def test_cuda_without_a_driver_names_the_driver_the_build_needs(monkeypatch, tmp_path):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     monkeypatch.setattr(device_module, "NVIDIA_DRIVER_FILE", tmp_path / "absent")
     with pytest.raises(ConfigError) as error:
         choose_device("cuda", 0, 1)
@@ -218,7 +220,8 @@ def test_the_start_up_log_names_the_device_and_backend(data, tmp_path):
     output = tmp_path / "run"
     assert run_here(data, output, "max_steps=1")[0] == 0
     log = (output / "training.log").read_text()
-    assert "device cpu (" in log and "backend none (one process), 1 process(es) on 1 node(s)" in log
+    device = "cuda:0 (" if torch.cuda.is_available() else "cpu ("  # device="auto"
+    assert f"device {device}" in log and "backend none (one process), 1 process(es) on 1 node(s)" in log
 
 
 def _record_set_device(monkeypatch) -> list[tuple[str, torch.device]]:
