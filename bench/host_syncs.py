@@ -5,7 +5,8 @@
     python -m bench.host_syncs --sample-rates 1.0 0.1 0
 
 A step is `training.step.train_step` as training runs it on a GPU (the label check deferred to a
-non-finite loss), on a tiny r18 with two views and random images already on the device.
+non-finite loss), on a tiny r18 with two views and a new batch of random images and labels made on the
+device for each step.
 
 On a CPU nothing waits, so `SyncCounter` counts the operations that make the host wait for a GPU:
 reading a scalar (`.item()`, `bool()`, `int()`), operations whose output shape depends on the data
@@ -113,19 +114,28 @@ def cuda_syncs() -> Iterator[list[tuple[str, str]]]:
 
 
 def training_step(device: torch.device, classes: int, batch_size: int, *overrides: str) -> Callable[[], object]:
-    """One train_step as GPU training runs it, over a fixed batch of random two-view records; a tiny r18
-    unless config `overrides` (key=value) say otherwise."""
+    """One train_step as GPU training runs it, on a fresh batch of random two-view records each call (made
+    on the device from a seeded generator: no host copy, the same batches every run), so that the sampled
+    centres change from step to step as in training; a tiny r18 unless config `overrides` (key=value) say
+    otherwise."""
     cfg = load_config(ROOT / "configs" / "synthetic_pair.py", [
         "network=r18", "network_kwargs={'width_mult': 0.0625}", "embedding_size=64", "num_views=2", "fp16=False",
         f"batch_size={batch_size}", "num_epoch=1000", *overrides])
     configure_numerics(device, cfg.tf32, cfg.deterministic)
     state = build_training_state(cfg, classes, device, steps_per_epoch=1000)
     state.pfc.defer_label_check = True  # as on a GPU: a bad label poisons the loss instead of a check that waits
-    generator = torch.Generator().manual_seed(0)
-    images = torch.randint(0, 256, (batch_size, 2, 3, 112, 112), dtype=torch.uint8, generator=generator)
-    labels = torch.randint(0, classes, (batch_size,), generator=generator)
-    batch = [(images.to(device), labels.to(device))]
-    return lambda: train_step(state, batch, cfg)
+    batches = random_batches(device, classes, batch_size)
+    return lambda: train_step(state, [next(batches)], cfg)
+
+
+def random_batches(device: torch.device, classes: int, batch_size: int, seed: int = 0
+                   ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """(images (B, 2, 3, 112, 112) uint8, labels (B,)) on `device`, new ones each time, from `seed`."""
+    generator = torch.Generator(device).manual_seed(seed)
+    while True:
+        images = torch.randint(0, 256, (batch_size, 2, 3, 112, 112), dtype=torch.uint8, generator=generator,
+                               device=device)
+        yield images, torch.randint(0, classes, (batch_size,), generator=generator, device=device)
 
 
 def count_per_step(step: Callable[[], object], steps: int, device: torch.device

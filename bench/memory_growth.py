@@ -5,7 +5,8 @@ centres at sample_rate 0), which ends in an out-of-memory error days into a run.
     python -m bench.memory_growth --device cuda --network r50 --width-mult 1 --batch-size 128 --fp16
     python -m bench.memory_growth                     # CPU: the process's resident memory instead
 
-The step is bench.host_syncs.training_step (train_step on random two-view records already on the device).
+The step is bench.host_syncs.training_step (train_step on new random two-view records, made on the device,
+each step).
 """
 from __future__ import annotations
 

@@ -12,6 +12,8 @@ from pathlib import Path
 
 import torch
 
+from utils.device import use_device_in_this_thread
+
 
 class HostStaging:
     """Host copies of one save's tensors, in buffers reused by every save."""
@@ -30,18 +32,21 @@ class HostStaging:
 
 
 class BackgroundSave:
-    """`write()` running in a thread; wait() returns its result or raises its error."""
+    """`write()` running in a thread with `device` as its current device; wait() returns its result or
+    raises its error."""
 
-    def __init__(self, write: Callable[[], Path]) -> None:
+    def __init__(self, write: Callable[[], Path], device: torch.device) -> None:
         self._result: Path | None = None
         self._error: BaseException | None = None
         # A daemon: a process that stops on an error does not wait for the write, which leaves the
         # previous checkpoint published (the write publishes only at its very end).
-        self._thread = threading.Thread(target=self._run, args=(write,), name="checkpoint-writer", daemon=True)
+        self._thread = threading.Thread(target=self._run, args=(write, device), name="checkpoint-writer",
+                                        daemon=True)
         self._thread.start()
 
-    def _run(self, write: Callable[[], Path]) -> None:
+    def _run(self, write: Callable[[], Path], device: torch.device) -> None:
         try:
+            use_device_in_this_thread(device)
             self._result = write()
         except BaseException as error:  # handed to the training thread, which reports it
             self._error = error

@@ -183,7 +183,8 @@ class Checkpointer:
             staged = sharded.stage_state(self.state, counter.saved(), self.loader.state_dict(), self.architecture,
                                          self.config, self._staging.copy if self._staging else None)
             if self._staging:
-                self._in_flight = (BackgroundSave(lambda: sharded.write_state(self.output, staged, self._group)),
+                self._in_flight = (BackgroundSave(lambda: sharded.write_state(self.output, staged, self._group),
+                                                  self.state.pfc.weight.device),
                                    counter.shown_step, level)
             else:
                 self._published(sharded.write_state(self.output, staged), counter.shown_step, level)

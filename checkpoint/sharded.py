@@ -137,7 +137,7 @@ def write_state(output: str | Path, staged: Staged, group=None) -> Path:
     agreed(lambda: _fresh(tmp, target), group=group)
     try:
         with _quiet_when_alone():
-            dcp.save(staged.tensors, storage_writer=FileSystemWriter(tmp, sync_files=True), process_group=group,
+            dcp.save(staged.tensors, storage_writer=_writer(tmp, staged.tensors), process_group=group,
                      no_dist=not is_initialized())
     except CheckpointException as error:  # raised on every rank, whichever failed
         agreed(lambda: shutil.rmtree(tmp, ignore_errors=True), group=group)
@@ -146,6 +146,23 @@ def write_state(output: str | Path, staged: Staged, group=None) -> Path:
     shards = gather_objects(_own_shards(tmp), group=group)
     ranks = gather_objects(staged.rank_state, group=group)
     return agreed(lambda: _complete_and_publish(output, tmp, target, staged, shards, ranks), group=group)
+
+
+def _writer(tmp: Path, tensors: Mapping) -> FileSystemWriter:
+    """DCP's writer into `tmp`. Its copy-ahead (GPU tensors copied to the host ahead of their write) runs on
+    the writing thread's current CUDA stream, creating a CUDA context when there is none: it is for live
+    GPU tensors only, never for host copies (an async save's)."""
+    if any(leaf.device.type != "cpu" for leaf in _tensor_leaves(tensors)):
+        return FileSystemWriter(tmp, sync_files=True)
+    return FileSystemWriter(tmp, sync_files=True, per_thread_copy_ahead=0)
+
+
+def _tensor_leaves(tree: Mapping) -> Iterator[torch.Tensor]:
+    for value in tree.values():
+        if torch.is_tensor(value):
+            yield value
+        elif isinstance(value, Mapping):
+            yield from _tensor_leaves(value)
 
 
 def _fresh(tmp: Path, target: Path) -> None:

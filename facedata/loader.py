@@ -15,6 +15,7 @@ import logging
 import signal
 import weakref
 from collections.abc import Iterator
+from functools import partial
 
 import torch
 from torch.utils.data import DataLoader, Dataset, default_collate
@@ -173,7 +174,10 @@ class FaceLoader:
     def _staged(self, batches):
         """(images, labels, skipped) on the device, each batch staged while the one before is in use: copies
         on this thread (they only queue work), decoding on a thread of its own (it takes as long as a step)."""
-        work, ahead = (self._decode, in_background) if self.decode_on_device else (self._to_device, one_ahead)
+        if self.decode_on_device:
+            work, ahead = self._decode, partial(in_background, device=self.device)
+        else:
+            work, ahead = self._to_device, one_ahead
         if self.device.type != "cuda":
             return ahead(batches, work)
         side = SideStream(self.device, work)

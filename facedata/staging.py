@@ -9,6 +9,8 @@ from typing import TypeVar
 
 import torch
 
+from utils.device import use_device_in_this_thread
+
 Item = TypeVar("Item")
 Staged = TypeVar("Staged")
 
@@ -39,8 +41,10 @@ def one_ahead(items: Iterable[Item], stage: Callable[[Item], Staged]) -> Iterato
         staged = upcoming
 
 
-def in_background(items: Iterable[Item], stage: Callable[[Item], Staged], depth: int = 2) -> Iterator[Staged]:
-    """``stage(item)`` for each item, fetched and staged by a thread of its own up to ``depth`` items ahead.
+def in_background(items: Iterable[Item], stage: Callable[[Item], Staged], device: torch.device,
+                  depth: int = 2) -> Iterator[Staged]:
+    """``stage(item)`` for each item, fetched and staged by a thread of its own up to ``depth`` items ahead,
+    with ``device`` as that thread's current device.
 
     For staging that takes as long as a step (decoding a batch): on the consumer's thread it would sit
     between steps however early it starts, on its own thread it runs while the step does. Items are
@@ -62,6 +66,7 @@ def in_background(items: Iterable[Item], stage: Callable[[Item], Staged], depth:
     def produce() -> None:
         iterator = iter(items)
         try:
+            use_device_in_this_thread(device)
             for item in iterator:
                 if not put((True, stage(item))):
                     return

@@ -2,22 +2,29 @@
 setup, the numerics switches, the grad scaler after a skipped step, the deferred label check and the
 half-precision backward of PartialFC.
 
-Where a test needs a GPU that is not there, it replaces torch's *hardware queries* (is CUDA
-available, how many devices) and nothing else: the logic under test runs as it is.
+Where a test needs a GPU that is not there (or, on a GPU machine, needs CUDA to be absent), it replaces
+torch's *hardware queries* (is CUDA available, how many devices) and nothing else: the logic under test
+runs as it is, and the file passes on a GPU machine too.
 """
 from __future__ import annotations
 
 import os
 import socket
+import threading
 from datetime import timedelta
 
 import pytest
 import torch
 import torch.distributed as dist
 
+from bench import host_syncs
+from checkpoint.background import BackgroundSave, HostStaging
+from checkpoint.sharded import restore_state, stage_state, write_state
+from facedata.staging import in_background
 from losses import CombinedMarginLoss
 from partial_fc import PartialFC
 from tests.run_helpers import run_here
+from tests.test_checkpoint import INFO, make_model, take_steps
 from training.state import TrainingState, build_optimizer
 from training.step import _back_off, train_step
 from utils import device as device_module
@@ -43,13 +50,14 @@ def numerics():
         os.environ.pop("CUBLAS_WORKSPACE_CONFIG", None)
 
 
-def test_auto_and_cpu_choose_the_cpu_without_cuda():
-    assert not torch.cuda.is_available()  # this test machine
+def test_auto_and_cpu_choose_the_cpu_without_cuda(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # as on this test machine
     assert choose_device("auto", 0, 1) == torch.device("cpu")
     assert choose_device("cpu", 0, 1) == torch.device("cpu")
 
 
 def test_cuda_without_a_driver_names_the_driver_the_build_needs(monkeypatch, tmp_path):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     monkeypatch.setattr(device_module, "NVIDIA_DRIVER_FILE", tmp_path / "absent")
     with pytest.raises(ConfigError) as error:
         choose_device("cuda", 0, 1)
@@ -212,4 +220,73 @@ def test_the_start_up_log_names_the_device_and_backend(data, tmp_path):
     output = tmp_path / "run"
     assert run_here(data, output, "max_steps=1")[0] == 0
     log = (output / "training.log").read_text()
-    assert "device cpu (" in log and "backend none (one process), 1 process(es) on 1 node(s)" in log
+    device = "cuda:0 (" if torch.cuda.is_available() else "cpu ("  # device="auto"
+    assert f"device {device}" in log and "backend none (one process), 1 process(es) on 1 node(s)" in log
+
+
+def _record_set_device(monkeypatch) -> list[tuple[str, torch.device]]:
+    """(thread name, device) of every torch.cuda.set_device call from now on (no GPU is touched)."""
+    calls = []
+    monkeypatch.setattr(torch.cuda, "set_device",
+                        lambda device: calls.append((threading.current_thread().name, torch.device(device))))
+    return calls
+
+
+def test_an_async_saves_writer_thread_takes_the_process_gpu_and_no_cuda_stream(monkeypatch, tmp_path):
+    """A new thread starts on GPU 0: the writer must set its rank's device before its first CUDA call, and
+    DCP's copy-ahead (a CUDA stream of the writing thread) must not run for host copies. CUDA is reported
+    available, so DCP takes its GPU path: a CUDA stream asked for here, without a driver, would raise."""
+    model = make_model("sgd")
+    take_steps(model)
+    staged = stage_state(model, {"global_step": 2}, {}, INFO, {}, HostStaging().copy)
+    calls = _record_set_device(monkeypatch)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    folder = BackgroundSave(lambda: write_state(tmp_path, staged), torch.device("cuda", 3)).wait()
+    monkeypatch.undo()
+    assert calls == [("checkpoint-writer", torch.device("cuda", 3))]
+    restored = make_model("sgd", seed=5)
+    restore_state(folder, INFO, restored)
+    assert torch.equal(restored.pfc.weight, model.pfc.weight)
+
+
+def test_the_batch_staging_thread_takes_the_loaders_gpu_before_staging(monkeypatch):
+    calls = _record_set_device(monkeypatch)
+    seen = []
+
+    def stage(item):
+        seen.append((item, list(calls)))
+        return item
+
+    assert list(in_background(range(2), stage, torch.device("cuda", 5))) == [0, 1]
+    assert seen[0] == (0, [("batch staging", torch.device("cuda", 5))])
+    assert calls == [("batch staging", torch.device("cuda", 5))]
+
+
+def test_threads_on_a_cpu_set_no_cuda_device(monkeypatch, tmp_path):
+    calls = _record_set_device(monkeypatch)
+    assert list(in_background(range(2), lambda item: item, torch.device("cpu"))) == [0, 1]
+    assert BackgroundSave(lambda: tmp_path, torch.device("cpu")).wait() == tmp_path
+    assert calls == []
+
+
+def test_the_growth_rows_steps_each_train_on_new_seeded_labels_and_images(monkeypatch):
+    """At sample_rate 0 the sampled centres are the step's labels: one batch used again and again would keep
+    their number, and the allocator's block sizes, fixed, and growth could not show."""
+    seen = []
+
+    def recording(state, batches, cfg):
+        images, labels = batches[0]
+        seen.append((images.clone(), labels.clone()))
+        return train_step(state, batches, cfg)
+
+    monkeypatch.setattr(host_syncs, "train_step", recording)
+    runs = []
+    for _ in range(2):
+        step = host_syncs.training_step(torch.device("cpu"), 50, 2, "sample_rate=0")
+        for _ in range(3):
+            step()
+        runs.append(seen[:])
+        seen.clear()
+    first = runs[0]
+    assert all(not torch.equal(a[1], b[1]) and not torch.equal(a[0], b[0]) for a, b in zip(first, first[1:]))
+    assert all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) for a, b in zip(first, runs[1]))  # seeded

@@ -19,6 +19,7 @@ from facedata.synthetic import render_faces
 from utils.errors import DataError
 
 NUM_SAMPLES = 30
+CPU = torch.device("cpu")
 
 
 @pytest.fixture(scope="module")
@@ -169,7 +170,7 @@ def test_in_background_stages_ahead_on_its_own_thread_while_the_consumer_holds_a
         staged[i].set()
         return i * 10
 
-    handed = in_background(range(4), stage, depth=2)
+    handed = in_background(range(4), stage, CPU, depth=2)
     assert next(handed) == 0
     assert staged[1].wait(10) and staged[2].wait(10)
     assert list(handed) == [10, 20, 30]
@@ -188,11 +189,11 @@ def test_in_background_raises_errors_in_place_and_stops_its_thread_when_closed()
 
     got = []
     with pytest.raises(DataError, match="record 3"):
-        for staged in in_background(items(threading.Event()), lambda i: i * 10):
+        for staged in in_background(items(threading.Event()), lambda i: i * 10, CPU):
             got.append(staged)
     assert got == [0, 10, 20]  # every good item reaches the consumer before the error
     closed = threading.Event()
-    handed = in_background(items(closed), lambda i: i)
+    handed = in_background(items(closed), lambda i: i, CPU)
     assert next(handed) == 0
     handed.close()
     assert closed.is_set() and not any(t.name == "batch staging" for t in threading.enumerate())
@@ -200,7 +201,7 @@ def test_in_background_raises_errors_in_place_and_stops_its_thread_when_closed()
 
 @pytest.mark.parametrize("count", [0, 1, 5])
 def test_in_background_hands_over_everything_in_order(count):
-    assert list(in_background(range(count), lambda i: -i, depth=1)) == [-i for i in range(count)]
+    assert list(in_background(range(count), lambda i: -i, CPU, depth=1)) == [-i for i in range(count)]
 
 
 @pytest.mark.parametrize("decode_on_device", [False, True])

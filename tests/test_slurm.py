@@ -63,8 +63,36 @@ def test_one_gpu_per_task_is_device_0_whatever_the_local_id(monkeypatch):
     assert choose_device("auto", *local_process()) == torch.device("cuda", 3)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)  # --gpus-per-task=2: index 3 fits neither rule
     with pytest.raises(ConfigError, match=r"^process 3 on this node sees 2 GPUs \(CUDA_VISIBLE_DEVICES="
-                                          r"0,1,2,3,4,5,6,7\), fewer than its index; give each task one GPU"):
+                                          r"0,1,2,3,4,5,6,7\), fewer than its index; give every task all of the "
+                                          r"node's GPUs \(--gpus-per-node"):
         choose_device("auto", *local_process())
+
+
+def sbatch_options(script: str) -> dict[str, str]:
+    """The `#SBATCH --key[=value]` lines of slurm/<script> (a flag's value: "")."""
+    lines = (ROOT / "slurm" / script).read_text().splitlines()
+    return dict((*line.removeprefix("#SBATCH --").split("=", 1), "")[:2] for line in lines
+                if line.startswith("#SBATCH --"))
+
+
+def test_the_srun_script_shows_every_task_its_nodes_gpus_and_each_takes_its_own(monkeypatch):
+    """--gpus-per-node: each task sees all of its node's GPUs (what NCCL needs to reach them peer to peer),
+    one task per GPU, and SLURM_LOCALID picks a different GPU for each task of the node."""
+    options = sbatch_options("train_srun.sbatch")
+    assert "gpus-per-task" not in options
+    gpus = int(options["gpus-per-node"])
+    assert int(options["ntasks-per-node"]) == gpus
+    for name in (*LAUNCH_VARIABLES, "SLURM_NTASKS_PER_NODE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", ",".join(map(str, range(gpus))))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda index: None)
+    chosen = []
+    for task in range(gpus):
+        monkeypatch.setenv("SLURM_LOCALID", str(task))
+        chosen.append(choose_device("auto", *local_process()))
+    assert chosen == [torch.device("cuda", index) for index in range(gpus)]
 
 
 def test_torchrun_processes_sharing_one_gpu_are_still_refused(monkeypatch):

@@ -33,9 +33,9 @@ def choose_device(choice: str, local_rank: int, sharing: int | None) -> torch.de
 
 def _gpu_index(local_rank: int, sharing: int | None, visible: int) -> int:
     """Which of the `visible` GPUs (those CUDA_VISIBLE_DEVICES names) is this process's. Processes that share
-    them take one each by local index (torchrun; srun with every GPU of the node visible to each task); a
-    process that sees a single GPU past its index was given that one for itself (srun --gpus-per-task=1,
-    where SLURM_LOCALID still counts 0..7 but each task sees one device)."""
+    them take one each by local index (torchrun; srun --gpus-per-node, every GPU of the node visible to each
+    task, as slurm/train_srun.sbatch asks); a process that sees a single GPU past its index was given that
+    one for itself (srun --gpus-per-task=1, where SLURM_LOCALID still counts 0..7 but each task sees one device)."""
     shown = os.environ.get("CUDA_VISIBLE_DEVICES")
     where = f" (CUDA_VISIBLE_DEVICES={shown})" if shown is not None else ""
     if sharing is not None and sharing > visible:
@@ -46,7 +46,16 @@ def _gpu_index(local_rank: int, sharing: int | None, visible: int) -> int:
     if visible == 1:
         return 0
     raise ConfigError(f"process {local_rank} on this node sees {visible} GPUs{where}, fewer than its index; give "
-                      "each task one GPU (srun --gpus-per-task=1) or every task all of the node's (--gpus-per-node)")
+                      "every task all of the node's GPUs (--gpus-per-node, as many as --ntasks-per-node) or each "
+                      "task one (--gpus-per-task=1)")
+
+
+def use_device_in_this_thread(device: torch.device) -> None:
+    """Make `device` the calling thread's current CUDA device (nothing on a CPU). A new thread starts on
+    GPU 0 whatever its process's device: its first CUDA call (NCCL's and DCP's streams, a stream
+    context's exit) would create a context there, ~0.5 GB on GPU 0 for every rank of the node."""
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
 
 
 def cuda_unavailable_reason() -> str:
