@@ -34,10 +34,10 @@ embedding_size: int = 512         # length of the face embedding
 dropout: float = 0.0              # dropout before the embedding layer
 
 # --- loss ---------------------------------------------------------------------------------
-margin_family: Literal["combined", "subcenter", "adaface", "curricular", "elastic_arc", "elastic_cos"] = "combined"
-                                  # the margin softmax: "combined" (margin_list, arcface_torch's), "subcenter"
-                                  # (margin_list over subcenter_k centres per class), or the adaface_*,
-                                  # curricular_* and elastic_* keys below; every family scales by margin_scale
+margin_family: Literal["combined", "subcenter", "adaface", "curricular",  # the margin softmax: "combined"
+                       "elastic_arc", "elastic_cos"] = "combined"  # (margin_list, arcface_torch's), "subcenter"
+                                  # (margin_list over subcenter_k centres per class), or the others with their keys
+                                  # below; every family scales by margin_scale (README: the papers' settings)
 margin_list: tuple[float, ...] = (1.0, 0.5, 0.0)  # (m1, m2, m3): target logit s*(cos(m1*theta + m2) - m3);
                                                   # ArcFace (1, 0.5, 0), CosFace (1, 0, 0.4)
 margin_scale: float = 64.0        # s, the logit scale
