@@ -274,3 +274,104 @@ def test_a_checkpoint_of_another_family_leaves_the_state_at_its_start(world2, ca
     restore_state(Path(folder) / POINTER_NAME, CHECKPOINT_INFO, model)
     assert model.pfc.margin_state.tolist() == [0.0]
     assert "trained with AdaFaceMargin" in caplog.text
+
+
+# --- against the authors' public heads --------------------------------------------------------------
+# Each function below re-derives, from reading the authors' code, what their head computes from the same
+# features, centres and labels (one process, one view: their heads know neither ranks nor views). Their
+# centres are the columns of a (D, C) kernel; ours are its transpose.
+
+def authors_adaface(raw, labels, kernel, buffers, m, h, s, t_alpha):
+    """mk-minchul/AdaFace head.py, AdaFace.forward: every cosine clamped to +-(1 - 1e-3), the norm clipped to
+    [0.001, 100] and detached, the EMAs updated first, then the angular margin -m*z (its angle clipped to
+    [eps, pi - eps]) and the additive m + m*z on the target column."""
+    eps = 1e-3
+    embeddings, norms = raw / raw.norm(dim=1, keepdim=True), raw.norm(dim=1, keepdim=True)
+    cosine = (embeddings @ (kernel / kernel.norm(dim=0, keepdim=True))).clamp(-1 + eps, 1 - eps)
+    safe = norms.clip(0.001, 100).detach()
+    buffers["mean"] = safe.mean() * t_alpha + (1 - t_alpha) * buffers["mean"]
+    buffers["std"] = safe.std() * t_alpha + (1 - t_alpha) * buffers["std"]
+    scaler = torch.clip((safe - buffers["mean"]) / (buffers["std"] + eps) * h, -1, 1)
+    one_hot = F.one_hot(labels, kernel.shape[1]).to(cosine.dtype)
+    angle = torch.clip(cosine.acos() + one_hot * (-m * scaler), min=eps, max=math.pi - eps)
+    return (angle.cos() - one_hot * (m + m * scaler)) * s
+
+
+def authors_curricular(raw, labels, kernel, buffers, m, s):
+    """HuangYG123/CurricularFace head/metrics.py, CurricularFace.forward: cos(theta + m) through sqrt, the
+    fallback target - m*sin(m) past cos(pi - m), t updated first with rate 0.01, every column whose cosine
+    exceeds the target's cos(theta + m) modulated (the target's own then overwritten)."""
+    cos = ((raw / raw.norm(dim=1, keepdim=True)) @ (kernel / kernel.norm(dim=0, keepdim=True))).clamp(-1, 1)
+    target = cos.gather(1, labels[:, None])
+    with_margin = target * math.cos(m) - torch.sqrt(1.0 - target ** 2) * math.sin(m)
+    final = torch.where(target > math.cos(math.pi - m), with_margin, target - math.sin(math.pi - m) * m)
+    buffers["t"] = target.detach().mean() * 0.01 + (1 - 0.01) * buffers["t"]
+    cos = torch.where(cos > with_margin, cos * (buffers["t"] + cos), cos)
+    return torch.scatter(cos, 1, labels[:, None], final) * s
+
+
+def authors_elastic(raw, labels, kernel, margins, kind, s):
+    """fdbtrs/ElasticFace utils/losses.py, ElasticArcFace / ElasticCosFace.forward (plus=False), with the
+    row margins given: theirs come from torch.normal, ours from the stream a test cannot share with theirs."""
+    cos = ((raw / raw.norm(dim=1, keepdim=True)) @ (kernel / kernel.norm(dim=0, keepdim=True))).clamp(-1, 1)
+    m_hot = F.one_hot(labels, kernel.shape[1]).to(cos.dtype) * margins[:, None]
+    if kind == "arc":
+        return (cos.acos() + m_hot).cos() * s
+    return (cos - m_hot) * s
+
+
+def authors_subcenter(raw, labels, kernel, k, m2, s):
+    """insightface recognition/subcenter_arcface/train_parall.py, get_symbol_arcface with loss_K = k: the
+    normalised features against every normalised sub-centre (C*K, class-major), the (B, C, K) max, then
+    ArcFace's margin on the target column. (mxnet's L2Normalization adds 1e-10 under its root: left out.)"""
+    fc7 = (raw / raw.norm(dim=1, keepdim=True)) @ (kernel / kernel.norm(dim=0, keepdim=True))
+    fc7 = fc7.reshape(raw.shape[0], -1, k).max(dim=2).values
+    one_hot = F.one_hot(labels, fc7.shape[1]).to(fc7.dtype)
+    return (fc7 + (torch.cos(torch.acos(fc7 * one_hot) + m2) * one_hot - fc7 * one_hot)) * s
+
+
+AUTHORS = {
+    "adaface": lambda: AdaFaceMargin(S, m=0.4, h=0.333, t_alpha=0.5),
+    "curricular": lambda: CurricularMargin(S, m=0.5, alpha=0.01),  # the authors' rate, fixed in their code
+    "elastic_arc": lambda: ElasticMargin(S, "arc", m=0.5, std=0.05),
+    "elastic_cos": lambda: ElasticMargin(S, "cos", m=0.35, std=0.05),
+    "subcenter": lambda: CombinedMarginLoss(S, 1.0, 0.5, 0.0),
+}
+
+
+@pytest.mark.parametrize("name", AUTHORS)
+def test_each_family_equals_its_authors_head_on_the_same_features_centres_and_labels(name):
+    batch, num_classes, seed = 6, 9, 3
+    k = 3 if name == "subcenter" else 1
+    margin = AUTHORS[name]()
+    pfc = PartialFC(margin, EMBEDDING, num_classes, seed=seed, num_subcenters=k).double()
+    kernel = pfc.weight.detach().t().clone().requires_grad_(True)
+    buffers = {"mean": torch.tensor(20.0).double(), "std": torch.tensor(100.0).double(), "t": torch.tensor(0.0).double()}
+    gen = torch.Generator().manual_seed(seed)
+    for step in range(STEPS):
+        raw = (torch.randn(batch, EMBEDDING, generator=gen, dtype=torch.float64) * 3).requires_grad_(True)
+        labels = torch.randint(0, num_classes, (batch,), generator=gen)
+        pfc.weight.grad = None
+        loss, _ = pfc(raw, labels)
+        loss.backward()
+        grad_raw = raw.grad
+        their_raw = raw.detach().requires_grad_(True)
+        if name == "adaface":
+            logits = authors_adaface(their_raw, labels, kernel, buffers, margin.m, margin.h, S, margin.t_alpha)
+            their_state = [buffers["mean"], buffers["std"]]
+        elif name == "curricular":
+            logits = authors_curricular(their_raw, labels, kernel, buffers, margin.m, S)
+            their_state = [buffers["t"]]
+        elif name == "subcenter":
+            logits, their_state = authors_subcenter(their_raw, labels, kernel, k, margin.m2, S), []
+        else:
+            margins = elastic_draws(seed, step, batch, 1, margin.m, margin.std).view(-1)
+            logits, their_state = authors_elastic(their_raw, labels, kernel, margins, margin.kind, S), []
+        their_loss = F.cross_entropy(logits, labels)
+        their_grad_raw, their_grad_kernel = torch.autograd.grad(their_loss, [their_raw, kernel])
+        for what, ours, theirs in (("loss", loss.detach(), their_loss.detach()), ("features.grad", grad_raw,
+                                   their_grad_raw), ("centres.grad", pfc.weight.grad, their_grad_kernel.t()),
+                                   ("state", pfc.margin_state, torch.stack(their_state) if their_state else
+                                    torch.zeros(0, dtype=torch.float64))):
+            torch.testing.assert_close(ours, theirs, rtol=1e-10, atol=1e-12 * max(1.0, float(theirs.abs().sum())),
+                                       msg=lambda text: f"{name}, step {step}: {what}: {text}")
