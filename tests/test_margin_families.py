@@ -238,8 +238,8 @@ def _toy_state(margin, seed: int) -> SimpleNamespace:
     pfc = PartialFC(margin, EMBEDDING, 7, seed=seed, num_subcenters=2)
     optimizer = torch.optim.SGD([{"params": list(backbone.parameters())}, {"params": [pfc.weight]}], lr=0.1,
                                 momentum=0.9)
-    return SimpleNamespace(backbone=backbone, pfc=pfc, optimizer=optimizer,
-                           scheduler=build_scheduler(optimizer, 0, 10), scaler=torch.amp.GradScaler("cpu", enabled=False))
+    return SimpleNamespace(backbone=backbone, pfc=pfc, optimizer=optimizer, scheduler=build_scheduler(optimizer, 0, 10),
+                           scaler=torch.amp.GradScaler("cpu", enabled=False))
 
 
 def _save_state_in_world(folder: str) -> dict:
@@ -346,7 +346,8 @@ def test_each_family_equals_its_authors_head_on_the_same_features_centres_and_la
     margin = AUTHORS[name]()
     pfc = PartialFC(margin, EMBEDDING, num_classes, seed=seed, num_subcenters=k).double()
     kernel = pfc.weight.detach().t().clone().requires_grad_(True)
-    buffers = {"mean": torch.tensor(20.0).double(), "std": torch.tensor(100.0).double(), "t": torch.tensor(0.0).double()}
+    buffers = {name: torch.tensor(value, dtype=torch.float64) for name, value in (("mean", 20.0), ("std", 100.0),
+                                                                                   ("t", 0.0))}
     gen = torch.Generator().manual_seed(seed)
     for step in range(STEPS):
         raw = (torch.randn(batch, EMBEDDING, generator=gen, dtype=torch.float64) * 3).requires_grad_(True)
@@ -373,5 +374,6 @@ def test_each_family_equals_its_authors_head_on_the_same_features_centres_and_la
                                    their_grad_raw), ("centres.grad", pfc.weight.grad, their_grad_kernel.t()),
                                    ("state", pfc.margin_state, torch.stack(their_state) if their_state else
                                     torch.zeros(0, dtype=torch.float64))):
+            where = f"{name}, step {step}: {what}"
             torch.testing.assert_close(ours, theirs, rtol=1e-10, atol=1e-12 * max(1.0, float(theirs.abs().sum())),
-                                       msg=lambda text: f"{name}, step {step}: {what}: {text}")
+                                       msg=lambda text, where=where: f"{where}: {text}")

@@ -194,8 +194,8 @@ def _refuse_other_margins(src: Path, config: dict) -> None:
     family = config.get("margin_family", "combined")
     if family != "combined":
         raise CheckpointError(f"{src} was trained with margin_family={family!r}; arcface_torch has only the combined "
-                              "margin with one centre per class, so its classifier cannot be written in arcface_torch's "
-                              f"layout: use {src / 'backbone.pth'}, which arcface_torch loads as it is")
+                              "margin with one centre per class, so this classifier has no arcface_torch layout: use "
+                              f"{src / 'backbone.pth'}, which arcface_torch loads as it is")
 
 
 def _read_whole(src: Path) -> tuple[dict, dict]:
