@@ -151,6 +151,10 @@ def test_shipped_configs_load_with_the_documented_values():
     assert (glint.network, glint.num_classes, glint.sample_rate, glint.num_views) == ("r100", 360232, 0.1, 2)
     demo = load_config(CONFIGS / "synthetic_pair.py")
     assert demo.num_views == 2 and demo.val_targets
+    families = {name: load_config(CONFIGS / f"{name}.py").margin_family for name in (
+        "webface4m_r100_adaface", "ms1mv3_r50_pair_curricular", "ms1mv3_r50_pair_subcenter", "ms1mv3_r50_pair_elastic")}
+    assert list(families.values()) == ["adaface", "curricular", "subcenter", "elastic_arc"]
+    assert pair.margin_family == single.margin_family == glint.margin_family == "combined"
 
 
 @pytest.mark.parametrize("override, message", [

@@ -119,6 +119,12 @@ def num_subcenters(cfg: SimpleNamespace) -> int:
     return cfg.subcenter_k if cfg.margin_family == "subcenter" else 1
 
 
+def describe_margin(cfg: SimpleNamespace) -> str:
+    """The margin family and the values it uses, as --dry-run and the start-up log show them."""
+    k = num_subcenters(cfg)
+    return f"{cfg.margin_family}: {build_margin(cfg)!r}" + (f" over {k} sub-centres per class" if k > 1 else "")
+
+
 def build_margin(cfg: SimpleNamespace):
     """The margin family `margin_family` names, with its keys (configs/base.py)."""
     family, s = cfg.margin_family, cfg.margin_scale
