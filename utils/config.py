@@ -238,7 +238,7 @@ def _check_margins(margin_list: tuple[float, ...], scale: float) -> None:
 
 _ANGLE = (lambda v: 0.0 <= v < math.pi, "in [0, pi)")
 _RATE = (lambda v: 0.0 <= v <= 1.0, "in [0, 1]")
-_NOT_NEGATIVE_VALUE = (lambda v: v >= 0.0, "not negative")
+_NOT_NEGATIVE_VALUE = (lambda v: v >= 0.0, "at least 0")
 # Each margin family's own keys: (key, (the check, what it asks), an example value).
 _FAMILY_KEYS = {
     "subcenter": (("subcenter_k", (lambda v: 2 <= v <= 255, "an integer from 2 to 255"), "3"),),
