@@ -247,8 +247,9 @@ class _CurricularStep:
     def modulate(self, cos: torch.Tensor, slope: torch.Tensor) -> None:
         """Columns of the (N, C) cosines in place: hard ones become c (t + c); ``slope`` gets d/dc (1 elsewhere)."""
         hard = cos > self.threshold[:, None]
-        slope.copy_(torch.where(hard, self.t + 2.0 * cos, 1.0))
-        cos.copy_(torch.where(hard, cos * (self.t + cos), cos))
+        factor = torch.where(hard, cos + self.t, 1.0)  # c (t + c) = c * factor
+        slope.copy_(torch.where(hard, factor + cos, 1.0))
+        cos.mul_(factor)
 
 
 ELASTIC_DEFAULTS = {  # (m, std, std of the "+" variant): the authors' settings
