@@ -9,6 +9,7 @@ process; two run through `torchrun --nproc_per_node 2 train.py`.
 """
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -133,3 +134,18 @@ def test_grad_scaler_state_round_trips_through_a_checkpoint(tmp_path, device):
     for run in (original, restored):
         step(run, overflow=False)  # completes the growth interval: the scale doubles
     assert restored.scaler.get_scale() == scaler.get_scale() == 2.0 ** 10
+
+
+@pytest.mark.parametrize("family", ["adaface", "elastic_arc"])
+def test_a_margin_familys_state_resumes_as_the_uninterrupted_run(data, tmp_path, family):
+    """AdaFace's EMAs (a fast rate, so they matter) and ElasticFace's draw position come back from the
+    checkpoint: the resumed run's losses, weights and margin state are the uninterrupted run's."""
+    overrides = [f"margin_family={family!r}", "adaface_t_alpha=0.5", "sample_rate=0.5"]
+    whole, split = tmp_path / "whole", tmp_path / "split"
+    assert run_here(data, whole, *overrides, "max_steps=6") == (0, "")
+    assert run_here(data, split, *overrides, "max_steps=3") == (0, "")
+    assert run_here(data, split, *overrides, "max_steps=6", resume=True) == (0, "")
+    assert_same_run(split, whole)
+    margins = [json.loads(next(run.glob("checkpoint-*/state.json")).read_text())["run"]["margin"]
+               for run in (split, whole)]
+    assert margins[0] == margins[1] and margins[0]["step"] == 6, margins
