@@ -315,6 +315,9 @@ class ElasticMargin:
         return _RowMargin(s, target)
 
 
+MarginFamily = CombinedMarginLoss | AdaFaceMargin | CurricularMargin | ElasticMargin  # what PartialFC takes
+
+
 # The target of each row is read and written through gather/scatter over every row, not through the rows
 # that have one (nonzero, boolean masks): an output whose shape depends on the data makes the host wait
 # for the device.

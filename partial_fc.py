@@ -45,7 +45,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from losses import CombinedMarginLoss, GlobalRows, read_targets, write_targets
+from losses import GlobalRows, MarginFamily, read_targets, write_targets
 from utils.distributed import is_initialized, rank, world
 from utils.errors import ConfigError, DataError
 
@@ -93,7 +93,7 @@ class PartialFC(nn.Module):
     ``check_labels(labels)`` raises its error once the loop sees the non-finite loss.
     """
 
-    def __init__(self, margin_loss: CombinedMarginLoss, embedding_size: int, num_classes: int,
+    def __init__(self, margin_loss: MarginFamily, embedding_size: int, num_classes: int,
                  sample_rate: float = 1.0, view_weights: Sequence[float] | None = None, seed: int = 0,
                  defer_label_check: bool = False, num_subcenters: int = 1):
         super().__init__()
@@ -302,7 +302,7 @@ class _ShardedMarginSoftmax(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x, weight, index, labels, row_coef, family: CombinedMarginLoss, gemm_dtype, margin_state,
+    def forward(ctx, x, weight, index, labels, row_coef, family: MarginFamily, gemm_dtype, margin_state,
                 rows: GlobalRows, k: int):
         dtype = x.dtype
         centres = weight if index is None else weight.index_select(0, index)
