@@ -1,6 +1,6 @@
 """Margin functions: the logit a target class gets from its cosine, and the margin families.
 
-The families (``MARGIN_FAMILIES``, chosen by the config key ``margin_family``) share one interface that
+The families (``MarginFamily``, chosen by the config key ``margin_family``) share one interface that
 partial_fc.py's sharded softmax calls: ``bind(state, rows, target_cos)`` once per forward, with the
 family's state (a small float tensor the classifier keeps: EMAs), what it may read of the global batch
 (``GlobalRows``) and, for the families that ask, every row's target cosine; it returns the margin of
