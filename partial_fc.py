@@ -18,6 +18,13 @@ Each rank holds a contiguous range of class centres. One forward:
 The centres are initialised here, from a seed alone: the same matrix for any world size, and each
 rank draws only the rows it holds.
 
+Margin families (losses.py) plug into step 4: the sharded softmax binds the family once per forward to
+its state (``margin_state``, a buffer of EMAs replicated on every rank, updated from global-batch
+statistics), to the rows' feature norms (gathered before normalisation, detached, for AdaFace) and to
+every row's target cosine (one all-reduce of N values, for the families that read it). Sub-center
+ArcFace keeps ``num_subcenters`` (K) rows per class, class c's as rows c*K .. c*K + K - 1, all on the
+rank holding c; a class's cosine is the largest of its K, and sampling picks classes (all K come along).
+
 Host syncs: a forward and backward make the host wait for the device only where a shape or a
 Python decision depends on the data. Constants are made on the device, targets are read and written
 with gather/scatter over all rows (``losses.read_targets``/``write_targets``) rather than through
@@ -38,7 +45,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from losses import CombinedMarginLoss, read_targets, write_targets
+from losses import GlobalRows, MarginFamily, read_targets, write_targets
 from utils.distributed import is_initialized, rank, world
 from utils.errors import ConfigError, DataError
 
@@ -86,9 +93,9 @@ class PartialFC(nn.Module):
     ``check_labels(labels)`` raises its error once the loop sees the non-finite loss.
     """
 
-    def __init__(self, margin_loss: CombinedMarginLoss, embedding_size: int, num_classes: int,
+    def __init__(self, margin_loss: MarginFamily, embedding_size: int, num_classes: int,
                  sample_rate: float = 1.0, view_weights: Sequence[float] | None = None, seed: int = 0,
-                 defer_label_check: bool = False):
+                 defer_label_check: bool = False, num_subcenters: int = 1):
         super().__init__()
         if not 0.0 <= sample_rate <= 1.0:
             raise ValueError(f"sample_rate={sample_rate} must lie in [0, 1] (1.0 uses every class centre, 0 only "
@@ -103,14 +110,38 @@ class PartialFC(nn.Module):
         if num_classes < self.world_size:
             raise ConfigError(f"num_classes={num_classes} is smaller than the {self.world_size} processes; every "
                               "rank needs at least one class centre: use fewer processes")
+        if num_subcenters < 1:
+            raise ValueError(f"num_subcenters={num_subcenters} must be at least 1 (1: one centre per class)")
+        self.num_subcenters = num_subcenters
         self.class_start, self.num_local = class_range(num_classes, self.rank, self.world_size)
-        self.weight = nn.Parameter(initial_centres(seed, self.class_start, self.num_local, embedding_size))
+        k = num_subcenters
+        self.weight = nn.Parameter(initial_centres(seed, self.class_start * k, self.num_local * k, embedding_size))
+        self.seed = seed
+        # The family's state, the same on every rank (float32, as the authors keep it); training state: saved
+        # with each checkpoint (margin_state_dict), not in state_dict(), which holds the centres alone.
+        self.register_buffer("margin_state", torch.tensor(margin_loss.initial_state(), dtype=torch.float32),
+                             persistent=False)
+        self.margin_step = 0  # forwards run so far: the position of ElasticFace's draws
         # Which global classes the last forward used (None: all of this rank's), for checks and tests.
         self.last_sampled_classes: torch.Tensor | None = None
 
     def extra_repr(self) -> str:
         return (f"num_classes={self.num_classes}, local={self.class_start}..{self.class_start + self.num_local - 1}, "
-                f"embedding_size={self.embedding_size}, sample_rate={self.sample_rate}")
+                f"embedding_size={self.embedding_size}, sample_rate={self.sample_rate}"
+                + (f", num_subcenters={self.num_subcenters}" if self.num_subcenters > 1 else ""))
+
+    def margin_state_dict(self) -> dict:
+        """The margin family's state as plain numbers (exact: float32 values are exact as Python floats)."""
+        return {"state": self.margin_state.tolist(), "step": self.margin_step}
+
+    def load_margin_state_dict(self, saved: dict) -> None:
+        """Put back what margin_state_dict returned, bit for bit."""
+        state = torch.tensor(saved["state"], dtype=self.margin_state.dtype)
+        if state.shape != self.margin_state.shape:
+            raise ValueError(f"the saved margin state has {state.numel()} values where {self.margin_loss!r} keeps "
+                             f"{self.margin_state.numel()}")
+        self.margin_state.copy_(state)
+        self.margin_step = int(saved["step"])
 
     def forward(self, embeddings: torch.Tensor | Sequence[torch.Tensor],
                 labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -129,6 +160,7 @@ class PartialFC(nn.Module):
         local_labels = torch.where((local_labels >= 0) & (local_labels < self.num_local), local_labels, -1)
         index, local_labels = self._sample(local_labels)
         self.last_sampled_classes = None if index is None else (index + self.class_start).detach()
+        rows_index = index if index is None or self.num_subcenters == 1 else _subcentre_rows(index, self.num_subcenters)
 
         dtype = torch.promote_types(torch.promote_types(torch.float32, views[0].dtype), self.weight.dtype)
         local = torch.stack(views).to(dtype)  # (V, B, D): one gather and one GEMM for all views
@@ -136,6 +168,11 @@ class PartialFC(nn.Module):
         gathered = _AllGatherRows.apply(normalized.reshape(-1, self.embedding_size))
 
         num_views, batch = len(views), labels.numel()
+        norms = None
+        if self.margin_loss.reads_norms:
+            with torch.no_grad():  # the norms set margins; no gradient flows through them (AdaFace)
+                norms = _AllGatherRows.apply(local.norm(dim=-1).reshape(-1))
+        rows = GlobalRows(self.world_size, num_views, batch, norms, self.seed, self.margin_step)
         global_batch = batch * self.world_size
         # gathered rows are ordered (rank, view, sample): repeat labels and view weights to match
         row_labels = local_labels.view(self.world_size, 1, batch).expand(-1, num_views, -1).reshape(-1)
@@ -147,7 +184,9 @@ class PartialFC(nn.Module):
         gemm_dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else None
         with torch.autocast(device_type, enabled=False):
             loss, row_losses = _ShardedMarginSoftmax.apply(
-                gathered, self.weight, index, row_labels, row_coef, self.margin_loss, gemm_dtype)
+                gathered, self.weight, rows_index, row_labels, row_coef, self.margin_loss, gemm_dtype,
+                self.margin_state, rows, self.num_subcenters)
+        self.margin_step += 1
         if self.defer_label_check:
             loss = torch.where(bad_label, torch.nan, loss)
         return loss, row_losses.view(self.world_size, num_views, batch).mean(dim=(0, 2)).detach()
@@ -203,6 +242,11 @@ class PartialFC(nn.Module):
         return index, torch.where(has_target, torch.searchsorted(index, local_labels.clamp_min(0)), -1)
 
 
+def _subcentre_rows(classes: torch.Tensor, k: int) -> torch.Tensor:
+    """The weight rows of local classes, K per class, in class order."""
+    return (classes[:, None] * k + torch.arange(k, device=classes.device)).reshape(-1)
+
+
 def _all_gather_labels(labels: torch.Tensor) -> torch.Tensor:
     if not is_initialized():
         return labels.clone()
@@ -242,8 +286,13 @@ class _ShardedMarginSoftmax(torch.autograd.Function):
     """Loss and per-row losses of the margin softmax over all ranks' class shards.
 
     Inputs: normalised embeddings X (N, D) of the whole global batch (all views), this rank's
-    centres W (C, D) (rows ``index`` of it when sampling), local labels (N,) (-1: target not
-    here), per-row loss weights (N,).
+    centres W (C*K, D) (rows ``index`` of it when sampling), local labels (N,) (-1: target not
+    here), per-row loss weights (N,), the margin family with its state and what it reads of the rows,
+    and K sub-centres per class (the (N, C*K) cosines are reduced to (N, C) by their max; the backward
+    sends each class's gradient to the sub-centre that gave it).
+
+    CurricularFace modulates non-target cosines: their derivative, needed once the softmax is known,
+    is kept in a second (N, C) buffer.
 
     Memory: the gradient of a cross-entropy is known once the softmax is, so the forward turns a
     single (N, C) buffer from cosines into logits, softmax and finally the logits' gradient, in
@@ -253,7 +302,8 @@ class _ShardedMarginSoftmax(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x, weight, index, labels, row_coef, margin: CombinedMarginLoss, gemm_dtype):
+    def forward(ctx, x, weight, index, labels, row_coef, family: MarginFamily, gemm_dtype, margin_state,
+                rows: GlobalRows, k: int):
         dtype = x.dtype
         centres = weight if index is None else weight.index_select(0, index)
         centres = centres.to(dtype)
@@ -262,7 +312,12 @@ class _ShardedMarginSoftmax(torch.autograd.Function):
 
         logits = _matmul(x, centres.t(), gemm_dtype, dtype)  # (N, C), becomes cos, logits, softmax, grad
         logits.mul_(inv_norm)
+        best = None
+        if k > 1:
+            values, best = logits.view(logits.shape[0], -1, k).max(dim=2)
+            logits, best = values, best.to(torch.uint8)
         target_cos = read_targets(logits, labels)
+        margin = family.bind(margin_state, rows, _summed(target_cos) if family.reads_target_cos else None)
         dirty = None
         if margin.interclass_filtering_threshold > 0:
             dirty = margin.filtered(logits, labels)
@@ -272,6 +327,11 @@ class _ShardedMarginSoftmax(torch.autograd.Function):
             target_logit = margin.target_logit(cos_leaf)
             (target_slope,) = torch.autograd.grad(target_logit.sum(), cos_leaf)
         target_logit = torch.where(labels >= 0, target_logit.detach(), 0.0)  # 0: target not among these columns
+        slope = None
+        if margin.modulates_negatives:
+            slope = torch.empty_like(logits)
+            for chunk, slope_chunk in zip(_column_chunks(logits), _column_chunks(slope)):
+                margin.modulate(chunk, slope_chunk)
         logits.mul_(margin.s)
         write_targets(logits, labels, target_logit)
 
@@ -291,12 +351,15 @@ class _ShardedMarginSoftmax(torch.autograd.Function):
         # d loss / d cos: coef * s * softmax off-target, coef * slope * (p - 1) on the target
         target_prob = read_targets(logits, labels) / sum_exp
         logits.mul_((row_coef * margin.s / sum_exp)[:, None])
+        if slope is not None:
+            logits.mul_(slope)
+            del slope
         write_targets(logits, labels, row_coef * target_slope * (target_prob - 1.0))
         if dirty is not None:
             logits.masked_fill_(dirty, 0.0)
 
-        ctx.save_for_backward(x, weight, centres, index, inv_norm, norms, logits)
-        ctx.gemm_dtype = gemm_dtype
+        ctx.save_for_backward(x, weight, centres, index, inv_norm, norms, logits, best)
+        ctx.gemm_dtype, ctx.k = gemm_dtype, k
         ctx.consumed = False
         ctx.mark_non_differentiable(row_losses)
         return loss, row_losses
@@ -307,7 +370,9 @@ class _ShardedMarginSoftmax(torch.autograd.Function):
             raise RuntimeError("PartialFC's loss can be back-propagated once per forward (its gradient "
                                "buffer is consumed in place): run the forward again instead of retain_graph")
         ctx.consumed = True
-        x, weight, centres, index, inv_norm, norms, grad_cos = ctx.saved_tensors
+        x, weight, centres, index, inv_norm, norms, grad_cos, best = ctx.saved_tensors
+        if best is not None:
+            grad_cos = _to_subcentres(grad_cos, best, ctx.k)
         grad_x, grad_centres = _backward_gemms(grad_cos, grad_loss, x, centres, inv_norm, ctx.gemm_dtype,
                                                ctx.needs_input_grad[0], ctx.needs_input_grad[1])
         grad_weight = None
@@ -321,7 +386,22 @@ class _ShardedMarginSoftmax(torch.autograd.Function):
                 grad_weight = grad_centres
             else:
                 grad_weight = torch.zeros_like(weight).index_copy_(0, index, grad_centres)
-        return grad_x, grad_weight, None, None, None, None, None
+        return grad_x, grad_weight, None, None, None, None, None, None, None, None
+
+
+def _to_subcentres(grad: torch.Tensor, best: torch.Tensor, k: int) -> torch.Tensor:
+    """(N, C) -> (N, C*K): each class's gradient at the sub-centre whose cosine was the class's, zeros elsewhere."""
+    spread = grad.new_zeros((grad.shape[0], grad.shape[1], k))
+    for sub in range(k):
+        spread[:, :, sub] = torch.where(best == sub, grad, 0.0)
+    return spread.view(grad.shape[0], -1)
+
+
+def _summed(values: torch.Tensor) -> torch.Tensor:
+    """Every rank's values added (each row's target cosine lives on one rank: zeros elsewhere)."""
+    total = values.clone()
+    _all_reduce(total, dist.ReduceOp.SUM)
+    return total
 
 
 def _backward_gemms(grad_cos: torch.Tensor, grad_loss: torch.Tensor, x: torch.Tensor, centres: torch.Tensor,

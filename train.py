@@ -32,7 +32,14 @@ from checkpoint.run_dir import AUTO, continues_torchrun_run, lock_run_dir, resol
 from dataset import FaceLoader, build_dataset, build_loader, classes_in_header, recorded_preparation
 from eval.callback import VerificationCallback, check_val_targets
 from training.memory_plan import describe, describe_fit, device_bytes, fit, memory_plan
-from training.state import StepCounter, TrainingState, architecture, build_training_state, wrap_in_ddp
+from training.state import (
+    StepCounter,
+    TrainingState,
+    architecture,
+    build_training_state,
+    describe_margin,
+    wrap_in_ddp,
+)
 from training.step import StepOutcome, train_step
 from utils.cli import report
 from utils.config import check_data_path, load_config, planned_world_size
@@ -164,7 +171,8 @@ def dry_run_report(cfg: SimpleNamespace, world_size: int, as_json: bool, availab
         verdict = "pass --device-memory SIZE (e.g. 80GiB) to see whether it fits"
     else:
         verdict = "set num_classes to see whether it fits"
-    return (f"{keys}\n\nmemory per process, {world_size} process(es) (rank 0's: it holds the most centres), "
+    return (f"{keys}\n\nmargin: {describe_margin(cfg)}\n\n"
+            f"memory per process, {world_size} process(es) (rank 0's: it holds the most centres), "
             f"batch_size {cfg.batch_size} x {cfg.num_views} view(s):\n{describe(plan, cfg)}\n{verdict}")
 
 
@@ -253,6 +261,7 @@ def _train_in_folder(cfg: SimpleNamespace, device: torch.device, source, restart
     """Config -> data -> training state -> resume -> loop (with its saves) in the locked run folder."""
     setup_logging(cfg.output)
     log.info("config: %s", ", ".join(f"{k}={v!r}" for k, v in sorted(vars(cfg).items())))
+    log.info("margin %s", describe_margin(cfg))
     if settings.kept:
         log.info("kept from the run's earlier start (%s): --set %s; give --set again to change one",
                  RUN_CONFIG_NAME, " --set ".join(settings.kept))

@@ -1,6 +1,7 @@
 """PartialFC forward+backward time and peak memory, as ratios to a dense reference, on this CPU.
 
     python -m bench.bench_pfc [--classes 10000 100000 1000000] [--device cuda]
+    python -m bench.bench_pfc --families [--classes 100000]   # each margin family's time / the combined's
 
 The reference is what a user would write without Partial FC: ``nn.Linear`` on normalised
 weights, the same margin, ``F.cross_entropy``, over the same 256 embeddings (batch 128 x 2
@@ -8,6 +9,11 @@ views, D=512). Every (implementation, C) runs in a fresh process, so each peak i
 peak memory is the high-water mark of one forward+backward minus what was resident once the
 weights existed (CPU: VmHWM after resetting it; CUDA: max_memory_allocated). Time is the mean
 of a few steps after one warm-up step, all measured in this run.
+
+`--families` times PartialFC with each margin family instead (losses.py; sub-center with K = 3), at
+sample rates 1.0 and 0.1, relative to the combined family (ArcFace) at the same C and rate: each family's
+fastest of `--rounds` fresh processes, the rounds interleaved, so that a machine others share slows one
+family's round, not its figure.
 """
 from __future__ import annotations
 
@@ -21,13 +27,22 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from losses import CombinedMarginLoss
+from losses import AdaFaceMargin, CombinedMarginLoss, CurricularMargin, ElasticMargin
 from partial_fc import PartialFC
 
 ROOT = Path(__file__).resolve().parent.parent
 
 BATCH, VIEWS, DIM = 128, 2, 512
 IMPLEMENTATIONS = ("dense", "pfc@1.0", "pfc@0.1")
+FAMILIES = ("combined", "adaface", "curricular", "elastic_arc", "subcenter")
+FAMILY_RATES = (1.0, 0.1)
+
+
+def family_margin(name: str):
+    """(margin, sub-centres per class) of a family with its paper's settings."""
+    return {"combined": (CombinedMarginLoss(64.0, 1.0, 0.5, 0.0), 1), "adaface": (AdaFaceMargin(64.0), 1),
+            "curricular": (CurricularMargin(64.0), 1), "elastic_arc": (ElasticMargin(64.0, "arc"), 1),
+            "subcenter": (CombinedMarginLoss(64.0, 1.0, 0.5, 0.0), 3)}[name]
 
 
 class DenseReference(torch.nn.Module):
@@ -71,11 +86,12 @@ def _peak(device: torch.device) -> int:
 
 def measure(implementation: str, num_classes: int, device: torch.device, steps: int, fp16: bool) -> dict:
     torch.manual_seed(0)
-    margin = CombinedMarginLoss(64.0, 1.0, 0.5, 0.0)
+    implementation, _, family = implementation.partition(":")  # "pfc@RATE:FAMILY" times a margin family
+    margin, k = family_margin(family or "combined")
     if implementation == "dense":
         head = DenseReference(num_classes, margin)
     else:
-        head = PartialFC(margin, DIM, num_classes, sample_rate=float(implementation.split("@")[1]))
+        head = PartialFC(margin, DIM, num_classes, sample_rate=float(implementation.split("@")[1]), num_subcenters=k)
     head = head.to(device)
     views = [torch.randn(BATCH, DIM, device=device, requires_grad=True) for _ in range(VIEWS)]
     labels = torch.randint(0, num_classes, (BATCH,), device=device)
@@ -124,6 +140,8 @@ def main() -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--fp16", action="store_true", help="fp16 autocast and fp16 logits GEMMs (CUDA)")
+    parser.add_argument("--families", action="store_true", help="each margin family's time relative to the combined")
+    parser.add_argument("--rounds", type=int, default=3, help="with --families: processes per family and cell")
     parser.add_argument("--worker", nargs=2, metavar=("IMPL", "C"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -135,6 +153,9 @@ def main() -> None:
         print(json.dumps(measure(implementation, num_classes, device, steps, args.fp16)))
         return
 
+    if args.families:
+        compare_families(args)
+        return
     print(f"PartialFC vs dense reference: batch {BATCH} x {VIEWS} views, D={DIM}, world 1, {device.type}, "
           f"{args.threads} threads{', fp16' if args.fp16 else ''}. One fresh process per row.")
     if device.type == "cpu":
@@ -151,6 +172,25 @@ def main() -> None:
             print(f"{num_classes:>9} {impl:>8} {r['seconds'] * 1e3:>10.1f} {r['seconds'] / dense['seconds']:>7.2f} "
                   f"{r['peak_above'] / 2**20:>12.1f} {r['peak_above'] / dense['peak_above']:>9.2f} {r['tflops']:>8.3f}")
         sys.stdout.flush()
+
+
+def compare_families(args) -> None:
+    print(f"PartialFC per margin family, time / the combined family's (ArcFace): batch {BATCH} x {VIEWS} views, "
+          f"D={DIM}, world 1, {args.device}, {args.threads} threads{', fp16' if args.fp16 else ''}; sub-center "
+          f"K=3. Each family's fastest of {args.rounds} fresh processes, interleaved.")
+    header = f"{'classes':>9} {'rate':>5} {'combined ms':>12}" + "".join(f" {name:>11}" for name in FAMILIES[1:])
+    print(header)
+    print("-" * len(header))
+    for num_classes in args.classes:
+        for rate in FAMILY_RATES:
+            seconds = dict.fromkeys(FAMILIES, float("inf"))
+            for _ in range(args.rounds):
+                for name in FAMILIES:
+                    measured = run_in_subprocess(f"pfc@{rate}:{name}", num_classes, args)["seconds"]
+                    seconds[name] = min(seconds[name], measured)
+            print(f"{num_classes:>9} {rate:>5} {seconds['combined'] * 1e3:>12.1f}"
+                  + "".join(f" {seconds[name] / seconds['combined']:>10.2f}x" for name in FAMILIES[1:]))
+            sys.stdout.flush()
 
 
 if __name__ == "__main__":

@@ -5,7 +5,9 @@ element of the float32 result.
     python -m bench.pfc_precision --device cuda [--classes 100000]
     python -m bench.pfc_precision                    # CPU, 1000 classes
 
-The float32 reference runs without TF32. Batch 128 x 2 views, D = 512, ArcFace, all centres.
+The float32 reference runs without TF32. Batch 128 x 2 views, D = 512, all centres; one row per margin
+family (bench/bench_pfc.py's settings: ArcFace for the combined family, sub-center with K = 3), each run
+from the same family state.
 """
 from __future__ import annotations
 
@@ -14,7 +16,7 @@ import sys
 
 import torch
 
-from losses import CombinedMarginLoss
+from bench.bench_pfc import FAMILIES, family_margin
 from partial_fc import PartialFC
 from tools.check_pfc import relative_error
 from utils.device import configure_numerics
@@ -23,7 +25,8 @@ BATCH, VIEWS, DIM = 128, 2, 512
 
 
 def loss_and_gradients(pfc: PartialFC, views: torch.Tensor, labels: torch.Tensor, dtype: torch.dtype | None):
-    """(loss, dX, dW) of one forward and backward, under autocast to `dtype` (None: float32)."""
+    """(loss, dX, dW) of one forward and backward, under autocast to `dtype` (None: float32), from the margin
+    family's state as it was before the first call."""
     pfc.zero_grad(set_to_none=True)
     leaf = views.clone().requires_grad_(True)
     with torch.autocast(views.device.type, dtype=dtype or torch.float32, enabled=dtype is not None):
@@ -39,16 +42,21 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     device = torch.device(args.device)
     configure_numerics(device, tf32=False, deterministic=False)
-    torch.manual_seed(0)
-    pfc = PartialFC(CombinedMarginLoss(), DIM, args.classes).to(device)
-    views = torch.randn(VIEWS, BATCH, DIM, device=device)
-    labels = torch.randint(0, args.classes, (BATCH,), device=device)
-    reference = loss_and_gradients(pfc, views, labels, None)
     print(f"PartialFC vs float32: {args.classes} classes, {BATCH} x {VIEWS} views, D={DIM}, {device}")
-    for dtype in (torch.float16, torch.bfloat16):
-        errors = [relative_error(ours, theirs) for ours, theirs in
-                  zip(loss_and_gradients(pfc, views, labels, dtype), reference, strict=True)]
-        print(f"{str(dtype).removeprefix('torch.'):>8}  loss {errors[0]:.1e}  dX {errors[1]:.1e}  dW {errors[2]:.1e}")
+    for family in FAMILIES:
+        torch.manual_seed(0)
+        margin, k = family_margin(family)
+        pfc = PartialFC(margin, DIM, args.classes, num_subcenters=k).to(device)
+        start = pfc.margin_state_dict()
+        views = torch.randn(VIEWS, BATCH, DIM, device=device) * 8  # feature norms around AdaFace's EMA start
+        labels = torch.randint(0, args.classes, (BATCH,), device=device)
+        reference = loss_and_gradients(pfc, views, labels, None)
+        for dtype in (torch.float16, torch.bfloat16):
+            pfc.load_margin_state_dict(start)
+            errors = [relative_error(ours, theirs) for ours, theirs in
+                      zip(loss_and_gradients(pfc, views, labels, dtype), reference, strict=True)]
+            print(f"{family:>12} {str(dtype).removeprefix('torch.'):>8}  loss {errors[0]:.1e}  dX {errors[1]:.1e}  "
+                  f"dW {errors[2]:.1e}")
     return 0
 
 

@@ -250,6 +250,10 @@ def _optimizer_name(groups: list[dict]) -> str:
 def check_fits(layout: Layout, architecture: dict, state: TrainingState) -> None:
     """CheckpointError unless the files fit this run's embedding size, class count, network and optimizer."""
     where = layout.folder / layout.pattern.format(0)
+    if state.pfc.num_subcenters > 1:
+        raise CheckpointError(f"{where} holds one centre per class, this run {state.pfc.num_subcenters} sub-centres "
+                              "per class (margin_family='subcenter'); continue it with margin_family='combined', or "
+                              "start from its backbone alone (--set resume=<its model.pt>)")
     if layout.embedding_size != architecture["embedding_size"]:
         raise CheckpointError(f"{where} holds {layout.embedding_size}-dimensional class centres, this run's "
                               f"embedding_size is {architecture['embedding_size']}; set "

@@ -12,7 +12,9 @@ from utils.errors import CheckpointError
 
 # What the weights are shaped by: a checkpoint must agree on each (the photos' preparation, also in the
 # architecture a run records, may change between starts: it shapes no tensor).
-SHAPE_KEYS = ("network", "network_kwargs", "embedding_size", "num_classes")
+SHAPE_KEYS = ("network", "network_kwargs", "embedding_size", "num_classes", "num_subcenters")
+# A key a run records only when it differs from this (one centre per class: arcface_torch's and older runs').
+SHAPE_DEFAULTS = {"num_subcenters": 1}
 
 
 @dataclass
@@ -28,8 +30,11 @@ class Restored:
 
 def check_architecture(saved: Mapping, architecture: Mapping, where: Path) -> None:
     """CheckpointError unless the checkpoint at `where` was written for this run's network and classes."""
-    differences = [f"{key} {saved.get(key)!r} there, {architecture[key]!r} here" for key in SHAPE_KEYS
-                   if key in architecture and saved.get(key) != architecture[key]]
+    def value(shape: Mapping, key: str):
+        return shape.get(key, SHAPE_DEFAULTS.get(key))
+
+    differences = [f"{key} {value(saved, key)!r} there, {value(architecture, key)!r} here" for key in SHAPE_KEYS
+                   if (key in architecture or key in SHAPE_DEFAULTS) and value(saved, key) != value(architecture, key)]
     if differences:
         raise CheckpointError(f"{where} was written for another model ({'; '.join(differences)}); resume with the "
                               "config that wrote it, or start a new output folder")

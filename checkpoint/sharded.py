@@ -117,7 +117,8 @@ def stage_state(state: TrainingState, progress: Mapping, loader_state: Mapping, 
         staged.run = {"model": dict(architecture), "config": dict(config), "world_size": world(),
                       "progress": dict(progress), "param_groups": state.optimizer.state_dict()["param_groups"],
                       "scheduler": state.scheduler.state_dict(), "grad_scaler": state.scaler.state_dict(),
-                      "optimizer_values": values}
+                      "optimizer_values": values, "margin": {"family": type(pfc.margin_loss).__name__,
+                                                              **pfc.margin_state_dict()}}
     return staged
 
 
@@ -238,11 +239,12 @@ def _export(folder: Path, output: Path) -> None:
 
 def _shard(pfc: PartialFC, rows: torch.Tensor) -> torch.Tensor:
     """`rows` (this rank's, shaped like the centres) as DCP's CheckpointableTensor: a slice of the
-    (num_classes, ...) matrix at this rank's first class. DTensor cannot say this: its uneven shards
-    follow torch.chunk, not arcface_torch's split that PartialFC uses."""
+    (num_classes * K, ...) matrix (K sub-centres per class, class-major) at this rank's first class. DTensor
+    cannot say this: its uneven shards follow torch.chunk, not arcface_torch's split that PartialFC uses."""
     shard = rows.detach()  # a new tensor object on the same memory: the attributes stay off the parameter
-    shard.global_shape = (pfc.num_classes, *rows.shape[1:])
-    shard.global_offsets = ((pfc.class_start, *[0] * (rows.dim() - 1)),)
+    k = pfc.num_subcenters
+    shard.global_shape = (pfc.num_classes * k, *rows.shape[1:])
+    shard.global_offsets = ((pfc.class_start * k, *[0] * (rows.dim() - 1)),)
     shard.local_offsets = ((0,) * rows.dim(),)
     shard.local_sizes = (tuple(rows.shape),)
     return shard
@@ -371,6 +373,7 @@ def _apply(verified: Verified, loaded: dict, state: TrainingState) -> Restored:
     state.optimizer.load_state_dict({"state": optimizer_state, "param_groups": run["param_groups"]})
     state.scheduler.load_state_dict(run["scheduler"])
     state.scaler.load_state_dict(run["grad_scaler"])
+    _restore_margin(run.get("margin"), state.pfc)
     same_world = run["world_size"] == world() == len(ranks)
     return Restored(progress=run["progress"], world_size=run["world_size"], config=run["config"],
                     rank_state=ranks[rank()] if same_world else None, first_rank_state=ranks[0])
@@ -384,12 +387,23 @@ def _template(state: TrainingState, optimizer_tensors: Mapping[str, tuple]) -> d
     optimizer_state: dict[str, dict] = {}
     for fqn, (shape, dtype) in optimizer_tensors.items():
         _, index, name = fqn.split(".", 2)
-        if index == str(centres_at) and shape == (pfc.num_classes, *pfc.weight.shape[1:]):
+        if index == str(centres_at) and shape == (pfc.num_classes * pfc.num_subcenters, *pfc.weight.shape[1:]):
             value = _shard(pfc, torch.empty(pfc.weight.shape, dtype=dtype))
         else:
             value = torch.empty(shape, dtype=dtype)
         optimizer_state.setdefault(index, {})[name] = value
     return {"centres": _shard(pfc, pfc.weight), "optimizer": optimizer_state}
+
+
+def _restore_margin(saved: Mapping | None, pfc: PartialFC) -> None:
+    """The margin family's state (EMAs, the draw position) as saved, bit for bit; a checkpoint of another
+    family (or of a version without margin families) leaves this family's state at its start, and says so."""
+    family = type(pfc.margin_loss).__name__
+    if saved is not None and saved.get("family") == family:
+        pfc.load_margin_state_dict(saved)
+    elif pfc.margin_state.numel():
+        log.warning("the checkpoint holds no state of the %s margin (it was trained with %s): its state starts "
+                    "afresh", family, (saved or {}).get("family", "an earlier version"))
 
 
 def read_whole(folder: Path) -> tuple[dict, dict]:

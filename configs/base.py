@@ -34,9 +34,23 @@ embedding_size: int = 512         # length of the face embedding
 dropout: float = 0.0              # dropout before the embedding layer
 
 # --- loss ---------------------------------------------------------------------------------
+margin_family: Literal["combined", "subcenter", "adaface", "curricular",  # the margin softmax: "combined"
+                       "elastic_arc", "elastic_cos"] = "combined"  # (margin_list, arcface_torch's), "subcenter"
+                                  # (margin_list over subcenter_k centres per class), or the others with their keys
+                                  # below; every family scales by margin_scale (README: the papers' settings)
 margin_list: tuple[float, ...] = (1.0, 0.5, 0.0)  # (m1, m2, m3): target logit s*(cos(m1*theta + m2) - m3);
                                                   # ArcFace (1, 0.5, 0), CosFace (1, 0, 0.4)
 margin_scale: float = 64.0        # s, the logit scale
+subcenter_k: int = 3              # sub-center ArcFace: centres per class, a class's cosine the largest of its K
+adaface_m: float = 0.4            # AdaFace: margin, scaled per sample by its feature norm's place in the batch
+adaface_h: float = 0.333          # AdaFace: how far the norm moves the margin (z = clip(h * standardised norm))
+adaface_t_alpha: float = 0.01     # AdaFace: EMA rate of the global batch's norm mean and std
+curricular_m: float = 0.5         # CurricularFace: angular margin of the target
+curricular_alpha: float = 0.01    # CurricularFace: EMA rate of t, the global batch's mean target cosine
+elastic_m: float | None = None    # ElasticFace: mean margin; None: the paper's, 0.5 (elastic_arc) or 0.35 (elastic_cos)
+elastic_std: float | None = None  # ElasticFace: margin std; None: the paper's, 0.05 (with elastic_plus 0.0175 for
+                                  # arc, 0.02 for cos)
+elastic_plus: bool = False        # ElasticFace+: the step's margins handed out by target cosine (largest: smallest)
 sample_rate: float = 1.0          # Partial FC: fraction of class centres used per step (positives always kept);
                                   # 0: only the classes of the step's batch (arcface_torch's PartialFC_V2)
 view_weights: tuple[float, ...] | None = None  # loss weight per view; None: equal, summing to 1 (lr carries over)

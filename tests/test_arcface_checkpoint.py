@@ -486,3 +486,14 @@ def test_the_converter_refuses_to_overwrite_and_says_what_it_needs(sources, tmp_
     with pytest.raises(SystemExit):
         convert(tmp_path / "taken", tmp_path / "new", "--to", "pairface")
     assert "--to pairface needs --config CONFIG" in capsys.readouterr().err
+
+
+def test_arcface_torch_centres_into_sub_centres_are_refused_in_one_line(sources, tmp_path, capsys):
+    folder = sources.root / "train_v2_sgd"
+    with pytest.raises(SystemExit, match="1"):
+        to_pairface(folder, tmp_path / "new", "--set", "margin_family='subcenter'")
+    assert capsys.readouterr().err == (
+        f"error: {folder / 'checkpoint_gpu_0.pt'} holds one centre per class, this run 3 sub-centres per "
+        "class (margin_family='subcenter'); continue it with margin_family='combined', or start from its backbone "
+        "alone (--set resume=<its model.pt>)\n")
+    assert not (tmp_path / "new").exists()

@@ -151,6 +151,10 @@ def test_shipped_configs_load_with_the_documented_values():
     assert (glint.network, glint.num_classes, glint.sample_rate, glint.num_views) == ("r100", 360232, 0.1, 2)
     demo = load_config(CONFIGS / "synthetic_pair.py")
     assert demo.num_views == 2 and demo.val_targets
+    families = {name: load_config(CONFIGS / f"{name}.py").margin_family for name in (
+        "webface4m_r100_adaface", "ms1mv3_r50_pair_curricular", "ms1mv3_r50_pair_subcenter", "ms1mv3_r50_pair_elastic")}
+    assert list(families.values()) == ["adaface", "curricular", "subcenter", "elastic_arc"]
+    assert pair.margin_family == single.margin_family == glint.margin_family == "combined"
 
 
 @pytest.mark.parametrize("override, message", [
@@ -165,6 +169,29 @@ def test_shipped_configs_load_with_the_documented_values():
 def test_values_out_of_range_and_mistyped_network_options_are_one_line(capsys, override, message):
     assert train.main([str(CONFIGS / "synthetic_pair.py"), "--set", override, "--dry-run"]) == 1
     assert capsys.readouterr().err == f"error: {message}\n"
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["margin_family=adaface", "adaface_t_alpha=1.5"], "config key 'adaface_t_alpha' must be in [0, 1] for "
+     "margin_family='adaface', not 1.5; e.g. adaface_t_alpha=0.01 (the paper's)"),
+    (["margin_family=curricular", "curricular_m=3.5"], "config key 'curricular_m' must be in [0, pi) for "
+     "margin_family='curricular', not 3.5; e.g. curricular_m=0.5 (the paper's)"),
+    (["margin_family=subcenter", "subcenter_k=1"], "config key 'subcenter_k' must be an integer from 2 to 255 for "
+     "margin_family='subcenter', not 1; e.g. subcenter_k=3 (the paper's)"),
+    (["margin_family=elastic_cos", "elastic_std=-0.1"], "config key 'elastic_std' must be at least 0 for "
+     "margin_family='elastic_cos', not -0.1; e.g. elastic_std=None (the paper's)"),
+    (["margin_family=elastic_arc", "interclass_filtering_threshold=0.3"], "config key "
+     "'interclass_filtering_threshold' filters the combined margin's negatives only, not those of "
+     "margin_family='elastic_arc'; set it to 0"),
+])
+def test_a_margin_familys_bad_value_is_one_line(capsys, overrides, message):
+    assert train.main([str(CONFIGS / "synthetic_pair.py"), *[part for item in overrides for part in ("--set", item)],
+                       "--dry-run"]) == 1
+    assert capsys.readouterr().err == f"error: {message}\n"
+
+
+def test_another_familys_keys_are_not_checked():
+    assert load_config(CONFIGS / "synthetic_pair.py", ["subcenter_k=0"]).margin_family == "combined"
 
 
 def test_mistyped_network_options_of_the_tools_are_one_line(tmp_path):

@@ -64,3 +64,17 @@ def test_an_unknown_layout_is_one_line(trained, tmp_path):
     assert result.stderr == ("error: --to foo is not a layout this converts to; pass --to arcface_torch or --to "
                              "pairface\n")
     assert not (tmp_path / "out").exists()
+
+
+def test_a_classifier_of_sub_centres_or_another_margin_family_is_not_converted_to_arcface_torch(data, tmp_path):
+    """arcface_torch's layout has one centre per class under the combined margin; a sub-center run (which
+    trains and saves K rows per class) and an AdaFace run are refused in one line, nothing written."""
+    for family in ("subcenter", "adaface"):
+        run = tmp_path / family
+        assert run_here(data, run, "max_steps=1", f"margin_family={family!r}") == (0, "")
+        result = convert(run, tmp_path / f"{family}_out", "--to", "arcface_torch", "--world-size", "2")
+        assert result.returncode == 1
+        assert result.stderr == (f"error: {run} was trained with margin_family={family!r}; arcface_torch has only the "
+                                 "combined margin with one centre per class, so this classifier has no arcface_torch "
+                                 f"layout: use {run / 'backbone.pth'}, which arcface_torch loads as it is\n")
+        assert not (tmp_path / f"{family}_out").exists()

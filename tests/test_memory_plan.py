@@ -43,6 +43,8 @@ CASES = {
     "vit_t bf16, checkpointed blocks replayed, sampled": "network=vit_t bf16=True sample_rate=0.1 "
                                                          "network_kwargs={'width_mult':0.125,'using_checkpoint':True,"
                                                          "'drop_path_rate':0.0}",
+    "r18 fp32, 3 sub-centres per class, half of them sampled": "margin_family=subcenter sample_rate=0.5",
+    "r18 bf16, CurricularFace's second buffer": "margin_family=curricular bf16=True",
 }
 EXACT = ("class_centres", "centre_gradient", "centre_optimizer_state", "backbone_parameters", "backbone_gradients",
          "backbone_optimizer_state", "ddp_gradient_buckets")

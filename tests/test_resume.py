@@ -9,6 +9,7 @@ process; two run through `torchrun --nproc_per_node 2 train.py`.
 """
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -154,3 +155,18 @@ def test_a_resumed_run_leaves_one_tensorboard_point_per_step(tmp_path):
     events = EventAccumulator(str(tmp_path / "tensorboard"))
     events.Reload()
     assert [(event.step, event.value) for event in events.Scalars("loss")] == [(3, 1.0), (6, 3.0)]
+
+
+@pytest.mark.parametrize("family", ["adaface", "elastic_arc"])
+def test_a_margin_familys_state_resumes_as_the_uninterrupted_run(data, tmp_path, family):
+    """AdaFace's EMAs (a fast rate, so they matter) and ElasticFace's draw position come back from the
+    checkpoint: the resumed run's losses, weights and margin state are the uninterrupted run's."""
+    overrides = [f"margin_family={family!r}", "adaface_t_alpha=0.5", "sample_rate=0.5"]
+    whole, split = tmp_path / "whole", tmp_path / "split"
+    assert run_here(data, whole, *overrides, "max_steps=6") == (0, "")
+    assert run_here(data, split, *overrides, "max_steps=3") == (0, "")
+    assert run_here(data, split, *overrides, "max_steps=6", resume=True) == (0, "")
+    assert_same_run(split, whole)
+    margins = [json.loads(next(run.glob("checkpoint-*/state.json")).read_text())["run"]["margin"]
+               for run in (split, whole)]
+    assert margins[0] == margins[1] and margins[0]["step"] == 6, margins

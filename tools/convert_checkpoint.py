@@ -138,6 +138,7 @@ def to_arcface_torch(src: Path, dst: Path, world_size: int, steps_per_epoch: int
     """Write the pairface run in `src` as arcface_torch's train_v2 files for `world_size` ranks; what was done."""
     whole, content = _read_whole(src)
     run = content["run"]
+    _refuse_other_margins(src, run["config"])
     centres, backbone, groups = whole["centres"], whole["backbone"], run["param_groups"]
     num_classes = centres.shape[0]
     if world_size > num_classes:
@@ -185,6 +186,16 @@ def to_arcface_torch(src: Path, dst: Path, world_size: int, steps_per_epoch: int
     lines.append("not carried over (arcface_torch's files have no place for them): grad scaler, data position, "
                  "random streams, config")
     return lines
+
+
+def _refuse_other_margins(src: Path, config: dict) -> None:
+    """arcface_torch's classifier is one centre per class under the combined margin: a run with sub-centres
+    or another margin family has no equivalent there."""
+    family = config.get("margin_family", "combined")
+    if family != "combined":
+        raise CheckpointError(f"{src} was trained with margin_family={family!r}; arcface_torch has only the combined "
+                              "margin with one centre per class, so this classifier has no arcface_torch layout: use "
+                              f"{src / 'backbone.pth'}, which arcface_torch loads as it is")
 
 
 def _read_whole(src: Path) -> tuple[dict, dict]:

@@ -31,7 +31,7 @@ import torch
 
 from partial_fc import class_range
 from training.backbone_trace import backbone_memory
-from training.state import precision
+from training.state import num_subcenters, precision
 from utils.image import IMAGE_SIZE
 
 FLOAT32, HALF, INDEX = 4, 2, 8
@@ -57,7 +57,7 @@ def memory_plan(cfg: SimpleNamespace, num_classes: int | None, world_size: int) 
                                                  "logits_buffer"))
     if num_classes is not None:
         rows = class_range(num_classes, 0, world_size)[1]
-        centres = rows * cfg.embedding_size * FLOAT32
+        centres = rows * num_subcenters(cfg) * cfg.embedding_size * FLOAT32
         forward, backward = _softmax_peaks(cfg, rows, world_size)
         # The step's autocast ends between the softmax's forward and backward, freeing the backbone's
         # weight casts that no backward keeps (under checkpointing): the backward peaks above less.
@@ -108,26 +108,37 @@ def _optimizer_states(cfg: SimpleNamespace) -> int:
 def _softmax_peaks(cfg: SimpleNamespace, rows: int, world_size: int) -> tuple[int, int]:
     """PartialFC's peaks in its forward and in its backward, above what was alive when it started, from
     the buffers partial_fc.py allocates in turn. N rows: every rank's embeddings of every view; C columns:
-    the centres of the step (sampled: every positive class, topped up to sample_rate of the rows)."""
+    the centres of the step (sampled: every positive class, topped up to sample_rate of the rows).
+
+    With K sub-centres the GEMMs have C*K columns: the forward's (N, C*K) cosines shrink to (N, C) through
+    their max (and its int64 indices, kept as uint8), the backward spreads the (N, C) gradient back to
+    (N, C*K). CurricularFace keeps a second (N, C) buffer, its negatives' derivative, through the forward."""
     local = cfg.batch_size * cfg.num_views
-    n, d = local * world_size, cfg.embedding_size
+    n, d, k = local * world_size, cfg.embedding_size, num_subcenters(cfg)
     num_sample = int(cfg.sample_rate * rows)
     sampled = cfg.sample_rate < 1.0 and num_sample < rows
     columns = max(num_sample, min(rows, cfg.batch_size * world_size)) if sampled else rows
-    nc, nd, cd = n * columns * FLOAT32, n * d * FLOAT32, columns * d * FLOAT32
+    nc, nd = n * columns * FLOAT32, n * d * FLOAT32
+    nck, cd = nc * k, columns * k * d * FLOAT32
     # The views stacked and normalised, the normalised rows of every rank, the centres' norms and 1/norms,
     # and when sampling the sampled indices and centres: all alive through the softmax's backward.
-    beside = 2 * local * d * FLOAT32 + nd + 2 * columns * FLOAT32 + (columns * (INDEX + d * FLOAT32) if sampled else 0)
-    centre_gradient = rows * d * FLOAT32 if sampled else 0  # sampled: a zero (rows, D) matrix besides the C rows'
+    beside = (2 * local * d * FLOAT32 + nd + 2 * columns * k * FLOAT32
+              + (columns * k * (INDEX + d * FLOAT32) if sampled else 0))
+    if k > 1:  # the uint8 index of each class's sub-centre, from the max's forward to the backward
+        beside += n * columns
+    reduced = nck + nc + 2 * nc if k > 1 else nc  # the max: its input, its values and int64 indices at once
+    slope = nc if cfg.margin_family == "curricular" else 0
+    spread = nck if k > 1 else 0  # the backward's (N, C*K) gradient beside the (N, C) one
+    centre_gradient = rows * k * d * FLOAT32 if sampled else 0  # sampled: a zero matrix besides the C rows'
     filter_mask = n * columns if cfg.interclass_filtering_threshold > 0 else 0  # the (N, C) boolean mask
     if cfg.fp16 or cfg.bf16:  # the GEMMs in half precision, their results brought to float32
-        forward = max((nd + cd + nc) * HALF // FLOAT32 + nc, nc + filter_mask)
-        gemms = nc + (nc + nd + cd) * HALF // FLOAT32 + nd + cd
+        forward = max((nd + cd + nck) * HALF // FLOAT32 + nck, reduced, nc + slope + filter_mask)
+        gemms = nc + spread + (nck + nd + cd) * HALF // FLOAT32 + nd + cd
     else:
-        forward = nc + filter_mask
-        gemms = nc + nd + cd
-    projection = 4 * columns * FLOAT32  # the normalisation's backward: a few values per centre
-    return beside + forward, beside + max(gemms, nc + nd + cd + centre_gradient + projection)
+        forward = max(reduced, nc + slope + filter_mask)
+        gemms = nc + spread + nd + cd
+    projection = 4 * columns * k * FLOAT32  # the normalisation's backward: a few values per centre
+    return beside + forward, beside + max(gemms, nc + spread + nd + cd + centre_gradient + projection)
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from backbones import get_model
-from losses import CombinedMarginLoss
+from losses import AdaFaceMargin, CombinedMarginLoss, CurricularMargin, ElasticMargin
 from partial_fc import PartialFC
 from utils.distributed import world
 from utils.lr_scheduler import build_scheduler
@@ -106,10 +106,37 @@ def precision(cfg: SimpleNamespace) -> torch.dtype | None:
 def architecture(cfg: SimpleNamespace, num_classes: int, photo_preparation: str | None = None) -> dict:
     """What the saved weights are shaped for (a checkpoint must match it to be resumed by this run: the
     SHAPE_KEYS), and how the training photos were prepared when the data records it; model.json records it
-    all beside backbone.pth."""
-    shapes = {"network": cfg.network, "network_kwargs": dict(cfg.network_kwargs),
-              "embedding_size": cfg.embedding_size, "num_classes": num_classes}
-    return {**shapes, **({"photo_preparation": photo_preparation} if photo_preparation else {})}
+    all beside backbone.pth. Sub-centres are named only when there are several, so that checkpoints of one
+    centre per class (arcface_torch's, earlier versions') keep matching."""
+    shape = {"network": cfg.network, "network_kwargs": dict(cfg.network_kwargs),
+             "embedding_size": cfg.embedding_size, "num_classes": num_classes}
+    if num_subcenters(cfg) > 1:
+        shape["num_subcenters"] = num_subcenters(cfg)
+    return {**shape, **({"photo_preparation": photo_preparation} if photo_preparation else {})}
+
+
+def num_subcenters(cfg: SimpleNamespace) -> int:
+    """Centres per class: subcenter_k for sub-center ArcFace, else one."""
+    return cfg.subcenter_k if cfg.margin_family == "subcenter" else 1
+
+
+def describe_margin(cfg: SimpleNamespace) -> str:
+    """The margin family and the values it uses, as --dry-run and the start-up log show them."""
+    k = num_subcenters(cfg)
+    return f"{cfg.margin_family}: {build_margin(cfg)!r}" + (f" over {k} sub-centres per class" if k > 1 else "")
+
+
+def build_margin(cfg: SimpleNamespace):
+    """The margin family `margin_family` names, with its keys (configs/base.py)."""
+    family, s = cfg.margin_family, cfg.margin_scale
+    if family == "adaface":
+        return AdaFaceMargin(s, cfg.adaface_m, cfg.adaface_h, cfg.adaface_t_alpha)
+    if family == "curricular":
+        return CurricularMargin(s, cfg.curricular_m, cfg.curricular_alpha)
+    if family in ("elastic_arc", "elastic_cos"):
+        return ElasticMargin(s, family.removeprefix("elastic_"), cfg.elastic_m, cfg.elastic_std, cfg.elastic_plus)
+    return CombinedMarginLoss(s, *cfg.margin_list, cfg.interclass_filtering_threshold,
+                              straight_through=cfg.straight_through_margin)  # combined, and subcenter's K centres
 
 
 def build_networks(cfg: SimpleNamespace, num_classes: int, device: torch.device) -> tuple[nn.Module, PartialFC]:
@@ -117,11 +144,10 @@ def build_networks(cfg: SimpleNamespace, num_classes: int, device: torch.device)
     torch.manual_seed(cfg.seed)
     backbone = get_model(cfg.network, num_features=cfg.embedding_size, dropout=cfg.dropout,
                          **cfg.network_kwargs).to(device)
-    margin = CombinedMarginLoss(cfg.margin_scale, *cfg.margin_list, cfg.interclass_filtering_threshold,
-                                straight_through=cfg.straight_through_margin)
     # On a GPU the label check would make every step wait for the device: deferred to a NaN loss instead.
-    pfc = PartialFC(margin, cfg.embedding_size, num_classes, cfg.sample_rate, view_weights=cfg.view_weights,
-                    seed=cfg.seed, defer_label_check=device.type == "cuda").to(device)
+    pfc = PartialFC(build_margin(cfg), cfg.embedding_size, num_classes, cfg.sample_rate, view_weights=cfg.view_weights,
+                    seed=cfg.seed, defer_label_check=device.type == "cuda",
+                    num_subcenters=num_subcenters(cfg)).to(device)
     return backbone, pfc
 
 

@@ -208,6 +208,7 @@ def _check_values(values: dict) -> None:
     if values["fp16"] and values["bf16"]:
         raise ConfigError("config keys 'fp16' and 'bf16' are both True; choose one (--set bf16=False)")
     _check_margins(values["margin_list"], values["margin_scale"])
+    _check_family(values)
     if not 0.0 <= values["sample_rate"] <= 1.0:
         raise ConfigError(f"config key 'sample_rate' must be in [0, 1], not {values['sample_rate']}; 1.0 uses every "
                           "class centre, 0 only the classes of each step's batch")
@@ -234,6 +235,32 @@ def _check_margins(margin_list: tuple[float, ...], scale: float) -> None:
     if not 0.0 <= m2 < math.pi:
         raise ConfigError(f"config key 'margin_list' has m2={m2}; the additive angular margin must lie in [0, pi) "
                           "(ArcFace: 0.5), e.g. margin_list=(1.0, 0.5, 0.0)")
+
+
+_ANGLE = (lambda v: 0.0 <= v < math.pi, "in [0, pi)")
+_RATE = (lambda v: 0.0 <= v <= 1.0, "in [0, 1]")
+_NOT_NEGATIVE_VALUE = (lambda v: v >= 0.0, "at least 0")
+# Each margin family's own keys: (key, (the check, what it asks), an example value).
+_FAMILY_KEYS = {
+    "subcenter": (("subcenter_k", (lambda v: 2 <= v <= 255, "an integer from 2 to 255"), "3"),),
+    "adaface": (("adaface_m", _ANGLE, "0.4"), ("adaface_h", _NOT_NEGATIVE_VALUE, "0.333"),
+                ("adaface_t_alpha", _RATE, "0.01")),
+    "curricular": (("curricular_m", _ANGLE, "0.5"), ("curricular_alpha", _RATE, "0.01")),
+    **dict.fromkeys(("elastic_arc", "elastic_cos"), (("elastic_m", _ANGLE, "None"),
+                                                     ("elastic_std", _NOT_NEGATIVE_VALUE, "None"))),
+}
+
+
+def _check_family(values: dict) -> None:
+    """The chosen margin family's keys (configs/base.py) must make a margin that favours the target."""
+    family = values["margin_family"]
+    for key, (ok, asked), example in _FAMILY_KEYS.get(family, ()):
+        if values[key] is not None and not ok(values[key]):
+            raise ConfigError(f"config key {key!r} must be {asked} for margin_family={family!r}, not {values[key]}; "
+                              f"e.g. {key}={example} (the paper's)")
+    if values["interclass_filtering_threshold"] > 0 and family not in ("combined", "subcenter"):
+        raise ConfigError(f"config key 'interclass_filtering_threshold' filters the combined margin's negatives only, "
+                          f"not those of margin_family={family!r}; set it to 0")
 
 
 def check_data_path(cfg: SimpleNamespace) -> None:
