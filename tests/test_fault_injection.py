@@ -191,8 +191,9 @@ def forge_state(folder: Path, path: tuple, value) -> None:
     forge_manifest(folder, "state.json")
 
 
-@pytest.mark.parametrize("path, value, field", STATE_FIELDS, ids=[f"{field}={value!r}"[:60] for _, value, field in
-                                                                  STATE_FIELDS])
+@pytest.mark.parametrize("path, value, field", STATE_FIELDS,  # ids the same in every process (pytest-xdist's)
+                         ids=[(f"{field} removed" if value is MISSING else f"{field}={value!r}")[:60]
+                              for _, value, field in STATE_FIELDS])
 def test_a_state_json_field_that_is_not_what_pairface_writes_is_one_error_line_naming_it(data, trained, tmp_path,
                                                                                         path, value, field):
     """Every field a resume reads, with a valid checksum: refused before anything uses it (the random streams
