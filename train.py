@@ -36,6 +36,7 @@ from training.memory_plan import describe, describe_fit, device_bytes, fit, memo
 from training.state import StepCounter, TrainingState, architecture, build_training_state, wrap_in_ddp
 from training.step import StepOutcome, train_step
 from utils.cli import report
+from utils.compat import require_supported_torch
 from utils.config import check_data_path, load_config, planned_world_size
 from utils.device import choose_device, configure_numerics, describe_device
 from utils.distributed import agreed, backend, cleanup, init_distributed, is_main, lost_peer, nodes, rank, world
@@ -72,6 +73,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     cfg = None
     try:
+        require_supported_torch()
         adopt_srun_environment()  # before anything reads RANK: `srun python train.py` tells only Slurm's variables
         overrides = args.set + (["resume=True"] if args.resume else [])
         cfg = load_config(args.config, overrides)

@@ -59,6 +59,7 @@ from checkpoint.safe_dcp import SHARD_FILE, MetadataError, SafeReader, TensorsOn
 from partial_fc import PartialFC
 from training.state import TrainingState
 from utils.atomic import atomic_save, fsync_dir, os_error_behind, write_bytes
+from utils.compat import DCP_ALONE_WARNING, dcp_group, row_block
 from utils.distributed import agreed, gather_objects, is_initialized, is_main, raise_first, rank, world
 from utils.errors import CheckpointError
 from utils.torch_files import load_torch_file
@@ -134,8 +135,7 @@ def write_state(output: str | Path, staged: Staged, group=None) -> Path:
     agreed(lambda: _fresh(tmp, target), group=group)
     try:
         with _quiet_when_alone():
-            dcp.save(staged.tensors, storage_writer=FileSystemWriter(tmp, sync_files=True), process_group=group,
-                     no_dist=not is_initialized())
+            dcp.save(staged.tensors, storage_writer=FileSystemWriter(tmp, sync_files=True), **dcp_group(group))
     except CheckpointException as error:  # raised on every rank, whichever failed
         agreed(lambda: shutil.rmtree(tmp, ignore_errors=True), group=group)
         raise _failure("could not write", target, error, "the previous checkpoint is untouched: free disk space or "
@@ -217,15 +217,10 @@ def _export(folder: Path, output: Path) -> None:
 
 
 def _shard(pfc: PartialFC, rows: torch.Tensor) -> torch.Tensor:
-    """`rows` (this rank's, shaped like the centres) as DCP's CheckpointableTensor: a slice of the
-    (num_classes, ...) matrix at this rank's first class. DTensor cannot say this: its uneven shards
-    follow torch.chunk, not arcface_torch's split that PartialFC uses."""
-    shard = rows.detach()  # a new tensor object on the same memory: the attributes stay off the parameter
-    shard.global_shape = (pfc.num_classes, *rows.shape[1:])
-    shard.global_offsets = ((pfc.class_start, *[0] * (rows.dim() - 1)),)
-    shard.local_offsets = ((0,) * rows.dim(),)
-    shard.local_sizes = (tuple(rows.shape),)
-    return shard
+    """`rows` (this rank's, shaped like the centres) as a block of the (num_classes, ...) matrix at this
+    rank's first class, for DCP. DTensor cannot say this: its uneven shards follow torch.chunk, not
+    arcface_torch's split that PartialFC uses."""
+    return row_block(rows, pfc.num_classes, pfc.class_start)
 
 
 def _is_rows(value, pfc: PartialFC) -> bool:
@@ -311,7 +306,7 @@ def restore_state(source: Path, architecture: Mapping, state: TrainingState) -> 
     try:
         with _quiet_when_alone():
             dcp.load(template, storage_reader=SafeReader(verified.folder), planner=TensorsOnlyPlanner(),
-                     no_dist=not is_initialized())
+                     **dcp_group(None))
     except CheckpointException as error:
         raise _failure("cannot read", verified.folder, error, f"{_DAMAGED}: resume from another run folder or "
                        "start a new run") from None
@@ -386,7 +381,7 @@ def read_whole(folder: Path) -> tuple[dict, dict]:
             template["optimizer"].setdefault(index, {})[name] = target
     try:
         with _quiet_when_alone():
-            dcp.load(template, storage_reader=SafeReader(folder), planner=TensorsOnlyPlanner(), no_dist=True)
+            dcp.load(template, storage_reader=SafeReader(folder), planner=TensorsOnlyPlanner(), **dcp_group(None))
     except CheckpointException as error:
         raise _failure("cannot read", folder, error, f"{_DAMAGED}: convert another run folder") from None
     template["backbone"] = load_torch_file(folder / BACKBONE_NAME,
@@ -399,7 +394,7 @@ def _quiet_when_alone() -> Iterator[None]:
     """DCP warns at every save and load without a process group; one process is a supported setup here."""
     with warnings.catch_warnings():
         if not is_initialized():
-            warnings.filterwarnings("ignore", "torch.distributed is disabled, unavailable or uninitialized")
+            warnings.filterwarnings("ignore", DCP_ALONE_WARNING)
         yield
 
 

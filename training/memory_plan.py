@@ -32,6 +32,7 @@ import torch
 from partial_fc import class_range
 from training.backbone_trace import backbone_memory
 from training.state import precision
+from utils.compat import half_gemm_inputs
 from utils.image import IMAGE_SIZE
 
 FLOAT32, HALF, INDEX = 4, 2, 8
@@ -120,8 +121,11 @@ def _softmax_peaks(cfg: SimpleNamespace, rows: int, world_size: int) -> tuple[in
     beside = 2 * local * d * FLOAT32 + nd + 2 * columns * FLOAT32 + (columns * (INDEX + d * FLOAT32) if sampled else 0)
     centre_gradient = rows * d * FLOAT32 if sampled else 0  # sampled: a zero (rows, D) matrix besides the C rows'
     filter_mask = n * columns if cfg.interclass_filtering_threshold > 0 else 0  # the (N, C) boolean mask
-    if cfg.fp16 or cfg.bf16:  # the GEMMs in half precision, their results brought to float32
-        forward = max((nd + cd + nc) * HALF // FLOAT32 + nc, nc + filter_mask)
+    if cfg.fp16 or cfg.bf16:  # the backward's GEMMs in half precision, their results brought to float32
+        # The cosines' GEMM writes float32: from half-precision casts of its inputs where the device has such a
+        # GEMM (CUDA, the device `auto` picks when there is one), else in float32 without casts.
+        casts = (nd + cd) * HALF // FLOAT32 if half_gemm_inputs("cuda" if torch.cuda.is_available() else "cpu") else 0
+        forward = max(casts + nc, nc + filter_mask)
         gemms = nc + (nc + nd + cd) * HALF // FLOAT32 + nd + cd
     else:
         forward = nc + filter_mask

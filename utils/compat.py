@@ -1,0 +1,164 @@
+"""Every difference between the torch releases pairface supports, found by feature detection, in one place.
+
+Supported: torch 2.4 (``TORCH_FLOOR``) and later, with the torchvision of each. What differs, and what
+is used where:
+
+- collectives into one flat tensor: ``all_gather_single``/``reduce_scatter_single`` (2.14 and later,
+  which deprecate the older names) or ``all_gather_into_tensor``/``reduce_scatter_tensor`` (1.13 on);
+- DistributedDataParallel without buffer broadcasts (each rank keeps its BatchNorm statistics):
+  ``forward_sync_buffers=False`` (2.14 on) or ``broadcast_buffers=False`` (deprecated there);
+- a checkpoint tensor that is a block of rows of a larger matrix at a given offset: torch's
+  checkpointable-tensor attributes (``torch.distributed.checkpoint.protocol``, 2.14 on) or a
+  ShardedTensor with one local shard (every release; no process group needed to build it);
+- a half-precision GEMM with a float32 result: ``torch.mm(..., out_dtype=torch.float32)`` where the
+  device has that kernel (CUDA), else the GEMM in float32.
+"""
+from __future__ import annotations
+
+import functools
+import importlib.util
+import inspect
+import re
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.nn.parallel import DistributedDataParallel
+
+from utils.errors import ConfigError
+
+TORCH_FLOOR = (2, 4)
+# What the floor is for: torch.get_autocast_dtype(device) and torch.amp.is_autocast_available (2.4).
+FLOOR_FEATURE = "torch.get_autocast_dtype(device_type) for the autocast precision of the margin softmax's GEMMs"
+
+
+def torch_version() -> tuple[int, int]:
+    """(major, minor) of the torch imported, from its version string (local suffixes like +cu130 ignored)."""
+    found = re.match(r"(\d+)\.(\d+)", torch.__version__)
+    return (int(found[1]), int(found[2])) if found else (0, 0)
+
+
+def require_supported_torch() -> None:
+    """ConfigError (one line, with the fix) when this torch is older than pairface supports."""
+    if torch_version() >= TORCH_FLOOR and hasattr(torch, "get_autocast_dtype"):
+        return
+    floor = ".".join(map(str, TORCH_FLOOR))
+    raise ConfigError(f"torch {torch.__version__} is older than pairface supports: it needs torch >= {floor} "
+                      f"({FLOOR_FEATURE}); install torch>={floor} with its torchvision, e.g. "
+                      "pip install -r requirements.txt")
+
+
+# --- collectives ------------------------------------------------------------------------------------
+
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def all_gather_into(out: torch.Tensor, tensor: torch.Tensor, group=None) -> None:
+    """Every rank's `tensor` concatenated along dim 0 into `out` (world_size times its rows)."""
+    _all_gather(out, tensor, group=group)
+
+
+def reduce_scatter_into(out: torch.Tensor, tensor: torch.Tensor, group=None) -> None:
+    """This rank's block of dim 0 of the sum over ranks of `tensor` into `out`."""
+    _reduce_scatter(out, tensor, group=group)
+
+
+# --- DistributedDataParallel ---------------------------------------------------------------------
+
+def ddp_without_buffer_sync(module: torch.nn.Module, device_ids: list[int] | None) -> DistributedDataParallel:
+    """`module` in DDP, its buffers never broadcast by forward (each rank keeps its own statistics)."""
+    if "forward_sync_buffers" in inspect.signature(DistributedDataParallel).parameters:
+        return DistributedDataParallel(module, device_ids=device_ids, forward_sync_buffers=False)
+    return DistributedDataParallel(module, device_ids=device_ids, broadcast_buffers=False)
+
+
+# --- torch.distributed.checkpoint ----------------------------------------------------------------
+
+_DCP_NO_DIST = "no_dist" in inspect.signature(dcp.save).parameters  # older releases infer it
+# What DCP warns at every save and load in a process without a process group, in each release's words.
+DCP_ALONE_WARNING = r"torch\.distributed is (disabled, )?unavailable or uninitialized"
+
+
+def dcp_group(group=None) -> dict:
+    """dcp.save's and dcp.load's keywords for `group` (None: the default one), or for one process without
+    a process group."""
+    if _DCP_NO_DIST:
+        return {"process_group": group, "no_dist": not dist.is_initialized()}
+    return {"process_group": group}
+
+
+# --- checkpoint shards -----------------------------------------------------------------------------
+
+CHECKPOINTABLE_ATTRIBUTES = importlib.util.find_spec("torch.distributed.checkpoint.protocol") is not None
+
+
+def row_block(rows: torch.Tensor, total_rows: int, first_row: int) -> torch.Tensor:
+    """`rows` as what torch.distributed.checkpoint saves and loads as rows first_row.. of a (total_rows, ...)
+    matrix: a block at an explicit offset, so that the blocks of one run can be any split (uneven, unlike
+    DTensor's) and a run on another split reads its rows from whichever blocks hold them. Loading into
+    the result writes into `rows`' memory."""
+    global_shape = (total_rows, *rows.shape[1:])
+    offsets = (first_row, *[0] * (rows.dim() - 1))
+    local = rows.detach()  # a new tensor object on the same memory: nothing set here reaches a parameter
+    if CHECKPOINTABLE_ATTRIBUTES:
+        local.global_shape = global_shape
+        local.global_offsets = (offsets,)
+        local.local_offsets = ((0,) * rows.dim(),)
+        local.local_sizes = (tuple(rows.shape),)
+        return local
+    return _sharded_tensor(local, global_shape, offsets)
+
+
+def _sharded_tensor(local: torch.Tensor, global_shape: tuple, offsets: tuple) -> torch.Tensor:
+    """A ShardedTensor whose one local shard is `local` at `offsets`; built without a process group
+    (ShardedTensorBase checks nothing across ranks), which DCP's planners never ask of it."""
+    from torch.distributed._shard.metadata import ShardMetadata  # noqa: PLC0415 (older torch only)
+    from torch.distributed._shard.sharded_tensor import Shard, ShardedTensorBase  # noqa: PLC0415 (older torch only)
+    from torch.distributed._shard.sharded_tensor.metadata import (  # noqa: PLC0415 (older torch only)
+        ShardedTensorMetadata,
+        TensorProperties,
+    )
+
+    placement = f"rank:{dist.get_rank() if dist.is_initialized() else 0}/{local.device}"
+    shard = ShardMetadata(shard_offsets=list(offsets), shard_sizes=list(local.shape), placement=placement)
+    properties = TensorProperties(dtype=local.dtype, layout=local.layout, requires_grad=False,
+                                  memory_format=torch.contiguous_format, pin_memory=False)
+    # Every block is described by its own rank alone: DCP joins the blocks of all ranks from their write
+    # items, and reading needs only the local one.
+    metadata = ShardedTensorMetadata(shards_metadata=[shard], size=torch.Size(global_shape),
+                                     tensor_properties=properties)
+    return ShardedTensorBase._init_from_local_shards_and_global_metadata([Shard(local, shard)], metadata)
+
+
+# --- GEMMs with a float32 result ------------------------------------------------------------------
+
+@functools.cache
+def _half_gemm_with_float32_result(device_type: str) -> bool:
+    """Whether torch.mm(half, half, out_dtype=torch.float32) runs on this device type."""
+    if device_type != "cuda" or "dtype" not in torch.ops.aten.mm.overloads():
+        return False
+    if not torch.cuda.is_available():  # a plan for a GPU made without one: torch has the kernel
+        return True
+    probe = torch.zeros(1, 1, dtype=torch.bfloat16, device=device_type)
+    try:
+        torch.mm(probe, probe, out_dtype=torch.float32)
+    except (RuntimeError, TypeError, NotImplementedError):
+        return False
+    return True
+
+
+def matmul_float32_result(a: torch.Tensor, b: torch.Tensor, gemm_dtype: torch.dtype) -> torch.Tensor:
+    """a @ b (2-D, float32 or float64) with a result in their dtype, never rounded to half precision: for
+    float32 inputs, computed in `gemm_dtype` where the device has a half-precision GEMM that writes its
+    float32 accumulator, else in the inputs' own precision. A cosine rounded to bfloat16 would be off by
+    up to 2^-9: a quarter of a logit at s = 64."""
+    if a.dtype == b.dtype == torch.float32 and _half_gemm_with_float32_result(a.device.type):
+        return torch.mm(a.to(gemm_dtype), b.to(gemm_dtype), out_dtype=torch.float32)
+    return a @ b
+
+
+def half_gemm_inputs(device_type: str) -> bool:
+    """Whether matmul_float32_result casts its inputs to half precision on this device type (the memory
+    plan counts those casts)."""
+    return _half_gemm_with_float32_result(device_type)
