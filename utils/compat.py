@@ -111,7 +111,7 @@ def row_block(rows: torch.Tensor, total_rows: int, first_row: int) -> torch.Tens
 
 
 def _sharded_tensor(local: torch.Tensor, global_shape: tuple, offsets: tuple) -> torch.Tensor:
-    """A ShardedTensor whose one local shard is `local` at `offsets`; built without a process group
+    """A ShardedTensor whose one local shard is `local` at row offsets[0]; built without a process group
     (ShardedTensorBase checks nothing across ranks), which DCP's planners never ask of it."""
     from torch.distributed._shard.metadata import ShardMetadata  # noqa: PLC0415 (older torch only)
     from torch.distributed._shard.sharded_tensor import Shard, ShardedTensorBase  # noqa: PLC0415 (older torch only)
@@ -120,15 +120,26 @@ def _sharded_tensor(local: torch.Tensor, global_shape: tuple, offsets: tuple) ->
         TensorProperties,
     )
 
-    placement = f"rank:{dist.get_rank() if dist.is_initialized() else 0}/{local.device}"
-    shard = ShardMetadata(shard_offsets=list(offsets), shard_sizes=list(local.shape), placement=placement)
+    def block(first: int, count: int) -> ShardMetadata:
+        return ShardMetadata(shard_offsets=[first, *offsets[1:]], shard_sizes=[count, *global_shape[1:]],
+                             placement=f"rank:{rank}/{local.device}")
+
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    mine = block(offsets[0], local.shape[0])
+    # The whole matrix must be covered: the rows before and after ours stand as one block each. DCP saves
+    # and loads the local shard alone and joins the ranks' blocks from what each wrote; the others'
+    # split is theirs to say.
+    end = offsets[0] + local.shape[0]
+    others = [block(first, count) for first, count in ((0, offsets[0]), (end, global_shape[0] - end)) if count]
     properties = TensorProperties(dtype=local.dtype, layout=local.layout, requires_grad=False,
                                   memory_format=torch.contiguous_format, pin_memory=False)
-    # Every block is described by its own rank alone: DCP joins the blocks of all ranks from their write
-    # items, and reading needs only the local one.
-    metadata = ShardedTensorMetadata(shards_metadata=[shard], size=torch.Size(global_shape),
+    metadata = ShardedTensorMetadata(shards_metadata=[mine, *others], size=torch.Size(global_shape),
                                      tensor_properties=properties)
-    return ShardedTensorBase._init_from_local_shards_and_global_metadata([Shard(local, shard)], metadata)
+    sharded = ShardedTensorBase._init_from_local_shards_and_global_metadata([Shard(local, mine)], metadata)
+    # What ShardedTensor's own constructors set and its size() (which DCP's load planner calls) reads.
+    sharded._process_group = dist.group.WORLD if dist.is_initialized() else None
+    sharded._init_rrefs, sharded._sharded_tensor_id, sharded._remote_shards = False, None, {}
+    return sharded
 
 
 # --- GEMMs with a float32 result ------------------------------------------------------------------
