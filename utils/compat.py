@@ -10,6 +10,8 @@ is used where:
 - a checkpoint tensor that is a block of rows of a larger matrix at a given offset: torch's
   checkpointable-tensor attributes (``torch.distributed.checkpoint.protocol``, 2.14 on) or a
   ShardedTensor with one local shard (every release; no process group needed to build it);
+- ONNX export with a dynamic batch: torch.export's exporter (``dynamo=True, dynamic_shapes``, 2.5 on)
+  or the TorchScript one (``dynamic_axes``) where torch.onnx.export has no ``dynamic_shapes``;
 - a half-precision GEMM with a float32 result: ``torch.mm(..., out_dtype=torch.float32)`` where the
   device has that kernel (CUDA), else the GEMM in float32.
 """
@@ -140,6 +142,22 @@ def _sharded_tensor(local: torch.Tensor, global_shape: tuple, offsets: tuple) ->
     sharded._process_group = dist.group.WORLD if dist.is_initialized() else None
     sharded._init_rrefs, sharded._sharded_tensor_id, sharded._remote_shards = False, None, {}
     return sharded
+
+
+# --- ONNX export ---------------------------------------------------------------------------------
+
+def export_onnx_file(model: torch.nn.Module, example: torch.Tensor, path: str, input_name: str, output_name: str,
+                     opset: int) -> None:
+    """Write `model` to the ONNX file `path`, its one input and output named, dim 0 of both dynamic."""
+    if "dynamic_shapes" in inspect.signature(torch.onnx.export).parameters:
+        program = torch.onnx.export(model, (example,), input_names=[input_name], output_names=[output_name],
+                                    dynamic_shapes=({0: torch.export.Dim("batch")},), opset_version=opset,
+                                    dynamo=True, verbose=False)
+        program.save(path)
+        return
+    torch.onnx.export(model, (example,), path, input_names=[input_name], output_names=[output_name],
+                      dynamic_axes={input_name: {0: "batch"}, output_name: {0: "batch"}}, opset_version=opset,
+                      verbose=False)
 
 
 # --- GEMMs with a float32 result ------------------------------------------------------------------
