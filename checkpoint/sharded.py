@@ -59,7 +59,7 @@ from checkpoint.safe_dcp import SHARD_FILE, MetadataError, SafeReader, TensorsOn
 from partial_fc import PartialFC
 from training.state import TrainingState
 from utils.atomic import atomic_save, fsync_dir, os_error_behind, write_bytes
-from utils.compat import DCP_ALONE_WARNING, dcp_group, row_block
+from utils.compat import DCP_ALONE_WARNING, dcp_group, row_block, row_block_rows
 from utils.distributed import agreed, gather_objects, is_initialized, is_main, raise_first, rank, world
 from utils.errors import CheckpointError
 from utils.torch_files import load_torch_file
@@ -337,7 +337,8 @@ def _apply(verified: Verified, loaded: dict, state: TrainingState) -> Restored:
     backbone = load_torch_file(verified.folder / BACKBONE_NAME,
                                lambda reason: damaged(verified.folder, f"{BACKBONE_NAME}: {reason}"))
     state.backbone.load_state_dict(backbone, strict=True)
-    optimizer_state = {int(index): dict(values) for index, values in loaded["optimizer"].items()}
+    optimizer_state = {int(index): {name: row_block_rows(value) for name, value in values.items()}
+                       for index, values in loaded["optimizer"].items()}
     for index, values in run.get("optimizer_values", {}).items():
         optimizer_state.setdefault(int(index), {}).update(values)
     state.optimizer.load_state_dict({"state": optimizer_state, "param_groups": run["param_groups"]})

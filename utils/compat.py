@@ -12,6 +12,7 @@ is used where:
   ShardedTensor with one local shard (every release; no process group needed to build it);
 - ONNX export with a dynamic batch: torch.export's exporter (``dynamo=True, dynamic_shapes``, 2.5 on)
   or the TorchScript one (``dynamic_axes``) where torch.onnx.export has no ``dynamic_shapes``;
+- TF32 for float32 matmuls and convolutions: ``fp32_precision`` (2.9 on) or ``allow_tf32``;
 - a half-precision GEMM with a float32 result: ``torch.mm(..., out_dtype=torch.float32)`` where the
   device has that kernel (CUDA), else the GEMM in float32.
 """
@@ -48,6 +49,16 @@ def require_supported_torch() -> None:
     raise ConfigError(f"torch {torch.__version__} is older than pairface supports: it needs torch >= {floor} "
                       f"({FLOOR_FEATURE}); install torch>={floor} with its torchvision, e.g. "
                       "pip install -r requirements.txt")
+
+
+def use_tf32(enabled: bool) -> None:
+    """TF32 (or full float32) for float32 matmuls and cuDNN convolutions."""
+    if hasattr(torch.backends.cudnn, "conv"):
+        precision = "tf32" if enabled else "ieee"
+        torch.backends.cuda.matmul.fp32_precision = precision
+        torch.backends.cudnn.conv.fp32_precision = precision
+    else:
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = enabled
 
 
 # --- collectives ------------------------------------------------------------------------------------
@@ -110,6 +121,12 @@ def row_block(rows: torch.Tensor, total_rows: int, first_row: int) -> torch.Tens
         local.local_sizes = (tuple(rows.shape),)
         return local
     return _sharded_tensor(local, global_shape, offsets)
+
+
+def row_block_rows(block: torch.Tensor) -> torch.Tensor:
+    """The plain tensor behind a row_block (what the training state keeps after a load); any other tensor
+    as it is."""
+    return block.local_shards()[0].tensor if hasattr(block, "local_shards") else block
 
 
 def _sharded_tensor(local: torch.Tensor, global_shape: tuple, offsets: tuple) -> torch.Tensor:
