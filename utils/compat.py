@@ -7,6 +7,7 @@ is used where:
   which deprecate the older names) or ``all_gather_into_tensor``/``reduce_scatter_tensor`` (1.13 on);
 - DistributedDataParallel without buffer broadcasts (each rank keeps its BatchNorm statistics):
   ``forward_sync_buffers=False`` (2.14 on) or ``broadcast_buffers=False`` (deprecated there);
+- DCP's index: ``_StorageInfo.transform_descriptors`` exists in later releases only;
 - a checkpoint tensor that is a block of rows of a larger matrix at a given offset: torch's
   checkpointable-tensor attributes (``torch.distributed.checkpoint.protocol``, 2.14 on) or a
   ShardedTensor with one local shard (every release; no process group needed to build it);
@@ -99,6 +100,12 @@ def dcp_group(group=None) -> dict:
     if _DCP_NO_DIST:
         return {"process_group": group, "no_dist": not dist.is_initialized()}
     return {"process_group": group}
+
+
+def dcp_storage_transforms(info: object) -> object:
+    """The transforms DCP's index records for one stored item (a field of _StorageInfo in later releases;
+    none before, where items are stored as they are)."""
+    return getattr(info, "transform_descriptors", None)
 
 
 # --- checkpoint shards -----------------------------------------------------------------------------
