@@ -46,7 +46,13 @@ COMPAT_TESTS := \
 	tests/test_partial_fc.py::test_under_bf16_autocast_the_softmax_sees_cosines_far_more_exact_than_bfloat16 \
 	tests/test_train.py::test_two_process_run_logs_verifies_and_checkpoints \
 	tests/test_train.py::test_resume_on_one_process_continues_at_the_saved_step_with_the_saved_lr \
-	tests/test_fault_injection.py \
+	'tests/test_fault_injection.py::test_a_damaged_or_hostile_checkpoint_file_is_one_error_line_and_changes_nothing[checkpoint-000000002/.metadata-forged payload]' \
+	'tests/test_fault_injection.py::test_a_damaged_or_hostile_checkpoint_file_is_one_error_line_and_changes_nothing[checkpoint-000000002/.metadata-truncated]' \
+	'tests/test_fault_injection.py::test_a_damaged_or_hostile_checkpoint_file_is_one_error_line_and_changes_nothing[checkpoint-000000002/__1_0.distcp-flipped]' \
+	'tests/test_fault_injection.py::test_a_damaged_or_hostile_checkpoint_file_is_one_error_line_and_changes_nothing[checkpoint-000000002/__1_0.distcp-forged payload]' \
+	'tests/test_fault_injection.py::test_a_damaged_or_hostile_checkpoint_file_is_one_error_line_and_changes_nothing[checkpoint-000000002/backbone.pth-forged payload]' \
+	'tests/test_fault_injection.py::test_a_damaged_or_hostile_checkpoint_file_is_one_error_line_and_changes_nothing[checkpoint-000000002/state.json-flipped]' \
+	tests/test_fault_injection.py::test_a_run_folder_without_its_pointer_resumes_from_its_newest_complete_folder_after_checking_it \
 	tests/test_backbones.py::test_builds_on_the_meta_device_for_the_memory_plan \
 	tests/test_memory_plan.py::test_the_dry_run_says_whether_it_fits_and_the_largest_batch_and_fewest_processes_that_do \
 	tests/test_export_inference.py::test_export_of_mbf_matches_pytorch_in_onnxruntime
