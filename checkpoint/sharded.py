@@ -59,7 +59,7 @@ from checkpoint.safe_dcp import SHARD_FILE, MetadataError, SafeReader, TensorsOn
 from partial_fc import PartialFC
 from training.state import TrainingState
 from utils.atomic import atomic_save, fsync_dir, os_error_behind, write_bytes
-from utils.compat import DCP_ALONE_WARNING, dcp_group, row_block, row_block_rows
+from utils.compat import DCP_ALONE_WARNING, SHARDED_TENSOR_WARNING, dcp_group, row_block, row_block_rows
 from utils.distributed import agreed, gather_objects, is_initialized, is_main, raise_first, rank, world
 from utils.errors import CheckpointError
 from utils.torch_files import load_torch_file
@@ -392,8 +392,10 @@ def read_whole(folder: Path) -> tuple[dict, dict]:
 
 @contextlib.contextmanager
 def _quiet_when_alone() -> Iterator[None]:
-    """DCP warns at every save and load without a process group; one process is a supported setup here."""
+    """DCP warns at every save and load without a process group; one process is a supported setup here.
+    (Older torch also warns that the ShardedTensor row blocks are deprecated, which they are not there.)"""
     with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", SHARDED_TENSOR_WARNING)
         if not is_initialized():
             warnings.filterwarnings("ignore", DCP_ALONE_WARNING)
         yield

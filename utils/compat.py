@@ -94,6 +94,10 @@ _DCP_NO_DIST = "no_dist" in inspect.signature(dcp.save).parameters  # older rele
 DCP_ALONE_WARNING = r"torch\.distributed is (disabled, )?unavailable or uninitialized"
 
 
+# What releases that deprecate ShardedTensor warn when DCP reads a row block's size (2.11 among them).
+SHARDED_TENSOR_WARNING = "Please use DTensor instead and we are deprecating ShardedTensor"
+
+
 def dcp_group(group=None) -> dict:
     """dcp.save's and dcp.load's keywords for `group` (None: the default one), or for one process without
     a process group."""
