@@ -1,21 +1,23 @@
 """Every difference between the torch releases pairface supports, found by feature detection, in one place.
 
-Supported: torch 2.4 (``TORCH_FLOOR``) and later, with the torchvision of each. What differs, and what
-is used where:
+Supported: torch 2.4 (``TORCH_FLOOR``) and later, with the torchvision of each. What differs (the
+releases named are those checked: the floor 2.4.1, the GPU machine's 2.11.0, this project's 2.14.1),
+and what is used where:
 
-- collectives into one flat tensor: ``all_gather_single``/``reduce_scatter_single`` (2.14 and later,
-  which deprecate the older names) or ``all_gather_into_tensor``/``reduce_scatter_tensor`` (1.13 on);
+- collectives into one flat tensor: ``all_gather_single``/``reduce_scatter_single`` (2.14, which
+  deprecates the older names) or ``all_gather_into_tensor``/``reduce_scatter_tensor`` (2.4, 2.11);
 - DistributedDataParallel without buffer broadcasts (each rank keeps its BatchNorm statistics):
-  ``forward_sync_buffers=False`` (2.14 on) or ``broadcast_buffers=False`` (deprecated there);
-- DCP's index: ``_StorageInfo.transform_descriptors`` exists in later releases only;
+  ``forward_sync_buffers=False`` (2.14) or ``broadcast_buffers=False`` (2.4, 2.11; deprecated in 2.14);
+- DCP's ``no_dist`` keyword (2.11, 2.14; 2.4 infers it) and its index's
+  ``_StorageInfo.transform_descriptors`` (absent in 2.4);
 - a checkpoint tensor that is a block of rows of a larger matrix at a given offset: torch's
-  checkpointable-tensor attributes (``torch.distributed.checkpoint.protocol``, 2.14 on) or a
-  ShardedTensor with one local shard (every release; no process group needed to build it);
-- ONNX export with a dynamic batch: torch.export's exporter (``dynamo=True, dynamic_shapes``, 2.5 on)
-  or the TorchScript one (``dynamic_axes``) where torch.onnx.export has no ``dynamic_shapes``;
-- TF32 for float32 matmuls and convolutions: ``fp32_precision`` (2.9 on) or ``allow_tf32``;
+  checkpointable-tensor attributes (``torch.distributed.checkpoint.protocol``, 2.14) or a
+  ShardedTensor with one local shard (2.4, 2.11; built without a process group);
+- ONNX export with a dynamic batch: torch.export's exporter (``dynamo=True, dynamic_shapes``: 2.11,
+  2.14) or the TorchScript one (``dynamic_axes``: 2.4);
+- TF32 for float32 matmuls and convolutions: ``fp32_precision`` (2.11, 2.14) or ``allow_tf32`` (2.4);
 - a half-precision GEMM with a float32 result: ``torch.mm(..., out_dtype=torch.float32)`` where the
-  device has that kernel (CUDA), else the GEMM in float32.
+  device has that kernel (CUDA with 2.11, 2.14), else the GEMM in float32.
 """
 from __future__ import annotations
 
