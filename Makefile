@@ -2,7 +2,7 @@
 PY := .venv/bin/python
 STAMP := .venv/.installed
 
-.PHONY: test test-flaky lint demo bench mutants clean-venv FORCE
+.PHONY: test test-flaky test-compat lint demo bench mutants clean-venv FORCE
 
 # The project itself goes in editable (pyproject.toml), so that `python tools/x.py` finds its packages in
 # this checkout. Installed again when pyproject.toml changes, and when the venv's install is missing or points
@@ -11,9 +11,10 @@ EDITABLE := .venv/.editable
 INSTALLED_FROM := $(shell $(PY) -I -c 'import importlib.metadata as m, json; \
 	print(json.loads(m.distribution("pairface").read_text("direct_url.json"))["url"])' 2>/dev/null)
 
-$(STAMP): requirements.txt requirements-dev.txt
+# constraints.txt: the exact torch/torchvision the suite runs on here (requirements.txt has ranges).
+$(STAMP): requirements.txt requirements-dev.txt constraints.txt
 	test -x $(PY) || python3 -m venv .venv
-	$(PY) -m pip install -q -r requirements-dev.txt
+	$(PY) -m pip install -q -c constraints.txt -r requirements-dev.txt
 	touch $(STAMP)
 
 $(EDITABLE): $(STAMP) pyproject.toml $(if $(filter file://$(CURDIR),$(INSTALLED_FROM)),,FORCE)
@@ -35,6 +36,42 @@ test: lint
 test-flaky: $(EDITABLE)
 	$(PY) -m tests.flaky
 
+# The compatibility tier (docs/testing.md): `make test-compat TORCH=2.4.1` makes .venv-torch-2.4.1 with that
+# torch, its torchvision (0.(minor + 15).patch: 2.4.1 -> 0.19.1, 2.11.0 -> 0.26.0; or TORCHVISION=) and the other
+# requirements, and runs COMPAT_TESTS there (the checkout on PYTHONPATH, no editable install), then
+# COMPAT_CHECKS_<torch>, a command line run with that venv's python first on PATH (empty: none).
+TORCH ?= 2.11.0
+TORCHVISION ?= $(shell echo $(TORCH) | awk -F. '{ print "0." $$2 + 15 "." $$3 }')
+COMPAT_VENV := .venv-torch-$(TORCH)
+COMPAT_PY := $(COMPAT_VENV)/bin/python
+COMPAT_TESTS := \
+	tests/test_compat.py \
+	tests/test_partial_fc.py::test_world1_ddp_equals_dense_reference \
+	tests/test_partial_fc.py::test_world2_ddp_gradients_equal_dense_reference \
+	tests/test_partial_fc.py::test_under_bf16_autocast_the_softmax_sees_cosines_far_more_exact_than_bfloat16 \
+	tests/test_train.py::test_two_process_run_logs_verifies_and_checkpoints \
+	tests/test_train.py::test_resume_on_one_process_continues_at_the_saved_step_with_the_saved_lr \
+	'tests/test_fault_injection.py::test_a_damaged_or_hostile_checkpoint_file_is_one_error_line_and_changes_nothing[checkpoint-000000002/.metadata-forged payload]' \
+	'tests/test_fault_injection.py::test_a_damaged_or_hostile_checkpoint_file_is_one_error_line_and_changes_nothing[checkpoint-000000002/.metadata-truncated]' \
+	'tests/test_fault_injection.py::test_a_damaged_or_hostile_checkpoint_file_is_one_error_line_and_changes_nothing[checkpoint-000000002/__1_0.distcp-flipped]' \
+	'tests/test_fault_injection.py::test_a_damaged_or_hostile_checkpoint_file_is_one_error_line_and_changes_nothing[checkpoint-000000002/__1_0.distcp-forged payload]' \
+	'tests/test_fault_injection.py::test_a_damaged_or_hostile_checkpoint_file_is_one_error_line_and_changes_nothing[checkpoint-000000002/backbone.pth-forged payload]' \
+	'tests/test_fault_injection.py::test_a_damaged_or_hostile_checkpoint_file_is_one_error_line_and_changes_nothing[checkpoint-000000002/state.json-flipped]' \
+	tests/test_fault_injection.py::test_a_run_folder_without_its_pointer_resumes_from_its_newest_complete_folder_after_checking_it \
+	tests/test_backbones.py::test_builds_on_the_meta_device_for_the_memory_plan \
+	tests/test_memory_plan.py::test_the_dry_run_says_whether_it_fits_and_the_largest_batch_and_fewest_processes_that_do \
+	tests/test_export_inference.py::test_export_of_mbf_matches_pytorch_in_onnxruntime
+COMPAT_CHECKS_2.11.0 :=
+
+$(COMPAT_VENV)/.installed: requirements.txt
+	test -x $(COMPAT_PY) || python3 -m venv $(COMPAT_VENV)
+	$(COMPAT_PY) -m pip install -q torch==$(TORCH) torchvision==$(TORCHVISION) -r requirements.txt pytest pytest-timeout
+	touch $@
+
+test-compat: $(COMPAT_VENV)/.installed
+	PYTHONPATH=$(CURDIR) $(COMPAT_PY) -m pytest -q -p no:cacheprovider $(COMPAT_TESTS)
+	$(if $(COMPAT_CHECKS_$(TORCH)),PATH=$(CURDIR)/$(COMPAT_VENV)/bin:$$PATH PYTHONPATH=$(CURDIR) $(COMPAT_CHECKS_$(TORCH)))
+
 # Mutation testing (minutes per module, not part of `make test`): per module, mutants, killed, survived.
 mutants: $(EDITABLE)
 	$(PY) -m tests.mutants $(MODULES)
@@ -50,4 +87,4 @@ bench: $(EDITABLE)
 	$(PY) -m bench.bench_eval
 
 clean-venv:
-	rm -rf .venv
+	rm -rf .venv .venv-torch-*

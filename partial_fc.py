@@ -10,8 +10,9 @@ Each rank holds a contiguous range of class centres. One forward:
 3. all-gather the L2-normalised embeddings of all views (autograd-aware: its backward is a
    reduce-scatter, so every view's embeddings receive exactly their own gradient);
 4. one fused, memory-lean sharded softmax cross-entropy over all views at once
-   (``_ShardedMarginSoftmax``): its GEMMs in the caller's autocast precision (float16/bfloat16),
-   the softmax always in float32;
+   (``_ShardedMarginSoftmax``): the backward's GEMMs in the caller's autocast precision
+   (float16/bfloat16); the cosines' GEMM gives float32 (half-precision inputs only where the device
+   has a GEMM that writes its float32 accumulator), and the softmax is always float32;
 5. return ``sum_v w_v * CE_v`` (the same scalar on every rank, with an ordinary backward) and
    each view's mean cross-entropy.
 
@@ -46,6 +47,7 @@ import torch.distributed as dist
 from torch import nn
 
 from losses import GlobalRows, MarginFamily, read_targets, write_targets
+from utils.compat import all_gather_into, matmul_float32_result, reduce_scatter_into
 from utils.distributed import is_initialized, rank, world
 from utils.errors import ConfigError, DataError
 
@@ -251,7 +253,7 @@ def _all_gather_labels(labels: torch.Tensor) -> torch.Tensor:
     if not is_initialized():
         return labels.clone()
     out = labels.new_empty(labels.numel() * world())
-    dist.all_gather_single(out, labels.contiguous())
+    all_gather_into(out, labels.contiguous())
     return out
 
 
@@ -269,7 +271,7 @@ class _AllGatherRows(torch.autograd.Function):
         if not is_initialized():
             return rows.clone()
         out = rows.new_empty((rows.shape[0] * world(), *rows.shape[1:]))
-        dist.all_gather_single(out, rows.contiguous())
+        all_gather_into(out, rows.contiguous())
         return out
 
     @staticmethod
@@ -278,7 +280,7 @@ class _AllGatherRows(torch.autograd.Function):
             return grad
         world_size = world()
         mine = grad.new_empty((grad.shape[0] // world_size, *grad.shape[1:]))
-        dist.reduce_scatter_single(mine, grad.contiguous())
+        reduce_scatter_into(mine, grad.contiguous())
         return mine.mul_(world_size)
 
 
@@ -310,7 +312,8 @@ class _ShardedMarginSoftmax(torch.autograd.Function):
         norms = centres.norm(dim=1)
         inv_norm = 1.0 / norms.clamp_min(NORM_EPS)
 
-        logits = _matmul(x, centres.t(), gemm_dtype, dtype)  # (N, C), becomes cos, logits, softmax, grad
+        # (N, C), becomes cos, logits, softmax, grad; never rounded to half precision, even under autocast
+        logits = x @ centres.t() if gemm_dtype is None else matmul_float32_result(x, centres.t(), gemm_dtype)
         logits.mul_(inv_norm)
         best = None
         if k > 1:
@@ -421,12 +424,6 @@ def _backward_gemms(grad_cos: torch.Tensor, grad_loss: torch.Tensor, x: torch.Te
     grad_x = (half @ (centres * inv_norm[:, None]).to(gemm_dtype)).to(dtype) if want_x else None
     grad_centres = (half.t() @ x.to(gemm_dtype)).to(dtype).mul_(inv_norm[:, None]) if want_centres else None
     return grad_x, grad_centres
-
-
-def _matmul(a: torch.Tensor, b: torch.Tensor, gemm_dtype: torch.dtype | None, out_dtype: torch.dtype):
-    if gemm_dtype is None:
-        return a @ b
-    return (a.to(gemm_dtype) @ b.to(gemm_dtype)).to(out_dtype)
 
 
 def _column_chunks(matrix: torch.Tensor):

@@ -42,6 +42,7 @@ from training.state import (
 )
 from training.step import StepOutcome, train_step
 from utils.cli import report
+from utils.compat import require_supported_torch
 from utils.config import check_data_path, load_config, planned_world_size
 from utils.device import choose_device, configure_numerics, describe_device
 from utils.distributed import agreed, backend, cleanup, init_distributed, is_main, lost_peer, nodes, rank, world
@@ -78,6 +79,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     cfg, phase = None, "startup"
     try:
+        require_supported_torch()
         adopt_srun_environment()  # before anything reads RANK: `srun python train.py` tells only Slurm's variables
         overrides = args.set + (["resume=True"] if args.resume else [])
         cfg = load_config(args.config, overrides)

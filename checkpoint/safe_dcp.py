@@ -21,6 +21,8 @@ from torch.distributed.checkpoint import filesystem as dcp_filesystem
 from torch.distributed.checkpoint import metadata as dcp_metadata
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
+from utils.compat import dcp_storage_transforms
+
 SHARD_FILE = re.compile(r"__\d+_\d+\.distcp")
 _CLASSES = {(cls.__module__, cls.__qualname__): cls for cls in (
     dcp_metadata.Metadata, dcp_metadata.TensorStorageMetadata, dcp_metadata.ChunkStorageMetadata,
@@ -73,7 +75,7 @@ def _check(metadata: object) -> None:
     for index, info in metadata.storage_data.items():
         if not isinstance(index, dcp_metadata.MetadataIndex) or not isinstance(info, dcp_filesystem._StorageInfo) \
                 or not isinstance(info.relative_path, str) or not SHARD_FILE.fullmatch(info.relative_path) \
-                or not _natural(info.offset) or not _natural(info.length) or info.transform_descriptors:
+                or not _natural(info.offset) or not _natural(info.length) or dcp_storage_transforms(info):
             raise MetadataError(f"its storage entry for {getattr(index, 'fqn', index)!r} is malformed")
 
 

@@ -60,6 +60,7 @@ from checkpoint.state_file import StateFieldError, check_state
 from partial_fc import PartialFC
 from training.state import TrainingState
 from utils.atomic import atomic_save, fsync_dir, os_error_behind, write_bytes
+from utils.compat import DCP_ALONE_WARNING, SHARDED_TENSOR_WARNING, dcp_group, row_block, row_block_rows
 from utils.distributed import agreed, gather_objects, is_initialized, is_main, raise_first, rank, world
 from utils.errors import CheckpointError
 from utils.torch_files import load_torch_file
@@ -138,8 +139,7 @@ def write_state(output: str | Path, staged: Staged, group=None) -> Path:
     agreed(lambda: _fresh(tmp, target), group=group)
     try:
         with _quiet_when_alone():
-            dcp.save(staged.tensors, storage_writer=_writer(tmp, staged.tensors), process_group=group,
-                     no_dist=not is_initialized())
+            dcp.save(staged.tensors, storage_writer=_writer(tmp, staged.tensors), **dcp_group(group))
     except CheckpointException as error:  # raised on every rank, whichever failed
         agreed(lambda: shutil.rmtree(tmp, ignore_errors=True), group=group)
         raise _failure("could not write", target, error, "the previous checkpoint is untouched: free disk space or "
@@ -238,16 +238,11 @@ def _export(folder: Path, output: Path) -> None:
 
 
 def _shard(pfc: PartialFC, rows: torch.Tensor) -> torch.Tensor:
-    """`rows` (this rank's, shaped like the centres) as DCP's CheckpointableTensor: a slice of the
-    (num_classes * K, ...) matrix (K sub-centres per class, class-major) at this rank's first class. DTensor
-    cannot say this: its uneven shards follow torch.chunk, not arcface_torch's split that PartialFC uses."""
-    shard = rows.detach()  # a new tensor object on the same memory: the attributes stay off the parameter
+    """`rows` (this rank's, shaped like the centres) as a block of the (num_classes * K, ...) matrix (K
+    sub-centres per class, class-major) at this rank's first class, for DCP. DTensor cannot say this: its
+    uneven shards follow torch.chunk, not arcface_torch's split that PartialFC uses."""
     k = pfc.num_subcenters
-    shard.global_shape = (pfc.num_classes * k, *rows.shape[1:])
-    shard.global_offsets = ((pfc.class_start * k, *[0] * (rows.dim() - 1)),)
-    shard.local_offsets = ((0,) * rows.dim(),)
-    shard.local_sizes = (tuple(rows.shape),)
-    return shard
+    return row_block(rows, pfc.num_classes * k, pfc.class_start * k)
 
 
 def _is_rows(value, pfc: PartialFC) -> bool:
@@ -336,7 +331,7 @@ def restore_state(source: Path, architecture: Mapping, state: TrainingState) -> 
     try:
         with _quiet_when_alone():
             dcp.load(template, storage_reader=SafeReader(verified.folder), planner=TensorsOnlyPlanner(),
-                     no_dist=not is_initialized())
+                     **dcp_group(None))
     except CheckpointException as error:
         raise _failure("cannot read", verified.folder, error, f"{_DAMAGED}: resume from another run folder or "
                        "start a new run") from None
@@ -367,7 +362,8 @@ def _apply(verified: Verified, loaded: dict, state: TrainingState) -> Restored:
     backbone = load_torch_file(verified.folder / BACKBONE_NAME,
                                lambda reason: damaged(verified.folder, f"{BACKBONE_NAME}: {reason}"))
     state.backbone.load_state_dict(backbone, strict=True)
-    optimizer_state = {int(index): dict(values) for index, values in loaded["optimizer"].items()}
+    optimizer_state = {int(index): {name: row_block_rows(value) for name, value in values.items()}
+                       for index, values in loaded["optimizer"].items()}
     for index, values in run.get("optimizer_values", {}).items():
         optimizer_state.setdefault(int(index), {}).update(values)
     state.optimizer.load_state_dict({"state": optimizer_state, "param_groups": run["param_groups"]})
@@ -423,7 +419,7 @@ def read_whole(folder: Path) -> tuple[dict, dict]:
             template["optimizer"].setdefault(index, {})[name] = target
     try:
         with _quiet_when_alone():
-            dcp.load(template, storage_reader=SafeReader(folder), planner=TensorsOnlyPlanner(), no_dist=True)
+            dcp.load(template, storage_reader=SafeReader(folder), planner=TensorsOnlyPlanner(), **dcp_group(None))
     except CheckpointException as error:
         raise _failure("cannot read", folder, error, f"{_DAMAGED}: convert another run folder") from None
     template["backbone"] = load_torch_file(folder / BACKBONE_NAME,
@@ -433,10 +429,12 @@ def read_whole(folder: Path) -> tuple[dict, dict]:
 
 @contextlib.contextmanager
 def _quiet_when_alone() -> Iterator[None]:
-    """DCP warns at every save and load without a process group; one process is a supported setup here."""
+    """DCP warns at every save and load without a process group; one process is a supported setup here.
+    (Older torch also warns that the ShardedTensor row blocks are deprecated, which they are not there.)"""
     with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", SHARDED_TENSOR_WARNING)
         if not is_initialized():
-            warnings.filterwarnings("ignore", "torch.distributed is disabled, unavailable or uninitialized")
+            warnings.filterwarnings("ignore", DCP_ALONE_WARNING)
         yield
 
 

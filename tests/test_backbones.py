@@ -52,6 +52,15 @@ UPSTREAM_VIT_OPTIONS = {
 }
 UPSTREAM_R2060_CHECKPOINT_SEGMENTS = (0, 20, 100, 0)
 GOLDEN_TRAIN_SEED = 1  # torch.manual_seed right before a train-mode forward (ViT masking, drop path)
+# The zeros of torch.empty(64).bernoulli_(0.5) after torch.manual_seed(0) on the torch that made the fixtures
+# (2.14.1): drop path draws with bernoulli_, whose CPU stream differs in some releases (2.4's, for one).
+FIXTURES_BERNOULLI_ZEROS = [0, 1, 3, 4, 5, 8, 13, 18, 19, 21, 23, 25, 26, 27, 28, 30, 31, 35, 36, 38, 42, 44, 46, 48,
+                            49, 50, 53, 54, 56, 57, 59, 60, 63]
+
+
+def bernoulli_stream_of_the_fixtures() -> bool:
+    torch.manual_seed(0)
+    return (torch.empty(64).bernoulli_(0.5) == 0).nonzero().flatten().tolist() == FIXTURES_BERNOULLI_ZEROS
 
 torch.set_num_threads(1)
 
@@ -189,6 +198,9 @@ def test_embeddings_equal_arcface_torchs_own(name, mode):
     upstream's order; there the last BN normalises each
     feature over only 3 images, some spread by < 0.01, which magnifies rounding ~100x (measured:
     7e-5), while a wrong mask or drop path moves embeddings by ~4."""
+    if name == "vit_t" and mode == "train" and not bernoulli_stream_of_the_fixtures():
+        pytest.skip(f"torch {torch.__version__}'s CPU bernoulli_ draws another stream than the fixtures' torch: "
+                    "drop path would drop other samples than upstream did there")
     expected = torch.load(GOLDEN, weights_only=True)[f"{name}/{mode}"]
     model = get_model(name)
     model.load_state_dict(golden_weights(model.state_dict()), strict=True)

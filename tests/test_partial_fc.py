@@ -460,22 +460,24 @@ def test_a_second_backward_of_one_forward_is_refused():
 
 
 class _GemmDtypes(TorchDispatchMode):
-    """Records the input dtypes of every matrix product run under it (forward and backward)."""
+    """Records the input and output dtypes of every matrix product run under it (forward and backward)."""
 
     def __init__(self):
         super().__init__()
         self.seen = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
         if func is torch.ops.aten.mm.default:
-            self.seen.append((tuple(args[0].shape), tuple(args[1].shape), args[0].dtype, args[1].dtype))
-        return func(*args, **(kwargs or {}))
+            self.seen.append((tuple(args[0].shape), tuple(args[1].shape), args[0].dtype, args[1].dtype, out.dtype))
+        return out
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, None])
-def test_the_three_gemms_run_in_the_autocast_precision(dtype):
-    """Under autocast the logits GEMM and both gradient GEMMs take half-precision inputs (that is what
-    makes them fast); without autocast they stay float32."""
+def test_the_gradient_gemms_run_in_the_autocast_precision_and_the_cosines_in_float32(dtype):
+    """Under autocast both gradient GEMMs take half-precision inputs (that is what makes them fast); the
+    cosines' GEMM writes float32 (on a CPU, which has no half GEMM with a float32 result: from float32
+    inputs); without autocast all three stay float32."""
     torch.manual_seed(6)
     pfc = PartialFC(CombinedMarginLoss(), 8, 10)
     views = [torch.randn(6, 8, requires_grad=True) for _ in range(2)]
@@ -485,10 +487,44 @@ def test_the_three_gemms_run_in_the_autocast_precision(dtype):
     with gemms:
         loss.backward()
     assert loss.dtype == torch.float32
+    by_shape = {(a, b): dtypes for a, b, *dtypes in gemms.seen}
+    assert len(gemms.seen) == 3 and sorted(by_shape) == [((10, 12), (12, 8)), ((12, 8), (8, 10)),
+                                                         ((12, 10), (10, 8))]
+    assert by_shape.pop(((12, 8), (8, 10))) == [torch.float32] * 3  # the cosines: (N, D) @ (D, C)
     expected = dtype or torch.float32
-    assert sorted((a, b) for a, b, _, _ in gemms.seen) == [((10, 12), (12, 8)), ((12, 8), (8, 10)),
-                                                          ((12, 10), (10, 8))]
-    assert all(a == b == expected for *_, a, b in gemms.seen), gemms.seen
+    assert all(a == b == expected for a, b, _ in by_shape.values()), gemms.seen
+
+
+def _per_view_losses(views, labels, centres, s, round_cos_to=None):
+    """Each view's mean ArcFace cross-entropy over a full softmax in float64, written out; `round_cos_to`
+    rounds the cosines to that dtype first (what a GEMM writing half precision would hand the softmax)."""
+    unit_centres = centres / centres.norm(dim=1, keepdim=True)
+    losses = []
+    for emb in views:
+        cos = (emb / emb.norm(dim=1, keepdim=True)) @ unit_centres.t()
+        if round_cos_to is not None:
+            cos = cos.to(round_cos_to).double()
+        target = cos.gather(1, labels[:, None])
+        logits = torch.scatter(s * cos, 1, labels[:, None], s * torch.cos(torch.acos(target) + 0.5))
+        losses.append(F.cross_entropy(logits, labels))
+    return torch.stack(losses)
+
+
+def test_under_bf16_autocast_the_softmax_sees_cosines_far_more_exact_than_bfloat16():
+    """PartialFC under bfloat16 autocast on the CPU against the float64 reference: its per-view losses
+    are off by float32 rounding alone, far less than cosines rounded to bfloat16 (2^-9 of a cosine, a
+    quarter of a logit at s = 64) would make them; that larger error is measured here too."""
+    torch.manual_seed(11)
+    pfc = PartialFC(CombinedMarginLoss(), 8, 30)  # D = 8: cosines of random vectors are large
+    views, labels = [torch.randn(64, 8) for _ in range(2)], torch.randint(0, 30, (64,))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        _, per_view = pfc(views, labels)
+    exact = [v.double() for v in views], labels, pfc.weight.detach().double(), SCALE
+    reference = _per_view_losses(*exact)
+    error = (per_view.double() - reference).abs().max().item()
+    rounded_error = (_per_view_losses(*exact, round_cos_to=torch.bfloat16) - reference).abs().max().item()
+    assert rounded_error > 1e-2
+    assert error < rounded_error / 1000, (error, rounded_error)
 
 
 def test_any_rows_of_the_initial_centres_are_those_of_the_whole_matrix(monkeypatch):

@@ -21,6 +21,7 @@ from torch import nn
 
 from backbones.trained import add_backbone_arguments, load_backbone_from_args
 from utils.cli import exit_on_user_error
+from utils.compat import export_onnx_file
 from utils.errors import ConfigError
 
 INPUT_NAME = "data"
@@ -31,17 +32,12 @@ OPSET = 18
 def export_onnx(model: nn.Module, path: Path) -> None:
     """Write ``model`` (eval mode, float32, CPU) to ``path`` with a dynamic batch dimension."""
     example = torch.zeros(2, 3, 112, 112)
+    # Written next to the target and renamed, so an interrupted export never leaves a truncated file.
+    partial = path.with_name(path.name + ".partial")
     with warnings.catch_warnings():
         # The exporter warns about its own internals (e.g. opset conversions), nothing a user can act on.
         warnings.simplefilter("ignore")
-        program = torch.onnx.export(
-            model, (example,), input_names=[INPUT_NAME], output_names=[OUTPUT_NAME],
-            dynamic_shapes=({0: torch.export.Dim("batch")},), opset_version=OPSET, dynamo=True,
-            verbose=False,
-        )
-    # Write next to the target and rename, so an interrupted export never leaves a truncated file.
-    partial = path.with_name(path.name + ".partial")
-    program.save(str(partial))
+        export_onnx_file(model, example, str(partial), INPUT_NAME, OUTPUT_NAME, OPSET)
     os.replace(partial, path)
 
 

@@ -32,6 +32,7 @@ import torch
 from partial_fc import class_range
 from training.backbone_trace import backbone_memory
 from training.state import num_subcenters, precision
+from utils.compat import half_gemm_inputs
 from utils.image import IMAGE_SIZE
 
 FLOAT32, HALF, INDEX = 4, 2, 8
@@ -131,8 +132,11 @@ def _softmax_peaks(cfg: SimpleNamespace, rows: int, world_size: int) -> tuple[in
     spread = nck if k > 1 else 0  # the backward's (N, C*K) gradient beside the (N, C) one
     centre_gradient = rows * k * d * FLOAT32 if sampled else 0  # sampled: a zero matrix besides the C rows'
     filter_mask = n * columns if cfg.interclass_filtering_threshold > 0 else 0  # the (N, C) boolean mask
-    if cfg.fp16 or cfg.bf16:  # the GEMMs in half precision, their results brought to float32
-        forward = max((nd + cd + nck) * HALF // FLOAT32 + nck, reduced, nc + slope + filter_mask)
+    if cfg.fp16 or cfg.bf16:  # the backward's GEMMs in half precision, their results brought to float32
+        # The cosines' GEMM writes float32: from half-precision casts of its inputs where the device has such a
+        # GEMM (CUDA, the device `auto` picks when there is one), else in float32 without casts.
+        casts = (nd + cd) * HALF // FLOAT32 if half_gemm_inputs("cuda" if torch.cuda.is_available() else "cpu") else 0
+        forward = max(casts + nck, reduced, nc + slope + filter_mask)
         gemms = nc + spread + (nck + nd + cd) * HALF // FLOAT32 + nd + cd
     else:
         forward = max(reduced, nc + slope + filter_mask)

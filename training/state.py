@@ -18,6 +18,7 @@ from torch.nn.parallel import DistributedDataParallel
 from backbones import get_model
 from losses import AdaFaceMargin, CombinedMarginLoss, CurricularMargin, ElasticMargin
 from partial_fc import PartialFC
+from utils.compat import ddp_without_buffer_sync
 from utils.distributed import world
 from utils.lr_scheduler import build_scheduler
 
@@ -181,4 +182,4 @@ def ddp_backbone(backbone: nn.Module, device: torch.device) -> DistributedDataPa
     """The backbone in DistributedDataParallel as training runs it: each rank keeps its own BatchNorm statistics
     (arcface_torch's broadcast_buffers=False)."""
     device_ids = [device.index] if device.type == "cuda" else None
-    return DistributedDataParallel(backbone, device_ids=device_ids, forward_sync_buffers=False)
+    return ddp_without_buffer_sync(backbone, device_ids)

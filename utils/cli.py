@@ -5,6 +5,7 @@ import contextlib
 import sys
 from collections.abc import Iterator
 
+from utils.compat import require_supported_torch
 from utils.errors import UserError
 from utils.launcher import launched_rank
 
@@ -20,8 +21,10 @@ def report(error: UserError) -> None:
 
 @contextlib.contextmanager
 def exit_on_user_error() -> Iterator[None]:
-    """For a command line's main(): a UserError ends it with its one sentence and exit status 1."""
+    """For a command line's main(): a UserError ends it with its one sentence and exit status 1 (a torch
+    older than pairface supports is one, found first)."""
     try:
+        require_supported_torch()
         yield
     except UserError as error:
         report(error)

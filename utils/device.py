@@ -11,6 +11,7 @@ from pathlib import Path
 
 import torch
 
+from utils.compat import use_tf32
 from utils.errors import ConfigError
 
 # The oldest Linux driver each CUDA major version runs on (NVIDIA's CUDA toolkit release notes).
@@ -83,9 +84,7 @@ def configure_numerics(device: torch.device, tf32: bool, deterministic: bool) ->
     torch.use_deterministic_algorithms(deterministic)
     torch.backends.cudnn.deterministic = deterministic
     torch.backends.cudnn.benchmark = device.type == "cuda" and not deterministic
-    precision = "tf32" if tf32 else "ieee"
-    torch.backends.cuda.matmul.fp32_precision = precision
-    torch.backends.cudnn.conv.fp32_precision = precision
+    use_tf32(tf32)
 
 
 def describe_device(device: torch.device) -> str:
