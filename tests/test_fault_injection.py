@@ -234,8 +234,9 @@ def test_a_run_folder_without_its_pointer_resumes_from_its_newest_complete_folde
     assert run_here(data, run, "max_steps=5", resume=True) == (0, "")
     log = (run / "training.log").read_text()
     assert f"{run} holds no checkpoint.json: resuming from {run / FOLDER}, its newest complete checkpoint" in log
-    assert f"resumed from {run / FOLDER} at global step 4 " in log  # 2 processes' step 2 is step 4 of one
-    assert json.loads((run / "checkpoint.json").read_text())["global_step"] == 5
+    # 2 processes' step 2 is step 4 of one's schedule; the log and the checkpoints count on from the shown 2
+    assert f"resumed from {run / FOLDER} at global step 2 " in log
+    assert json.loads((run / "checkpoint.json").read_text())["global_step"] == 3
 
 
 def linked_copy(trained: Path, target: Path) -> Path:
@@ -259,5 +260,6 @@ def test_the_run_folders_own_backbone_is_the_published_one(data, trained, tmp_pa
     for name in ("backbone.pth", "model.json"):
         (run / name).unlink()
     assert run_here(data, run, "max_steps=5", resume=True) == (0, "")
-    assert os.path.samefile(run / "backbone.pth", run / "checkpoint-000000005" / "backbone.pth")
-    assert (run / "model.json").read_bytes() == (run / "checkpoint-000000005" / "model.json").read_bytes()
+    # schedule step 5 of one process (max_steps) is the shown step 3 of the 2-process run resumed
+    assert os.path.samefile(run / "backbone.pth", run / "checkpoint-000000003" / "backbone.pth")
+    assert (run / "model.json").read_bytes() == (run / "checkpoint-000000003" / "model.json").read_bytes()

@@ -238,7 +238,8 @@ def test_an_async_saves_writer_thread_takes_the_process_gpu_and_no_cuda_stream(m
     available, so DCP takes its GPU path: a CUDA stream asked for here, without a driver, would raise."""
     model = make_model("sgd")
     take_steps(model)
-    staged = stage_state(model, {"global_step": 2}, {}, INFO, {}, HostStaging().copy)
+    staged = stage_state(model, {"global_step": 2, "steps_per_epoch": 10, "nonfinite_total": 0}, {"skipped": 0}, INFO,
+                         {}, HostStaging().copy)
     calls = _record_set_device(monkeypatch)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     folder = BackgroundSave(lambda: write_state(tmp_path, staged), torch.device("cuda", 3)).wait()

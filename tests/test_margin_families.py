@@ -251,7 +251,8 @@ def _save_state_in_world(folder: str) -> dict:
         loss, _ = model.pfc(model.backbone(torch.randn(4, IN_FEATURES, generator=gen)), torch.tensor([0, 3, 5, 6]))
         loss.backward()
         model.optimizer.step()
-    save_state(folder, model, {"global_step": 2, "steps_per_epoch": 10}, {}, CHECKPOINT_INFO, {})
+    save_state(folder, model, {"global_step": 2, "steps_per_epoch": 10, "nonfinite_total": 0}, {"skipped": 0},
+               CHECKPOINT_INFO, {})
     centres = distributed.gather_objects(model.pfc.weight.detach().clone())
     return {"state": model.pfc.margin_state.clone(), "step": model.pfc.margin_step,
             "centres": None if centres is None else torch.cat(centres)}
