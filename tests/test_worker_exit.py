@@ -46,9 +46,9 @@ def group_is_gone(group: int) -> bool:
     return False
 
 
-def assert_exits_after_its_error(process: subprocess.Popen, name: str) -> list[str]:
-    """The run prints an `error:` line, then it and every process it started are gone within the bound;
-    its stderr lines."""
+def assert_exits_after_its_error(process: subprocess.Popen, name: str, status: int = 1) -> list[str]:
+    """The run prints an `error:` line, then it and every process it started are gone within the bound,
+    exiting with `status`; its stderr lines."""
     lines, error_seen = stderr_lines(process)
     try:
         assert error_seen.wait(START_BOUND_SECONDS), f"{name}: no error line: {lines[-20:]}"
@@ -63,7 +63,7 @@ def assert_exits_after_its_error(process: subprocess.Popen, name: str) -> list[s
         if not group_is_gone(process.pid):
             os.killpg(process.pid, 9)
         process.wait()
-    assert process.returncode == 1, (name, process.returncode, lines[-20:])
+    assert process.returncode == status, (name, process.returncode, lines[-20:])
     return lines
 
 
@@ -141,14 +141,5 @@ def test_a_loader_left_open_ends_its_workers_when_its_process_exits(data):
     by an exit handler that runs before multiprocessing's, which would wait for them forever."""
     process = subprocess.Popen([sys.executable, "-c", SCRIPT, str(data)], cwd=ROOT, stderr=subprocess.PIPE,
                                text=True, process_group=0, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    lines, error_seen = stderr_lines(process)
-    try:
-        assert error_seen.wait(START_BOUND_SECONDS), lines
-        process.wait(EXIT_BOUND_SECONDS)
-    except subprocess.TimeoutExpired:
-        raise AssertionError(f"still running {EXIT_BOUND_SECONDS} s after its error line") from None
-    finally:
-        if not group_is_gone(process.pid):
-            os.killpg(process.pid, 9)
-        process.wait()
+    lines = assert_exits_after_its_error(process, "a script that never closes its loader", status=0)
     assert any("not 3 square view(s)" in line for line in lines), lines
