@@ -14,7 +14,7 @@ from checkpoint.arcface import MARKERS, MODEL_FILE, marker_for
 from checkpoint.legacy import LEGACY_FORMAT, LEGACY_NAME, read_legacy
 from checkpoint.manifest import MANIFEST_NAME, IntegrityError, read_checked_json
 from checkpoint.pointer import FOLDER_PREFIX, POINTER_NAME, complete_folders, folder_step
-from checkpoint.sharded import STATE_NAME
+from checkpoint.state_file import STATE_NAME
 from utils.errors import CheckpointError, RunDirError, located
 
 LOCK_NAME = ".lock"

@@ -56,7 +56,7 @@ from checkpoint.pointer import (
 from checkpoint.restored import Restored, check_architecture, is_centre_rows, optimizer_index
 from checkpoint.rng import rng_state
 from checkpoint.safe_dcp import SHARD_FILE, MetadataError, SafeReader, TensorsOnlyPlanner, read_metadata
-from checkpoint.state_file import StateFieldError, check_state
+from checkpoint.state_file import STATE_NAME, StateFieldError, check_state
 from partial_fc import PartialFC
 from training.state import TrainingState
 from utils.atomic import atomic_save, fsync_dir, os_error_behind, write_bytes
@@ -65,7 +65,6 @@ from utils.distributed import agreed, gather_objects, is_initialized, is_main, r
 from utils.errors import CheckpointError
 from utils.torch_files import load_torch_file
 
-STATE_NAME = "state.json"
 METADATA_NAME = ".metadata"
 EXPORTED = (BACKBONE_NAME, MODEL_INFO_NAME)  # linked into the run folder once published
 _DAMAGED = "it is damaged or incomplete"

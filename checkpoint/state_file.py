@@ -14,6 +14,7 @@ from collections.abc import Mapping
 
 import torch
 
+STATE_NAME = "state.json"  # in every checkpoint folder, beside DCP's shards
 MT_WORDS = 624  # the Mersenne Twister's state: 624 32-bit words and a position in 0..624 (Python, numpy)
 WORD = 2 ** 32
 OPTIMIZER_GROUPS = 2  # training/state.build_optimizer: the backbone's, then the centres'

@@ -23,17 +23,12 @@ from utils import compat
 TOTAL_ROWS, WIDTH = 7, 3
 WHOLE = torch.arange(TOTAL_ROWS * WIDTH, dtype=torch.float64).view(TOTAL_ROWS, WIDTH)
 # both forms where this torch has the attributes' protocol, else the ShardedTensor alone
-FORMS = [True, False] if compat.CHECKPOINTABLE_ATTRIBUTES else [False]
+FORMS = [True, False] if compat.checkpointable_attributes() else [False]
 
 
 def _block(rows: torch.Tensor, first_row: int, attributes: bool) -> torch.Tensor:
-    """compat.row_block in the form asked for (the module's choice switched for the call)."""
-    chosen = compat.CHECKPOINTABLE_ATTRIBUTES
-    compat.CHECKPOINTABLE_ATTRIBUTES = attributes
-    try:
-        return compat.row_block(rows, TOTAL_ROWS, first_row)
-    finally:
-        compat.CHECKPOINTABLE_ATTRIBUTES = chosen
+    """compat.row_block in the form asked for."""
+    return compat.row_block(rows, TOTAL_ROWS, first_row, attributes)
 
 
 def _save_blocks(rank: int, world_size: int, folder: str) -> None:

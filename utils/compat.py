@@ -28,7 +28,6 @@ import re
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 from torch.nn.parallel import DistributedDataParallel
 
 from utils.errors import ConfigError
@@ -91,7 +90,13 @@ def ddp_without_buffer_sync(module: torch.nn.Module, device_ids: list[int] | Non
 
 # --- torch.distributed.checkpoint ----------------------------------------------------------------
 
-_DCP_NO_DIST = "no_dist" in inspect.signature(dcp.save).parameters  # older releases infer it
+@functools.cache
+def _dcp_takes_no_dist() -> bool:
+    """Whether dcp.save takes `no_dist` (older releases infer it). Asked at the first save or load, not at
+    import: importing DCP costs most of a second of CPU that a refused start or a test's subprocess never needs."""
+    import torch.distributed.checkpoint as dcp  # noqa: PLC0415 (lazy: DCP's import cost, see above)
+    return "no_dist" in inspect.signature(dcp.save).parameters
+
 # What DCP warns at every save and load in a process without a process group, in each release's words.
 DCP_ALONE_WARNING = r"torch\.distributed is (disabled, )?unavailable or uninitialized"
 
@@ -103,7 +108,7 @@ SHARDED_TENSOR_WARNING = "Please use DTensor instead and we are deprecating Shar
 def dcp_group(group=None) -> dict:
     """dcp.save's and dcp.load's keywords for `group` (None: the default one), or for one process without
     a process group."""
-    if _DCP_NO_DIST:
+    if _dcp_takes_no_dist():
         return {"process_group": group, "no_dist": not dist.is_initialized()}
     return {"process_group": group}
 
@@ -116,10 +121,14 @@ def dcp_storage_transforms(info: object) -> object:
 
 # --- checkpoint shards -----------------------------------------------------------------------------
 
-CHECKPOINTABLE_ATTRIBUTES = importlib.util.find_spec("torch.distributed.checkpoint.protocol") is not None
+@functools.cache
+def checkpointable_attributes() -> bool:
+    """Whether this torch's DCP reads a block's place from attributes of the tensor (the newer protocol; else
+    a ShardedTensor carries it). Asked at the first save or load: the lookup imports DCP."""
+    return importlib.util.find_spec("torch.distributed.checkpoint.protocol") is not None
 
 
-def row_block(rows: torch.Tensor, total_rows: int, first_row: int) -> torch.Tensor:
+def row_block(rows: torch.Tensor, total_rows: int, first_row: int, attributes: bool | None = None) -> torch.Tensor:
     """`rows` as what torch.distributed.checkpoint saves and loads as rows first_row.. of a (total_rows, ...)
     matrix: a block at an explicit offset, so that the blocks of one run can be any split (uneven, unlike
     DTensor's) and a run on another split reads its rows from whichever blocks hold them. Loading into
@@ -127,7 +136,7 @@ def row_block(rows: torch.Tensor, total_rows: int, first_row: int) -> torch.Tens
     global_shape = (total_rows, *rows.shape[1:])
     offsets = (first_row, *[0] * (rows.dim() - 1))
     local = rows.detach()  # a new tensor object on the same memory: nothing set here reaches a parameter
-    if CHECKPOINTABLE_ATTRIBUTES:
+    if checkpointable_attributes() if attributes is None else attributes:
         local.global_shape = global_shape
         local.global_offsets = (offsets,)
         local.local_offsets = ((0,) * rows.dim(),)
