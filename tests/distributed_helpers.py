@@ -1,6 +1,6 @@
 """Run a function in N real processes joined by a gloo process group (CPU), collect results.
 
-``fn(rank, world_size, *args)`` must be a module-level function (spawned processes import it).
+``fn(rank, world_size, *args)`` must be a module-level function (each rank imports its module).
 Its return value (anything ``torch.save`` can store) comes back in rank order; an exception in
 any rank fails the caller with that rank's traceback. Nothing waits without a bound: a collective that
 waits more than COLLECTIVE_TIMEOUT for a peer fails its rank with gloo's error naming it, and a world
@@ -8,6 +8,7 @@ still running after `timeout` seconds is killed and fails the caller, naming `fn
 """
 from __future__ import annotations
 
+import multiprocessing
 import os
 import tempfile
 import time
@@ -19,12 +20,18 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 COLLECTIVE_TIMEOUT = timedelta(seconds=60)  # far longer than any test's collective takes on a busy 2-core machine
-WORLD_TIMEOUT = 300.0  # seconds for a whole world, the spawn's imports included
+WORLD_TIMEOUT = 300.0  # seconds for a whole world, its imports included
+# Ranks fork from multiprocessing's forkserver, a process that has imported these and run nothing (so no thread
+# pool a forked child cannot use): spawning would import torch and pairface again in every rank, seconds of CPU
+# each, most of what a small world costs. tests/run_helpers.py's children fork from the same server.
+FORKSERVER_PRELOAD = ["train", "checkpoint.sharded", "torchvision.io"]
+multiprocessing.set_forkserver_preload(FORKSERVER_PRELOAD)
 
 
-
-def _worker(rank: int, world_size: int, init_file: str, out_dir: str, fn, args,
+def _worker(rank: int, world_size: int, environment: dict, init_file: str, out_dir: str, fn, args,
             collective_timeout: timedelta = COLLECTIVE_TIMEOUT) -> None:
+    os.environ.clear()  # the caller's environment now, as a spawned rank would have it (the server's is older)
+    os.environ.update(environment)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size,
@@ -62,8 +69,9 @@ def run_world(fn, world_size: int, *args, timeout: float = WORLD_TIMEOUT,
               collective_timeout: timedelta = COLLECTIVE_TIMEOUT):
     with tempfile.TemporaryDirectory() as tmp:
         init_file = os.path.join(tmp, "init")
-        context = mp.start_processes(_worker, args=(world_size, init_file, tmp, fn, args, collective_timeout),
-                                     nprocs=world_size, join=False, start_method="spawn")
+        context = mp.start_processes(_worker, args=(world_size, dict(os.environ), init_file, tmp, fn, args,
+                                                    collective_timeout),
+                                     nprocs=world_size, join=False, start_method="forkserver")
         _join(context, fn, world_size, timeout)
         results = []
         for rank in range(world_size):

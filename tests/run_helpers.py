@@ -33,6 +33,7 @@ import train
 from backbones import get_model
 from checkpoint.pointer import POINTER_NAME
 from checkpoint.run_dir import LOCK_NAME
+from tests.distributed_helpers import FORKSERVER_PRELOAD
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIG = "configs/synthetic_pair.py"
@@ -144,10 +145,11 @@ def _child(argv: list[str], stderr_path: str, prepare: Callable[[], None] | None
 
 # Children fork from a server process that has imported train.py and run nothing: forking the test process
 # itself would hand each child whatever earlier tests left there (autograd or OpenMP thread pools that a
-# forked child cannot use), and spawning would import torch again for every child (seconds each).
+# forked child cannot use), and spawning would import torch again for every child (seconds each). train.py
+# imports DCP and torchvision only when it first saves or decodes: preloaded, so that no child pays them. The
+# same server forks run_world's ranks.
 _CHILDREN = multiprocessing.get_context("forkserver")
-# train.py imports DCP and torchvision when it first saves or decodes: preloaded here, so that no child pays them.
-_CHILDREN.set_forkserver_preload(["train", "checkpoint.sharded", "torchvision.io"])
+_CHILDREN.set_forkserver_preload(FORKSERVER_PRELOAD)
 
 
 def start_child(data: Path, output: Path, *overrides: str, resume: bool = False,
