@@ -27,7 +27,7 @@ from pathlib import Path
 import pytest
 
 from backbones.trained import BACKBONE_NAME
-from checkpoint.pointer import POINTER_NAME, folder_step
+from checkpoint.pointer import POINTER_NAME
 from checkpoint.run_dir import find_resume_source
 from tests.kill_injection import KillSelfAt
 from tests.run_helpers import (
@@ -42,7 +42,9 @@ from tests.run_helpers import (
 )
 
 OVERRIDES = ["save_every_steps=1", "num_epoch=100"]  # a save after every step; never ends on its own
-LOOP_SECONDS, MIN_ROUNDS, MAX_SECONDS = 15, 6, 60
+# Kill rounds of the random loop: a count, not a duration, so that a slower machine tests as many kills (the
+# first kill before any save, then alternately mid-save and at a random moment once something is published).
+ROUNDS = 9
 
 
 def test_a_save_reaches_the_disk_before_it_is_published(data, tmp_path, monkeypatch):
@@ -198,12 +200,10 @@ def inspect(output: Path, previous_step: int | None) -> int | None:
 
 def test_sigkill_at_random_moments_always_leaves_a_checkpoint_that_resumes(data, tmp_path):
     output, rng = tmp_path / "run", random.Random(0)
-    start = time.monotonic()
-    rounds, unpublished_left, step = 0, 0, None
-    while (time.monotonic() - start < LOOP_SECONDS or rounds < MIN_ROUNDS) and time.monotonic() - start < MAX_SECONDS:
+    step = None
+    for rounds in range(ROUNDS):
         child, stderr = start_child(data, output, *OVERRIDES, resume=step is not None)
-        if rounds == 0:
-            time.sleep(0.05)  # before anything is saved: the next round must be able to start afresh
+        if rounds == 0:  # as soon as it runs, before anything is saved: the next round must start afresh
             os.kill(child.pid, signal.SIGKILL)
         elif rounds % 2:
             kill_mid_save(child, output, step, rng)
@@ -213,15 +213,12 @@ def test_sigkill_at_random_moments_always_leaves_a_checkpoint_that_resumes(data,
             deadline = time.monotonic() + 30
             while step is None and not (output / POINTER_NAME).exists() and time.monotonic() < deadline:
                 time.sleep(0.01)
-            time.sleep(rng.uniform(0.0, 1.5))
+            time.sleep(rng.uniform(0.0, 1.5))  # not a wait: the kill's random moment is what this round tests
             os.kill(child.pid, signal.SIGKILL)
         child.join()
         assert child.exitcode == -signal.SIGKILL, stderr.read_text()  # it was running, not failing
         step = inspect(output, step)
-        unpublished_left += step is not None and any((folder_step(p.name) or 0) > step
-                                                     for p in output.glob("checkpoint-*"))
-        rounds += 1
-    assert rounds >= MIN_ROUNDS and step is not None, (rounds, step)
+    assert step is not None, "no round left a checkpoint"
 
     assert run_child(data, output, *OVERRIDES, f"max_steps={step + 2}", resume=True) == (0, "")
     log = (output / "training.log").read_text()
