@@ -7,7 +7,6 @@ import multiprocessing.forkserver
 import multiprocessing.resource_tracker
 import os
 import signal
-import time
 from pathlib import Path
 
 import pytest
@@ -87,16 +86,11 @@ def leaves_nothing_behind():
     if leftovers:
         from tests.run_helpers import descendants  # noqa: PLC0415 (imports train: only when there is a leftover)
 
-        killed = [*leftovers, *(child for leftover in leftovers for child in descendants(leftover))]
-        for pid in killed:
+        for pid in [*leftovers, *(child for leftover in leftovers for child in descendants(leftover))]:
             try:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
-        # Ended, not only signalled: on a busy machine a killed process runs on for a moment, holding its files.
-        deadline = time.monotonic() + 10
-        while any(_state(pid) not in ("Z", None) for pid in killed) and time.monotonic() < deadline:
-            time.sleep(0.01)
     os.environ.clear()
     os.environ.update(environ)
     for number, handler in handlers.items():
