@@ -135,13 +135,19 @@ def free_job_id() -> str:
     raise RuntimeError("no free port in 15000..24999")
 
 
-def start_script(script: str, data: Path, output: Path, tmp_path: Path, tasks: int, **extra: str) -> subprocess.Popen:
-    """`bash slurm/<script> CONFIG --set ...` in a one-node job of `tasks` tasks on localhost."""
-    tools = tmp_path / "slurm-bin"
-    tools.mkdir(exist_ok=True)
+def fake_slurm_tools(folder: Path) -> Path:
+    """A folder holding the fake srun and scontrol, written once before any job runs them (rewriting one that a
+    running job executes fails that exec with ETXTBSY)."""
+    tools = folder / "slurm-bin"
+    tools.mkdir()
     for name, text in (("srun", FAKE_SRUN), ("scontrol", FAKE_SCONTROL)):
         (tools / name).write_text(text)
         (tools / name).chmod(0o755)
+    return tools
+
+
+def start_script(script: str, data: Path, output: Path, tools: Path, tasks: int, **extra: str) -> subprocess.Popen:
+    """`bash slurm/<script> CONFIG --set ...` in a one-node job of `tasks` tasks on localhost."""
     env = {key: value for key, value in os.environ.items() if key not in LAUNCH_VARIABLES and
            not key.startswith("SLURM_")}
     env.update(PATH=f"{tools}:{env['PATH']}", PYTHON=sys.executable, OMP_NUM_THREADS="1", SLURM_NTASKS=str(tasks),
@@ -155,8 +161,9 @@ def start_script(script: str, data: Path, output: Path, tmp_path: Path, tasks: i
 def slurm_runs(data, tmp_path_factory) -> dict[str, tuple[Path, int, str]]:
     """Both scripts, side by side: srun per task (2 tasks), and srun + torchrun (1 node, 2 processes)."""
     tmp = tmp_path_factory.mktemp("slurm")
-    started = {"train_srun.sbatch": start_script("train_srun.sbatch", data, tmp / "per_task", tmp, tasks=2),
-               "train_torchrun.sbatch": start_script("train_torchrun.sbatch", data, tmp / "torchrun", tmp, tasks=1,
+    tools = fake_slurm_tools(tmp)
+    started = {"train_srun.sbatch": start_script("train_srun.sbatch", data, tmp / "per_task", tools, tasks=2),
+               "train_torchrun.sbatch": start_script("train_torchrun.sbatch", data, tmp / "torchrun", tools, tasks=1,
                                                      GPUS_PER_NODE="2")}
     runs = {}
     for (script, process), output in zip(started.items(), (tmp / "per_task", tmp / "torchrun"), strict=True):
