@@ -2,13 +2,13 @@
 (a running process, an environment variable, an ignored SIGTERM) is gone when the next test runs."""
 from __future__ import annotations
 
-import tests.run_helpers  # noqa: F401 (see below)
-
-pytest_plugins = ("pytester",)
 # The inner session's leaves_nothing_behind imports tests.run_helpers (train, torch.distributed) to kill what was
 # left. pytester drops every module an in-process session imported once it ends, and torch's C++ operator
 # registrations cannot be dropped with them: imported again by a later test, torch.distributed would register
 # its operators twice and fail. Imported here, before the inner session, they stay.
+import tests.run_helpers  # noqa: F401 (kept loaded: see above)
+
+pytest_plugins = ("pytester",)
 
 INNER = '''
 import os
