@@ -34,6 +34,7 @@ from backbones import get_model
 from checkpoint.pointer import POINTER_NAME
 from checkpoint.run_dir import LOCK_NAME
 from tests.distributed_helpers import FORKSERVER_PRELOAD
+from tests.forked_commands import ForkedCommand
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIG = "configs/synthetic_pair.py"
@@ -104,27 +105,57 @@ def _environment(env: Mapping[str, str] | None) -> dict[str, str]:
     return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
 
 
+def start_command(argv: Sequence[str], env: Mapping[str, str] | None = None, own_group: bool = False,
+                  real: bool = False, prepare: Callable[[], None] | None = None,
+                  output: Path | None = None) -> subprocess.Popen | ForkedCommand:
+    """A `python ...` or `python -m torch.distributed.run ...` command line (`sys.executable` first), started in
+    ROOT with `env` added, not awaited; text stdout and stderr. Forked from the tests' forkserver
+    (tests/forked_commands.py) unless `real`: a new interpreter, as a user's shell starts it, for the tests of
+    the launch itself. `own_group`: in a process group of its own, which os.killpg(process.pid, ...) signals as
+    a terminal or scheduler would. `prepare` (picklable: a module-level function) runs in the process first.
+    `output`: a file that stdout and stderr go to together, to read while the command runs."""
+    if not real:
+        return ForkedCommand(_CHILDREN, argv, ROOT, _environment(env), own_group=own_group, prepare=prepare,
+                             output=None if output is None else str(output))
+    streams = {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE} if output is None else {
+        "stdout": output.open("a"), "stderr": subprocess.STDOUT}
+    return subprocess.Popen(list(argv), cwd=ROOT, env=_environment(env), text=True, preexec_fn=prepare,
+                            process_group=0 if own_group else None, **streams)
+
+
 def start_cli(data: Path, output: Path, *overrides: str, nproc: int = 2, resume: bool = False,
               base: Sequence[str] = QUIET, env: Mapping[str, str] | None = None,
-              nan_steps: str | None = None, own_group: bool = False, injection: Sequence[str] = ()) -> subprocess.Popen:
+              nan_steps: str | None = None, own_group: bool = False, injection: Sequence[str] = (),
+              real: bool = False) -> subprocess.Popen | ForkedCommand:
     """`torchrun --nproc_per_node <nproc> train.py ...` (`python train.py ...` for nproc 0), started, not
-    awaited: starting costs seconds of imports, so tests start independent runs side by side. `own_group`:
-    in a process group of its own, which os.killpg(process.pid, ...) signals as a terminal or scheduler would.
-    `injection`: "-m", a fault injection module and its arguments, run instead of train.py."""
+    awaited (start_command), so that tests start independent runs side by side. `injection`: "-m", a fault
+    injection module and its arguments, run instead of train.py."""
     command = _command(nproc, nan_steps, injection) + arguments(data, output, *overrides, resume=resume, base=base)
-    return subprocess.Popen(command, cwd=ROOT, env=_environment(env), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, process_group=0 if own_group else None)
+    return start_command(command, env=env, own_group=own_group, real=real)
 
 
 def run_cli(data: Path, output: Path, *overrides: str, nproc: int = 0, resume: bool = False,
             base: Sequence[str] = QUIET, env: Mapping[str, str] | None = None,
-            nan_steps: str | None = None, injection: Sequence[str] = ()) -> subprocess.CompletedProcess:
+            nan_steps: str | None = None, injection: Sequence[str] = (),
+            real: bool = False) -> subprocess.CompletedProcess:
     """The command line, run to its end (`python train.py` for nproc 0, else torchrun)."""
     command = _command(nproc, nan_steps, injection) + arguments(data, output, *overrides, resume=resume, base=base)
-    return subprocess.run(command, cwd=ROOT, env=_environment(env), capture_output=True, text=True, timeout=400)
+    return run_command(command, env=env, real=real)
 
 
-def finish(process: subprocess.Popen, timeout: float = 400) -> str:
+def run_command(argv: Sequence[str], env: Mapping[str, str] | None = None, real: bool = False,
+                timeout: float = 400) -> subprocess.CompletedProcess:
+    """start_command's command line, run to its end (killed with all its processes after `timeout` seconds)."""
+    process = start_command(argv, env=env, real=real)
+    try:
+        stdout, stderr = process.communicate(timeout=timeout)
+    finally:
+        if process.poll() is None:
+            kill_node(process)
+    return subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr)
+
+
+def finish(process: subprocess.Popen | ForkedCommand, timeout: float = 400) -> str:
     """Wait for a started command line; assert it succeeded; its stderr."""
     out, err = process.communicate(timeout=timeout)
     assert process.returncode == 0, out[-3000:] + err[-3000:]
@@ -195,7 +226,7 @@ def descendants(pid: int) -> list[int]:
     return found
 
 
-def kill_node(node: subprocess.Popen) -> None:
+def kill_node(node: subprocess.Popen | ForkedCommand) -> None:
     """SIGKILL a launcher and all its workers at once, as a node that loses power."""
     for pid in [node.pid, *descendants(node.pid)]:
         try:

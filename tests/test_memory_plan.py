@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from types import SimpleNamespace
 
@@ -24,7 +23,8 @@ import torch
 
 import train
 from bench.step_memory import _recording
-from tests.run_helpers import QUIET, ROOT, run_here
+from tests.forked_commands import ForkedCommand
+from tests.run_helpers import QUIET, ROOT, run_here, start_command
 from training.memory_plan import fit, memory_plan
 from utils.config import load_config
 
@@ -62,7 +62,7 @@ def config(case: str = "") -> SimpleNamespace:
 TWO_PROCESSES = "num_classes=601 sample_rate=0.5"  # rank 0 holds 301 of the 601 classes
 
 
-def step_memory(*cases: str, processes: int = 0) -> subprocess.Popen:
+def step_memory(*cases: str, processes: int = 0) -> ForkedCommand:
     """bench.step_memory measuring `cases` in one process (or under torchrun), started."""
     launcher = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={processes}"] if processes else []
     command = [sys.executable, *launcher, "-m", "bench.step_memory", CONFIG, "--json"]
@@ -70,8 +70,7 @@ def step_memory(*cases: str, processes: int = 0) -> subprocess.Popen:
         command += ["--set", item]
     for case in cases:
         command += ["--case", case]
-    return subprocess.Popen(command, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+    return start_command(command)
 
 
 @pytest.fixture(scope="module")

@@ -4,10 +4,8 @@ missing stops every rank at once with the same one-line error instead of hanging
 from __future__ import annotations
 
 import json
-import os
 import re
 import shutil
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -15,18 +13,17 @@ from pathlib import Path
 import pytest
 
 from checkpoint.pointer import POINTER_NAME
-from tests.run_helpers import INFO, ROOT, arguments, free_port, kill_node, load_run, run_cli
+from tests.forked_commands import ForkedCommand
+from tests.run_helpers import INFO, arguments, free_port, kill_node, load_run, run_cli, start_command
 
 OVERRIDES = ("save_every_steps=1", "num_epoch=100")  # a save after every step; never ends on its own
 pytestmark = pytest.mark.slow  # six training processes on two cores
 
 
-def start_node(node_rank: int, port: int, data: Path, output: Path) -> subprocess.Popen:
-    command = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", f"--node_rank={node_rank}",
-               "--nproc_per_node=2", "--master_addr=127.0.0.1", f"--master_port={port}", "train.py",
-               *arguments(data, output, *OVERRIDES)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    return subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+def start_node(node_rank: int, port: int, data: Path, output: Path) -> ForkedCommand:
+    return start_command([sys.executable, "-m", "torch.distributed.run", "--nnodes=2", f"--node_rank={node_rank}",
+                          "--nproc_per_node=2", "--master_addr=127.0.0.1", f"--master_port={port}", "train.py",
+                          *arguments(data, output, *OVERRIDES)])
 
 
 def published_step(output: Path) -> int:
@@ -46,7 +43,7 @@ def killed_two_node_run(data, tmp_path_factory) -> Path:
         time.sleep(0.1)
     for node in nodes:
         kill_node(node)
-    errors = [node.communicate()[1].decode()[-2000:] for node in nodes]
+    errors = [node.communicate()[1][-2000:] for node in nodes]
     assert published_step(output) >= 3, errors
     return output
 

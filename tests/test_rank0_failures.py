@@ -5,17 +5,15 @@ prefixed `[rank 1]`), never "lost contact with another process".
 """
 from __future__ import annotations
 
-import os
 import resource
 import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
 
-from tests.run_helpers import ROOT, arguments
+from tests.run_helpers import arguments, start_command
 from tests.test_multinode import free_port
 
 STEPS = ["max_steps=2"]
@@ -52,13 +50,11 @@ PLACES = {  # how rank 0 is made to fail, and what its line says
 def start_by_hand(data: Path, output: Path, overrides: list[str], port: int, limit_rank0: bool) -> list:
     processes = []
     for rank in (0, 1):
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "RANK": str(rank), "WORLD_SIZE": "2", "SLURM_LOCALID": str(rank),
-               "SLURM_NTASKS_PER_NODE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
-        env.pop("LOCAL_RANK", None)
+        env = {"RANK": str(rank), "WORLD_SIZE": "2", "SLURM_LOCALID": str(rank), "SLURM_NTASKS_PER_NODE": "2",
+               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
         prepare = _limit_rank0_file_size if limit_rank0 and rank == 0 else None
-        processes.append(subprocess.Popen([sys.executable, "train.py", *arguments(data, output, *STEPS, *overrides)],
-                                          cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                                          text=True, preexec_fn=prepare))
+        processes.append(start_command([sys.executable, "train.py", *arguments(data, output, *STEPS, *overrides)],
+                                       env=env, prepare=prepare))
     return processes
 
 
@@ -83,7 +79,7 @@ def outcomes(data, tmp_path_factory) -> dict[str, list[tuple[int, float, str]]]:
         for process in processes:
             if process.poll() is None:
                 process.kill()
-        results[place] = [(process.wait(), ended[place][rank], process.stderr.read())
+        results[place] = [(process.wait(), ended[place][rank], process.communicate()[1])
                           for rank, process in enumerate(processes)]
     return results
 

@@ -20,10 +20,8 @@ from __future__ import annotations
 
 import io
 import json
-import os
 import pickle
 import re
-import subprocess
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -35,7 +33,7 @@ import torch.nn.functional as F
 from PIL import Image
 
 from backbones import get_model
-from tests.run_helpers import ROOT, scalars
+from tests.run_helpers import run_command, scalars
 
 pytestmark = pytest.mark.slow  # five starts of train.py, ~10 CPU seconds each
 
@@ -64,8 +62,7 @@ def run(data, tmp_path_factory) -> SimpleNamespace:
     logs, results = {}, {}
     for name, args in STARTS.items():
         before = len((root / "run" / "training.log").read_text()) if (root / "run").exists() else 0
-        results[name] = subprocess.run([sys.executable, "train.py", str(config), *args], cwd=ROOT, text=True,
-                                       capture_output=True, timeout=400, env={**os.environ, "OMP_NUM_THREADS": "1"})
+        results[name] = run_command([sys.executable, "train.py", str(config), *args])
         assert results[name].returncode == 0, results[name].stderr[-3000:]
         logs[name] = LOG_PREFIX.sub("", (root / "run" / "training.log").read_text()[before:])
     return SimpleNamespace(output=root / "run", logs=logs, results=results, data=data)

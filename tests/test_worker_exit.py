@@ -99,8 +99,8 @@ def runs(data, tmp_path_factory) -> dict[str, tuple[subprocess.Popen, Path]]:
     started = {}
     for number, (name, (rec, nproc, nan_steps, overrides)) in enumerate(setups.items()):
         output = root / f"run{number}"
-        started[name] = (start_cli(rec, output, *overrides, nproc=nproc, nan_steps=nan_steps, own_group=True),
-                         output)
+        started[name] = (start_cli(rec, output, *overrides, nproc=nproc, nan_steps=nan_steps, own_group=True,
+                                   real=True), output)
     yield started
     for process, _ in started.values():
         if not group_is_gone(process.pid):
