@@ -58,12 +58,18 @@ def _torchrun_worker(*arguments: str) -> None:
     os.setsid()
     # (a forked worker's /proc/PID/environ still shows the agent's environment, without RANK)
     _note(f"rank{os.environ['RANK']}.pid", os.getpid())
+    status = 0
     try:
         run_python(arguments)
     except SystemExit as stop:
-        _note(f"rank{os.environ['RANK']}.status", stop.code if isinstance(stop.code, int) else 1)
+        status = stop.code if isinstance(stop.code, int) else 1
         raise
-    _note(f"rank{os.environ['RANK']}.status", 0)
+    except BaseException:
+        status = 1
+        raise
+    finally:
+        atexit._run_exitfuncs()  # as the interpreter does on its way out (a forked process's exit does not)
+        _note(f"rank{os.environ['RANK']}.status", status)
 
 
 def _note(name: str, value: int) -> None:

@@ -26,9 +26,10 @@ LOG_LINE = re.compile(r"Speed [\d.]+ samples/sec [\d.]+ images/sec   Loss [\d.]+
 
 
 def train(data: Path, output: Path, *overrides: str, nproc: int = 0, resume: bool = False, env=None,
-          nan_steps: str | None = None):
+          nan_steps: str | None = None, real: bool = False):
     """train.py with these tests' settings (every other step logged, verification at step 4)."""
-    return run_cli(data, output, *overrides, nproc=nproc, resume=resume, base=TINY, env=env, nan_steps=nan_steps)
+    return run_cli(data, output, *overrides, nproc=nproc, resume=resume, base=TINY, env=env, nan_steps=nan_steps,
+                   real=real)
 
 
 def train_here(data: Path, output: Path, *overrides: str, resume: bool = False) -> SimpleNamespace:
@@ -45,7 +46,7 @@ def steps_logged(text: str) -> list[int]:
 @pytest.fixture(scope="module")
 def two_process_run(data, tmp_path_factory):
     output = tmp_path_factory.mktemp("runs") / "two"
-    result = train(data, output, "max_steps=4", nproc=2)
+    result = train(data, output, "max_steps=4", nproc=2, real=True)  # the command line itself: torchrun's workers
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     return output, result
 
