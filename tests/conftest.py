@@ -34,6 +34,14 @@ def one_torch_thread():
         os.environ["OMP_NUM_THREADS"] = variable
 
 
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The files holding a `slow` test first, each group in the order pytest-randomly drew (a stable sort after
+    its shuffle): `-n 2 --dist loadfile` hands whole files to the two workers as they come free, so a slow file
+    drawn last would run alone at the end while the other worker idles."""
+    slow_files = {item.path for item in items if item.get_closest_marker("slow")}
+    items.sort(key=lambda item: item.path not in slow_files)
+
+
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 
 

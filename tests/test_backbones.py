@@ -308,6 +308,7 @@ def _ddp_steps(rank: int, names: tuple[str, ...]) -> dict[str, dict]:
     return facts
 
 
+@pytest.mark.slow  # two processes step 16 networks (r2060: ~10 CPU seconds each)
 @pytest.mark.parametrize("name", NETWORKS)
 def test_trains_three_steps_under_ddp_in_two_processes(name, ddp_world):
     """Every step gives every trainable parameter its gradient (a parameter left without one makes DDP
@@ -381,6 +382,7 @@ def test_checkpointed_iresnet_trains_like_the_plain_one_keeping_fewer_activation
         torch.testing.assert_close(ours, theirs, rtol=0, atol=0, msg=key)
 
 
+@pytest.mark.slow  # 256M parameters, ~10 s
 def test_vit_l_forward_and_backward_at_full_size_on_cpu():
     """The largest network run at full size here (256M parameters, ~3 GB, ~10 s on one core), as
     upstream trains it: activation checkpointing, 5% of the tokens masked."""

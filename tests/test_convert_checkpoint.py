@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.run_helpers import ROOT, run_here
+from tests.run_helpers import run_command, run_here
 from tests.test_bad_input import _hold_the_lock
 
 
@@ -22,8 +22,7 @@ def trained(data, tmp_path_factory) -> Path:
 
 
 def convert(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "tools.convert_checkpoint", *map(str, args)], cwd=ROOT,
-                          capture_output=True, text=True, timeout=300)
+    return run_command([sys.executable, "-m", "tools.convert_checkpoint", *map(str, args)], timeout=300)
 
 
 @pytest.mark.parametrize("damage", ["removed", "truncated"])

@@ -93,6 +93,7 @@ def assert_close_to_a_real_step(result: dict) -> None:
     assert all(abs(ratio - 1) <= TOLERANCE[item] for item, ratio in ratios.items()), ratios
 
 
+@pytest.mark.slow  # real steps of eight configurations, profiled
 @pytest.mark.parametrize("name", CASES)
 def test_each_planned_item_is_what_a_real_step_allocates(measured, name):
     assert_close_to_a_real_step(measured[name])

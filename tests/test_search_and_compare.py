@@ -26,6 +26,7 @@ from tests.test_eval_cli import assert_one_sentence, assert_visible_curve
 from tests.test_ijb import write_ijb
 from tools import search
 
+pytestmark = pytest.mark.slow  # two training runs (100 steps) and an IJB evaluation
 TINY = ["batch_size=8", "num_workers=0", "frequent=5"]  # configs/synthetic_pair.py on the 20-identity fixture
 PEOPLE = [f"p{identity}" for identity in range(10)]      # training identities, photos drawn afresh
 STRANGERS = range(900, 910)                              # never seen in training or in the gallery

@@ -108,6 +108,7 @@ def runs(data, tmp_path_factory) -> dict[str, tuple[subprocess.Popen, Path]]:
         process.wait()
 
 
+@pytest.mark.slow  # six real command lines
 @pytest.mark.parametrize("name", ["data error, num_workers=0", "data error, num_workers=1",
                                   "data error, num_workers=2", "photo folder of another shape, num_workers=2",
                                   "non-finite losses, num_workers=2"])
