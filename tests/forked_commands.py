@@ -27,14 +27,9 @@ import signal
 import subprocess
 import sys
 import tempfile
-import time
 import traceback
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-
-# A folder where each forked torchrun worker writes its pid (rank{RANK}.pid) and exit status (rank{RANK}.status):
-# torchrun's failure report names only the first failed worker of forked ones.
-WORKER_NOTES = "PAIRFACE_TEST_WORKER_NOTES"
 
 
 def run_python(arguments: Sequence[str]) -> None:
@@ -56,27 +51,10 @@ def _torchrun_worker(*arguments: str) -> None:
     """One torchrun worker: what `python -u SCRIPT ARGS` would run, in a session of its own as torchrun starts
     its workers (a signal to the launcher's process group does not reach them)."""
     os.setsid()
-    # (a forked worker's /proc/PID/environ still shows the agent's environment, without RANK)
-    _note(f"rank{os.environ['RANK']}.pid", os.getpid())
-    status = 0
     try:
         run_python(arguments)
-    except SystemExit as stop:
-        status = stop.code if isinstance(stop.code, int) else 1
-        raise
-    except BaseException:
-        status = 1
-        raise
     finally:
         atexit._run_exitfuncs()  # as the interpreter does on its way out (a forked process's exit does not)
-        _note(f"rank{os.environ['RANK']}.status", status)
-
-
-def _note(name: str, value: int) -> None:
-    """A number for the ForkedCommand that started this worker's agent, written whole before it is there."""
-    written = Path(os.environ[WORKER_NOTES], f".{name}")
-    written.write_text(str(value))
-    written.rename(written.with_name(name))
 
 
 def _torchrun(arguments: Sequence[str]) -> None:
@@ -100,13 +78,12 @@ def _command(argv: list[str], cwd: str, environment: dict[str, str], stdout: str
     `prepare` runs first, as subprocess.Popen's preexec_fn does."""
     if own_group:
         os.setpgid(0, 0)
-    for number in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1):
-        signal.signal(number, signal.SIG_DFL)  # as a fresh interpreter has them (Python's own SIGINT below)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # the stop signals' handlers as a fresh interpreter has them
+    signal.signal(signal.SIGUSR1, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.default_int_handler)
-    null = os.open(os.devnull, os.O_RDONLY)
-    os.dup2(null, 0)
-    for path, fd in ((stdout, 1), (stderr, 2)):
-        file = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+    for path, flags, fd in ((os.devnull, os.O_RDONLY, 0), (stdout, os.O_WRONLY | os.O_APPEND, 1),
+                            (stderr, os.O_WRONLY | os.O_APPEND, 2)):
+        file = os.open(path, flags)
         os.dup2(file, fd)
         os.close(file)
     sys.stdout.reconfigure(line_buffering=True)  # PYTHONUNBUFFERED as run_helpers sets it for a real start
@@ -121,10 +98,12 @@ def _command(argv: list[str], cwd: str, environment: dict[str, str], stdout: str
             _torchrun(argv[3:])
         else:
             run_python(argv[1:])
-    except SystemExit as stop:
-        status = stop.code if isinstance(stop.code, int) else (0 if stop.code is None else 1)
-        if not isinstance(stop.code, int) and stop.code is not None:
+    except SystemExit as stop:  # as the interpreter ends on it: a number is the status, anything else is printed
+        if stop.code is None or isinstance(stop.code, int):
+            status = stop.code or 0
+        else:
             sys.stderr.write(f"{stop.code}\n")
+            status = 1
     except BaseException as error:  # what the interpreter prints for an uncaught exception, and its status
         traceback.print_exc()
         status = -signal.SIGINT if isinstance(error, KeyboardInterrupt) else 1
@@ -139,7 +118,7 @@ def _command(argv: list[str], cwd: str, environment: dict[str, str], stdout: str
 
 class ForkedCommand:
     """A command line running in a forked process, used as a `subprocess.Popen` with text pipes is (pid, poll,
-    wait, communicate, send_signal, kill, returncode); `worker_pid(rank)` finds a torchrun worker."""
+    wait, communicate, send_signal, kill, returncode)."""
 
     def __init__(self, context, argv: Sequence[str], cwd: str, environment: Mapping[str, str],
                  own_group: bool = False, prepare: Callable[[], None] | None = None, output: str | None = None):
@@ -150,7 +129,6 @@ class ForkedCommand:
             os.path.join(self._folder.name, name) for name in ("stdout", "stderr"))
         for path in (self._out, self._err):
             Path(path).touch()  # there to read, whatever becomes of the process
-        environment = {**environment, WORKER_NOTES: self._folder.name}
         self._process = context.Process(target=_command, args=(self.args, str(cwd), environment, self._out,
                                                                self._err, own_group, prepare))
         self._process.start()
@@ -184,16 +162,3 @@ class ForkedCommand:
 
     def terminate(self) -> None:
         self.send_signal(signal.SIGTERM)
-
-    def worker_pid(self, rank: int, timeout: float = 60) -> int:
-        """The pid of this torchrun's worker of `rank` (waits until the agent has started it)."""
-        path = Path(self._folder.name, f"rank{rank}.pid")
-        deadline = time.monotonic() + timeout
-        while not path.exists():
-            assert self.poll() is None and time.monotonic() < deadline, f"no worker of rank {rank} started"
-            time.sleep(0.01)
-        return int(path.read_text())
-
-    def worker_statuses(self) -> dict[int, int]:
-        """rank -> exit status of each torchrun worker that exited by itself (not by a signal), so far."""
-        return {int(path.name[4:-7]): int(path.read_text()) for path in Path(self._folder.name).glob("rank*.status")}
