@@ -27,9 +27,10 @@ lint: $(EDITABLE)
 	$(PY) -m ruff check .
 	.venv/bin/lint-imports --no-cache --no-logo
 
-# Two workers, each taking whole files (module fixtures run once): the tests keep torch at one thread.
+# Two workers, each taking whole files (module fixtures run once): the tests keep torch at one thread. Files in
+# collection order, where the slow ones come first (tests/conftest.py), not xdist's most-tests-first.
 test: lint
-	$(PY) -m pytest -q -n 2 --dist loadfile tests
+	$(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder tests
 
 # The suite 3 times in 3 random orders on two workers (not part of `make test`): every test that failed in any
 # run, with the seeds that replay it (`pytest -p randomly --randomly-seed=N`).

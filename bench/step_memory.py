@@ -19,6 +19,7 @@ buckets as DDP records them. Under torchrun every rank measures; rank 0's figure
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import sys
 from collections.abc import Iterator
@@ -202,6 +203,9 @@ def measure(cfg: SimpleNamespace, device: torch.device) -> dict[str, int]:
         torch.manual_seed(cfg.seed + 1 + rank())
         taken = False
         for measured_step, micro_batches in enumerate(loader.steps(0, MAX_STEPS, cfg.gradient_acc)):
+            # Tensors left in reference cycles by the last step are garbage, freed whenever the cycle collector
+            # next runs: collected now, so that what the step starts with is the same on every run.
+            gc.collect()
             marks.mark(f"step {measured_step}")
             outcome = train_step(state, micro_batches, cfg)[1]
             marks.mark(f"step {measured_step} end")

@@ -27,7 +27,7 @@ def failed_tests(junit_xml: Path) -> list[str]:
 
 def run_once(seed: int, paths: list[str], workers: int, report: Path) -> int:
     command = [sys.executable, "-m", "pytest", "-q", "-p", "randomly", f"--randomly-seed={seed}", "-n", str(workers),
-               "--dist", "loadfile", f"--junitxml={report}", *paths]
+               "--dist", "loadfile", "--no-loadscope-reorder", f"--junitxml={report}", *paths]
     print(f"run with seed {seed}: {' '.join(command[1:])}", flush=True)
     return subprocess.run(command, cwd=ROOT).returncode
 

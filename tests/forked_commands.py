@@ -47,10 +47,18 @@ def run_python(arguments: Sequence[str]) -> None:
         runpy.run_path(arguments[0], run_name="__main__")
 
 
+def fresh_signal_handlers() -> None:
+    """The handlers of the signals a launcher or the tests send, as a new interpreter has them."""
+    for number in (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2):
+        signal.signal(number, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
 def _torchrun_worker(*arguments: str) -> None:
     """One torchrun worker: what `python -u SCRIPT ARGS` would run, in a session of its own as torchrun starts
     its workers (a signal to the launcher's process group does not reach them)."""
     os.setsid()
+    fresh_signal_handlers()  # not the agent's, which turn SIGTERM into an exception
     try:
         run_python(arguments)
     finally:
@@ -78,9 +86,7 @@ def _command(argv: list[str], cwd: str, environment: dict[str, str], stdout: str
     `prepare` runs first, as subprocess.Popen's preexec_fn does."""
     if own_group:
         os.setpgid(0, 0)
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # the stop signals' handlers as a fresh interpreter has them
-    signal.signal(signal.SIGUSR1, signal.SIG_DFL)
-    signal.signal(signal.SIGINT, signal.default_int_handler)
+    fresh_signal_handlers()
     for path, flags, fd in ((os.devnull, os.O_RDONLY, 0), (stdout, os.O_WRONLY | os.O_APPEND, 1),
                             (stderr, os.O_WRONLY | os.O_APPEND, 2)):
         file = os.open(path, flags)
