@@ -117,10 +117,14 @@ def start_command(argv: Sequence[str], env: Mapping[str, str] | None = None, own
     if not real:
         return ForkedCommand(_CHILDREN, argv, ROOT, _environment(env), own_group=own_group, prepare=prepare,
                              output=None if output is None else str(output))
-    streams = {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE} if output is None else {
-        "stdout": output.open("a"), "stderr": subprocess.STDOUT}
-    return subprocess.Popen(list(argv), cwd=ROOT, env=_environment(env), text=True, preexec_fn=prepare,
-                            process_group=0 if own_group else None, **streams)
+    def popen(stdout, stderr) -> subprocess.Popen:
+        return subprocess.Popen(list(argv), cwd=ROOT, env=_environment(env), stdout=stdout, stderr=stderr, text=True,
+                                preexec_fn=prepare, process_group=0 if own_group else None)
+
+    if output is None:
+        return popen(subprocess.PIPE, subprocess.PIPE)
+    with output.open("a") as file:  # the process has its own copy
+        return popen(file, subprocess.STDOUT)
 
 
 def start_cli(data: Path, output: Path, *overrides: str, nproc: int = 2, resume: bool = False,

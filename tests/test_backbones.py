@@ -300,7 +300,7 @@ def _ddp_steps(rank: int, names: tuple[str, ...]) -> dict[str, dict]:
         before, missing = _parameter_digest(model), set()
         for step in range(DDP_STEPS):
             torch.manual_seed(100 * step + rank)  # ViT masking and drop path differ between ranks, as in training
-            ddp(images(4, seed=10 * step + rank)).square().mean().backward()
+            ddp(images(2, seed=10 * step + rank)).square().mean().backward()
             missing |= {key for key, p in model.named_parameters() if p.requires_grad and p.grad is None}
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)

@@ -119,10 +119,21 @@ def uninterrupted(data, tmp_path_factory) -> Path:
     return output
 
 
-@pytest.mark.parametrize("stage", STAGES)
-def test_a_kill_at_each_stage_of_a_save_resumes_as_the_uninterrupted_run(data, tmp_path, uninterrupted, stage):
-    output = tmp_path / "run"
+@pytest.fixture(scope="module")
+def saved_at_step_2(data, tmp_path_factory) -> Path:
+    """A 1-process run (10 steps per epoch) published at step 2, which the tests resume copies of. On 2 processes
+    (5 per epoch) it resumes at step 1 of the schedule (shown as 2), and its first save is the schedule's step 2
+    again, shown (and its folder named) as step 3: the shown step never runs backwards, so that no folder name
+    is taken twice."""
+    output = tmp_path_factory.mktemp("one") / "run"
     assert run_child(data, output, *OVERRIDES, "max_steps=2") == (0, "")
+    return output
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_a_kill_at_each_stage_of_a_save_resumes_as_the_uninterrupted_run(data, tmp_path, uninterrupted, stage,
+                                                                         saved_at_step_2):
+    output = Path(shutil.copytree(saved_at_step_2, tmp_path / "run"))
     kill, published = STAGES[stage]
     status, _ = run_child(data, output, *OVERRIDES, "max_steps=4", resume=True, prepare=kill)
     assert status == -signal.SIGKILL  # killed during the save after step 3
@@ -130,16 +141,6 @@ def test_a_kill_at_each_stage_of_a_save_resumes_as_the_uninterrupted_run(data, t
     assert run_child(data, output, *OVERRIDES, "max_steps=4", resume=True) == (0, "")
     assert sorted(p.name for p in output.glob("*checkpoint-*")) == ["checkpoint-000000004"]  # leftovers cleared
     assert_same_run(output, uninterrupted)
-
-
-@pytest.fixture(scope="module")
-def saved_by_one_process(data, tmp_path_factory) -> Path:
-    """A 1-process run (10 steps per epoch) published at step 2; on 2 processes (5 per epoch) it resumes
-    at step 1 of the schedule (shown as 2), and its first save is the schedule's step 2 again, shown (and its
-    folder named) as step 3: the shown step never runs backwards, so that no folder name is taken twice."""
-    output = tmp_path_factory.mktemp("one") / "run"
-    assert run_child(data, output, *OVERRIDES, "max_steps=2") == (0, "")
-    return output
 
 
 RENUMBERED = {  # the first save of the 2-process run, killed on rank 0 at each stage; the step published after
@@ -153,8 +154,8 @@ RENUMBERED = {  # the first save of the 2-process run, killed on rank 0 at each 
 @pytest.mark.slow
 @pytest.mark.parametrize("stage", RENUMBERED)
 def test_the_first_save_after_a_renumbering_resume_never_costs_the_published_checkpoint(
-        data, saved_by_one_process, tmp_path, stage):
-    output = Path(shutil.copytree(saved_by_one_process, tmp_path / "run"))
+        data, saved_at_step_2, tmp_path, stage):
+    output = Path(shutil.copytree(saved_at_step_2, tmp_path / "run"))
     published = output / json.loads((output / POINTER_NAME).read_text())["directory"]
     kept = file_states(published)
     arguments, step = RENUMBERED[stage]

@@ -148,6 +148,11 @@ def test_a_resumed_run_leaves_one_tensorboard_point_per_step(tmp_path):
     earlier.add_scalar("loss", 1.0, 3)
     earlier.add_scalar("loss", 2.0, 6)
     earlier.close()
+    # An earlier start's file is older: named a minute back. (Both writers open within a second here, and the
+    # name's last field, a per-process count, sorts 10 before 9: TensorBoard would read them the other way round.)
+    (written,) = (tmp_path / "tensorboard").iterdir()
+    stamp = written.name.split(".")[3]
+    written.rename(written.with_name(written.name.replace(f".{stamp}.", f".{int(stamp) - 60:010d}.", 1)))
     metrics = open_metrics(SimpleNamespace(output=str(tmp_path), using_wandb=False, wandb_log_all=False),
                            resumed_at=4)
     metrics.add_scalar("loss", 3.0, 6)
