@@ -3,11 +3,9 @@ its log, TensorBoard file, verification lines and checkpoints; resume (also on a
 the output folder guard."""
 from __future__ import annotations
 
-import os
 import re
 import shlex
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -17,7 +15,7 @@ import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from backbones import get_model
-from tests.run_helpers import ROOT, continue_command, digest, load_run, run_cli, run_here
+from tests.run_helpers import continue_command, digest, load_run, run_cli, run_command, run_here
 
 NETWORK = ["network=r18", "network_kwargs={'width_mult': 0.125}", "embedding_size=32"]
 TINY = (*NETWORK, "batch_size=4", "num_workers=0", "frequent=2", "verbose=4", "num_epoch=2")
@@ -134,8 +132,7 @@ def test_an_existing_run_is_never_overwritten_without_resume_and_a_finished_one_
         "output=<folder>"]
     assert {p.name: digest(p) for p in output.iterdir() if p.is_file()} == before
     # The command given continues this run, not the config's own output folder's.
-    on = subprocess.run([sys.executable, *shlex.split(command)[1:]], cwd=ROOT, capture_output=True, text=True,
-                        env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=300)
+    on = run_command([sys.executable, *shlex.split(command)[1:]], timeout=300)
     assert on.returncode == 0, on.stderr[-3000:]
     log = (output / "training.log").read_text()
     assert f"resumed from {output / 'checkpoint.json'} at global step 1" in log
