@@ -124,7 +124,7 @@ def _command(argv: list[str], cwd: str, environment: dict[str, str], stdout: str
 
 class ForkedCommand:
     """A command line running in a forked process, used as a `subprocess.Popen` with text pipes is (pid, poll,
-    wait, communicate, send_signal, kill, returncode)."""
+    wait, communicate, send_signal, kill, returncode): what the tests call."""
 
     def __init__(self, context, argv: Sequence[str], cwd: str, environment: Mapping[str, str],
                  own_group: bool = False, prepare: Callable[[], None] | None = None, output: str | None = None):
@@ -165,6 +165,3 @@ class ForkedCommand:
 
     def kill(self) -> None:
         self.send_signal(signal.SIGKILL)
-
-    def terminate(self) -> None:
-        self.send_signal(signal.SIGTERM)
