@@ -1,0 +1,24 @@
+"""The tests' forked command lines start their scripts as a new interpreter would: a torchrun worker forked
+from the agent has the default handlers of the signals, not the agent's (torch elastic's, which turns SIGTERM
+into an exception inside training). The reference: the same script in a new interpreter."""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+from tests.run_helpers import run_command
+
+SCRIPT = """
+import signal
+print([str(signal.getsignal(number)) for number in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)])
+"""
+
+
+def test_a_forked_torchrun_worker_starts_with_a_new_interpreters_signal_handlers(tmp_path):
+    script = tmp_path / "handlers.py"
+    script.write_text(SCRIPT)
+    result = run_command([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1",
+                          str(script)])
+    assert result.returncode == 0, result.stderr[-3000:]
+    fresh = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60, check=True)
+    assert result.stdout.strip().splitlines()[-1] == fresh.stdout.strip()  # what a new interpreter has
