@@ -7,7 +7,9 @@ batches per epoch.
 """
 from __future__ import annotations
 
+import io
 import json
+import logging
 import os
 import re
 import signal
@@ -19,6 +21,7 @@ import pytest
 from checkpoint.pointer import POINTER_NAME
 from tests.nan_injection import nan_at_steps
 from tests.run_helpers import continue_command, run_here, start_child, start_cli, wait_for_log
+from utils.stop import StopRequest, StopSignals
 
 EXIT_INTERRUPTED, EXIT_PREEMPTED = 130, 75
 
@@ -113,3 +116,48 @@ def test_the_error_that_stops_a_run_is_in_its_log(data, tmp_path, overrides, nan
     line = stderr.strip().splitlines()[-1]
     assert line.startswith("error: ")
     assert (output / "training.log").read_text().rstrip().endswith("-" + line)
+
+
+class SignalDuringWrite(io.RawIOBase):
+    """A file whose first write is interrupted by `number`, sent to this process: Python runs the handler
+    between two bytecodes of that write, inside the buffered stream's flush, as when a signal arrives while
+    training writes a log line."""
+
+    def __init__(self, number: int) -> None:
+        self.number, self.written = number, bytearray()
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, data) -> int:
+        if not self.written:
+            os.kill(os.getpid(), self.number)
+        self.written += data
+        return len(data)
+
+
+@pytest.mark.parametrize("number, asked, said", [
+    (signal.SIGTERM, StopRequest.PREEMPT, "SIGTERM: saving a checkpoint after this step, then stopping"),
+    (signal.SIGINT, StopRequest.INTERRUPT, "Ctrl-C: stopping after this step without saving")])
+def test_a_signal_that_lands_in_a_log_write_is_said_after_it_without_a_logging_error(number, asked, said, capfd):
+    file = SignalDuringWrite(number)
+    handler = logging.StreamHandler(io.TextIOWrapper(io.BufferedWriter(file), write_through=False))
+    root = logging.getLogger()
+    level, handlers = root.level, {n: signal.getsignal(n) for n in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)}
+    root.addHandler(handler)
+    root.setLevel(logging.INFO)
+    try:
+        with StopSignals() as signals:
+            signals.stepping = True
+            logging.info("a line being written")
+            assert signals.agreed() == asked  # the boundary waits until the request's line is out
+            signals.stepping = False
+        handler.flush()
+    finally:
+        root.removeHandler(handler)
+        root.setLevel(level)
+        for n, previous in handlers.items():  # a stopped run leaves SIGTERM ignored: not this test's process
+            signal.signal(n, previous)
+    lines = file.written.decode().splitlines()
+    assert len(lines) == 2 and lines[0] == "a line being written" and lines[1].startswith(said), lines
+    assert "Logging error" not in capfd.readouterr().err

@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import logging
 import os
+import queue
 import signal
+import threading
 from enum import IntEnum
 from types import FrameType, TracebackType
 
@@ -61,8 +63,15 @@ class StopSignals:
         self._interrupted = False
         self._group = host_group()
         self._previous: dict[int, object] = {}
+        # The handler runs between two bytecodes of the main thread, which may be inside a log write (a
+        # buffered stream refuses a reentrant write: "Logging error"). It only queues what it has to say
+        # (SimpleQueue.put is reentrant); this thread logs it once the interrupted write is done, and before the
+        # step boundary that acts on it says anything.
+        self._announcements: queue.SimpleQueue[str | threading.Event | None] = queue.SimpleQueue()
+        self._announcer = threading.Thread(target=self._announce, name="stop-announcer", daemon=True)
 
     def __enter__(self) -> StopSignals:
+        self._announcer.start()
         self._previous = {number: signal.signal(number, self._receive) for number in _REQUESTS}
         return self
 
@@ -73,6 +82,20 @@ class StopSignals:
             # workers as soon as one exits, a scheduler may repeat itself) must not cut its exit short.
             stopping = self.requested != StopRequest.NONE and number != signal.SIGINT
             signal.signal(number, signal.SIG_IGN if stopping else handler)
+        self._announcements.put(None)
+        self._announcer.join()
+
+    def _announce(self) -> None:
+        while (item := self._announcements.get()) is not None:
+            if isinstance(item, threading.Event):
+                item.set()  # everything queued before it has been logged
+            else:
+                log.info(item)
+
+    def _wait_for_announcements(self) -> None:
+        said = threading.Event()
+        self._announcements.put(said)
+        said.wait()
 
     def _receive(self, number: int, frame: FrameType | None) -> None:
         if number == signal.SIGINT:
@@ -86,15 +109,18 @@ class StopSignals:
         if not self.stepping:  # before the first step (which it stops after) or after the last: nothing to say
             return
         if request == StopRequest.INTERRUPT:
-            log.info("Ctrl-C: stopping after this step without saving (Ctrl-C again stops at once; SIGTERM or "
-                     "SIGUSR1 instead would save first)")
+            self._announcements.put("Ctrl-C: stopping after this step without saving (Ctrl-C again stops at once; "
+                                    "SIGTERM or SIGUSR1 instead would save first)")
         else:
-            log.info("%s: saving a checkpoint after this step, then stopping", signal.Signals(number).name)
+            name = signal.Signals(number).name
+            self._announcements.put(f"{name}: saving a checkpoint after this step, then stopping")
 
     def agreed(self) -> StopRequest:
         """The strongest request any rank has received. Collective: every rank calls it at each step boundary.
 
         It travels through a host-side (gloo) group, so that asking costs the step no wait for the device."""
+        if self.requested != StopRequest.NONE:
+            self._wait_for_announcements()  # this rank's signal line comes before what the stop writes
         agreed = StopRequest(int(all_reduce_max(torch.tensor(float(self.requested)), group=self._group).item()))
         # A rank stopping for another rank's signal is stopped too: it also ignores SIGTERMs on its way out.
         self.requested = max(self.requested, agreed)
