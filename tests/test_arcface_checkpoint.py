@@ -33,6 +33,7 @@ from utils.errors import CheckpointError, RunDirError
 
 NUM_CLASSES, DIM, LR = 21, 32, 0.1
 INFO21 = {**INFO, "num_classes": NUM_CLASSES}
+WIDTH = INFO["network_kwargs"]["width_mult"]  # the runs' r18 (QUIET): upstream's files are written for it
 WARMUP_EPOCHS, EPOCHS = 1, 4                 # the schedule of the runs below (run_helpers.QUIET: num_epoch=4)
 UPSTREAM_EPOCHS, UPSTREAM_BATCHES = 2, 5     # arcface_torch saved after its 2nd epoch of 5 batches per rank
 ROWS_ON = {1: [(0, 21)], 3: [(0, 7), (7, 14), (14, 21)]}  # rows each rank holds, written out
@@ -95,7 +96,7 @@ def write_train_v2(folder: Path, optimizer: str = "sgd", world_size: int = 2, nu
     """train_v2.py's save after `epochs` epochs of UPSTREAM_BATCHES batches on `world_size` ranks; the dicts written."""
     folder.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(0)
-    first = get_model("r18", num_features=embedding_size, width_mult=0.125)
+    first = get_model("r18", num_features=embedding_size, width_mult=WIDTH)
     global_step, written = epochs * UPSTREAM_BATCHES, []
     for rank in range(world_size):
         backbone = copy.deepcopy(first)  # DDP keeps the weights equal on every rank
@@ -136,7 +137,7 @@ def write_2021(folder: Path, world_size: int = 2) -> dict:
     """train.py + partial_fc.py of 2021: backbone.pth, each rank's weight and weight_mom tensors."""
     folder.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(1)
-    backbone = get_model("r18", num_features=DIM, width_mult=0.125)
+    backbone = get_model("r18", num_features=DIM, width_mult=WIDTH)
     weights, moms = [], []
     with saved_from_gpu():
         torch.save(backbone.state_dict(), folder / "backbone.pth")
@@ -161,7 +162,7 @@ def reference(written: list[dict]) -> dict:
 
 
 def make_model(optimizer: str, num_classes: int = NUM_CLASSES, embedding_size: int = DIM,
-               width_mult: float = 0.125) -> SimpleNamespace:
+               width_mult: float = WIDTH) -> SimpleNamespace:
     torch.manual_seed(7)  # other weights than the files': everything must come from them
     backbone = get_model("r18", num_features=embedding_size, width_mult=width_mult)
     pfc = PartialFC(CombinedMarginLoss(), embedding_size, num_classes, seed=7)
@@ -362,7 +363,7 @@ def test_arcface_torch_goes_on_along_pairface_schedule(pairface_run, tmp_path):
                    "--steps-per-epoch", 10) == 0
     checkpoint = torch.load(tmp_path / "arcface" / "checkpoint_gpu_0.pt", weights_only=True)
     assert (checkpoint["epoch"], checkpoint["global_step"]) == (1, 10)
-    backbone, shard = get_model("r18", num_features=DIM, width_mult=0.125), CentreShard(0, 1, NUM_CLASSES, DIM)
+    backbone, shard = get_model("r18", num_features=DIM, width_mult=WIDTH), CentreShard(0, 1, NUM_CLASSES, DIM)
     opt = torch.optim.SGD(params=[{"params": backbone.parameters()}, {"params": shard.parameters()}], lr=LR,
                           momentum=0.9, weight_decay=5e-4)
     lr_scheduler = PolynomialLRWarmup(optimizer=opt, warmup_iters=999, total_iters=9999)  # its config's: overwritten
@@ -428,7 +429,7 @@ def test_another_network_is_refused_with_the_one_it_fits(sources):
                       width_mult=0.25)
     assert message.startswith(f"{sources.root / 'train_v2_sgd' / 'checkpoint_gpu_0.pt'} holds a backbone that does "
                               "not fit network r18, width_mult=0.25")
-    assert message.endswith("it fits network r18, width_mult=0.125, num_features=32: resume with those settings")
+    assert message.endswith(f"it fits network r18, width_mult={WIDTH}, num_features=32: resume with those settings")
 
 
 def test_another_class_count_is_refused(sources):

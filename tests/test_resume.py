@@ -23,8 +23,6 @@ from checkpoint.sharded import restore_state, save_state
 from losses import CombinedMarginLoss
 from partial_fc import PartialFC
 from tests.run_helpers import (
-    FP16_INFO,
-    FP16_ON_CPU,
     SAVED_STATE,
     assert_same_run,
     file_states,
@@ -42,7 +40,7 @@ ONE_PROCESS = {
     # fp16 on CPU: a real GradScaler backing off from 2^16 during the first 6 steps (the scaled
     # gradient of PartialFC's float16 cosines overflows), so the checkpoint at step 6 holds a scale in mid-descent; SGD
     # momentum; warmup then decay (the LR changes every step); the run crosses an epoch at step 10.
-    "sgd_fp16_warmup": (6, [*FP16_ON_CPU, "sample_rate=0.5", "warmup_epoch=1", "num_epoch=2"]),
+    "sgd_fp16_warmup": (6, ["fp16=True", "sample_rate=0.5", "warmup_epoch=1", "num_epoch=2"]),
     # AdamW moments, bf16 autocast, dropout (RNG), two micro-batches per step, stopped at an epoch end.
     "adamw_bf16_accumulation": (5, ["optimizer=adamw", "lr=0.01", "bf16=True", "gradient_acc=2", "sample_rate=0.5",
                                     "dropout=0.2", "num_epoch=4"]),
@@ -71,15 +69,14 @@ def test_one_process_resume_is_the_uninterrupted_run(request, tmp_path, case):
     whole, split = tmp_path / "whole", tmp_path / "split"
     assert run_here(data, whole, *overrides, f"max_steps={2 * half}") == (0, "")
     assert run_here(data, split, *overrides, f"max_steps={half}") == (0, "")
-    info = FP16_INFO if "fp16=True" in overrides else None
-    stopped = load_run(split, info)
+    stopped = load_run(split)
     assert stopped["progress"]["global_step"] == half
     if "fp16=True" in overrides:
         assert 1 < stopped["grad_scaler"]["scale"] < 2.0 ** 16  # the scaler state is not the default one
     assert run_here(data, split, *overrides, f"max_steps={2 * half}", resume=True) == (0, "")
     assert f"resumed from {split / 'checkpoint.json'} at global step {half}" in (split / "training.log").read_text()
     assert sorted(scalars(split, "loss")) == list(range(1, 2 * half + 1))  # each run logged its own steps
-    assert_same_run(split, whole, info)
+    assert_same_run(split, whole)
 
 
 def test_resume_from_a_run_folder_or_a_checkpoint_file_into_a_new_output_folder(data, tmp_path):

@@ -56,7 +56,7 @@ def scheduled_lr(lr: float, step: int, total_steps: int) -> float:
 def run(data, tmp_path_factory) -> SimpleNamespace:
     root = tmp_path_factory.mktemp("said")
     config = root / "mine.py"
-    config.write_text(f'rec = "{data}"\nnum_views = 2\nnetwork = "r18"\nnetwork_kwargs = {{"width_mult": 0.125}}\n'
+    config.write_text(f'rec = "{data}"\nnum_views = 2\nnetwork = "r18"\nnetwork_kwargs = {{"width_mult": 0.0625}}\n'
                       f'embedding_size = 32\nbatch_size = 4\nnum_workers = 0\nnum_epoch = 80\nfrequent = 1\n'
                       f'verbose = 1\nval_targets = ("synthetic_val",)\noutput = "{root / "run"}"\n')
     logs, results = {}, {}
@@ -145,7 +145,7 @@ def decoded_bin(path: Path) -> tuple[torch.Tensor, np.ndarray]:
 
 def test_the_last_verification_threshold_is_recorded_with_the_model(run):
     images, issame = decoded_bin(run.data / "synthetic_val.bin")
-    model = get_model("r18", num_features=32, width_mult=0.125)
+    model = get_model("r18", num_features=32, width_mult=0.0625)
     model.load_state_dict(torch.load(run.output / "backbone.pth", weights_only=True))
     with torch.no_grad():
         model.eval()

@@ -17,7 +17,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from backbones import get_model
 from tests.run_helpers import continue_command, digest, load_run, run_cli, run_command, run_here
 
-NETWORK = ["network=r18", "network_kwargs={'width_mult': 0.125}", "embedding_size=32"]
+NETWORK = ["network=r18", "network_kwargs={'width_mult': 0.0625}", "embedding_size=32"]
 TINY = (*NETWORK, "batch_size=4", "num_workers=0", "frequent=2", "verbose=4", "num_epoch=2")
 LOG_LINE = re.compile(r"Speed [\d.]+ samples/sec [\d.]+ images/sec   Loss [\d.]+ \(v1 [\d.]+ v2 [\d.]+\)   "
                       r"LR [\d.]+   Epoch: \d+   Global Step: (\d+)   Required: \d+ (seconds|minutes|hours)")
@@ -63,10 +63,10 @@ def test_two_process_run_logs_verifies_and_checkpoints(two_process_run, data):
     assert checkpoint["world_size"] == 2 and checkpoint["progress"]["global_step"] == 4
     assert tuple(checkpoint["class_centres"].shape) == (20, 32)  # the whole matrix, both shards
     assert len(checkpoint["per_rank"]) == 2
-    assert checkpoint["model"] == {"network": "r18", "network_kwargs": {"width_mult": 0.125}, "embedding_size": 32,
+    assert checkpoint["model"] == {"network": "r18", "network_kwargs": {"width_mult": 0.0625}, "embedding_size": 32,
                                    "num_classes": 20}
 
-    backbone = get_model("r18", num_features=32, width_mult=0.125)
+    backbone = get_model("r18", num_features=32, width_mult=0.0625)
     backbone.load_state_dict(torch.load(output / "backbone.pth", weights_only=True), strict=True)
     assert all(value.device.type == "cpu" for value in torch.load(output / "backbone.pth").values())
     assert torch.equal(backbone.state_dict()["fc.weight"], checkpoint["backbone"]["fc.weight"])
@@ -144,7 +144,7 @@ def test_starting_from_a_bare_backbone_loads_it_and_says_so(data, tmp_path):
     (BatchNorm statistics aside: they move in every forward), and a fresh run's differ from them."""
     weights = tmp_path / "arcface_torch_model.pt"
     torch.manual_seed(1)
-    bare = get_model("r18", num_features=32, width_mult=0.125)
+    bare = get_model("r18", num_features=32, width_mult=0.0625)
     torch.save(bare.state_dict(), weights)
     output, fresh = tmp_path / "finetune", tmp_path / "fresh"
     assert run_here(data, output, "max_steps=2", "lr=0.0", f"resume={weights}", base=TINY) == (0, "")
