@@ -53,7 +53,7 @@ from pathlib import Path
 
 from bench.gpu_ready import cuda_problem
 from bench.step_memory import ratios
-from tests.run_helpers import CONFIG, FP16_ON_CPU, arguments
+from tests.run_helpers import CONFIG, arguments
 
 ROOT = Path(__file__).resolve().parent.parent
 SPEED = re.compile(r"Speed ([\d.]+) samples/sec ([\d.]+) images/sec   Loss ([\d.]+)")
@@ -223,7 +223,7 @@ def torchrun_resume(run: Runner, data: Path, folder: Path) -> Rows:
     """6 + 6 steps resumed against 12 uninterrupted, under torchrun with one process: bitwise or not."""
     run.budget("torchrun resume")
     name = "torchrun resume (6+6 vs 12 steps)"
-    settings = [*FP16_ON_CPU, "sample_rate=0.1", "deterministic=True", "save_every_steps=3", "num_epoch=100"]
+    settings = ["fp16=True", "sample_rate=0.1", "deterministic=True", "save_every_steps=3", "num_epoch=100"]
 
     def torchrun(output: Path, steps: int, resume: bool = False) -> subprocess.Popen:
         return run.start([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1",

@@ -158,9 +158,10 @@ def test_an_output_folder_held_by_a_live_run(data, run):
 
 
 def limit_file_size() -> None:
-    """In the child: writes past 1 MiB fail with EFBIG, as on a full disk (the checkpoint is ~2.3 MB)."""
+    """In the child: writes past 256 KiB fail with EFBIG, as on a full disk (the checkpoint's shard is ~0.5 MB, the
+    log and the other files stay below)."""
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
-    resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, 1 << 20))
+    resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 18, 1 << 18))
 
 
 def save_fails(data: Path, run: Path, prepare=None) -> str:
@@ -181,10 +182,10 @@ def test_a_file_size_limit_while_saving(data, run):
 
 @pytest.fixture
 def small_tmpfs(tmp_path):
-    """A real file system with 1 MiB free once the run is copied in (needs root and mount)."""
+    """A real file system with less free than a checkpoint takes once the run is copied in (needs root and mount)."""
     mount_point = tmp_path / "disk"
     mount_point.mkdir()
-    size = 5 << 20  # the run's files take ~3.6 MB: room for them, not for a second checkpoint
+    size = 2 << 20  # the run's files take ~1.5 MB, a checkpoint ~1.1 MB: room for them, not for a second checkpoint
     try:
         subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(mount_point)], check=True,
                        capture_output=True, timeout=30)

@@ -90,8 +90,7 @@ def test_fp16_overflow_backs_the_scale_off_without_counting_towards_the_stop(dat
 def _centre_gradient_fault(rank: int, world_size: int) -> dict:
     """One float32 step on two ranks where rank 1's centre gradient alone is made non-finite (a gradient
     hook: the loss and the backbone gradient stay finite, as when only the classifier's backward overflows)."""
-    cfg = load_config(ROOT / CONFIG, ["rec=synthetic", *QUIET, "network_kwargs={'width_mult': 0.0625}", "num_views=1",
-                                      "batch_size=2"])
+    cfg = load_config(ROOT / CONFIG, ["rec=synthetic", *QUIET, "num_views=1", "batch_size=2"])
     state = build_training_state(cfg, 4, torch.device("cpu"), steps_per_epoch=10)
     wrap_in_ddp(state, torch.device("cpu"))
     before = {**{f"backbone.{k}": v.clone() for k, v in state.backbone.state_dict().items()},

@@ -127,8 +127,10 @@ def test_under_torchrun_each_rank_reports_its_own_error_and_a_config_error_once(
     assert not re.search(r"^\[rank\d+\]:", stderr, re.MULTILINE), stderr[-3000:]  # a rank's traceback
     lost_contact = [line for line in errors if "lost contact" in line]
     # gloo's words for the peer's end depend on the moment it went: "closed" (its socket was shut while this rank
-    # read) or "reset" (while this rank wrote); both are the lost peer utils.distributed.lost_peer names.
-    assert all(re.fullmatch(r"error: lost contact with another process \(Connection (closed|reset) by peer .*\), which "
+    # read) or "reset" (while this rank wrote), the latter also as "Read error <address>: Connection reset by peer";
+    # all are the lost peer utils.distributed.lost_peer names.
+    assert all(re.fullmatch(r"error: lost contact with another process \((Read error \S+: )?Connection (closed|reset) "
+                            r"by peer.*\), which "
                             r"stopped or became unreachable: its own error line, .*", line) for line in lost_contact), \
         lost_contact
     errors = [line for line in errors if line not in lost_contact]
