@@ -46,6 +46,11 @@ def test_an_offline_run_logs_the_tensorboard_scalars_and_the_backbone(data, tmp_
     status, stderr = run_here(data, output, "max_steps=3", "using_wandb=True", "save_artifacts=True",
                               "suffix_run_name='pair'")
     assert status == 0, stderr
+    # run.finish() returns once wandb's service has taken the run's end, not once it has written the run file:
+    # the file is whole when the service has shut down (as at a training process's exit).
+    import wandb  # noqa: PLC0415 (wandb is an optional extra)
+
+    wandb.teardown()
     (run_file,) = output.glob("wandb/offline-run-*/run-*.wandb")
     history: dict[str, dict[int, float]] = {}
     runs, artifacts = [], []
