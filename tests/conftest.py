@@ -74,14 +74,27 @@ def _started_processes() -> set[int]:
     return started - servers
 
 
+def _numerics() -> tuple:
+    """The process-wide switches utils.device.configure_numerics sets (train.main and tools run in tests set them)."""
+    return (torch.are_deterministic_algorithms_enabled(), torch.backends.cudnn.deterministic,
+            torch.backends.cudnn.benchmark, torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)
+
+
+def _restore_numerics(switches: tuple) -> None:
+    torch.use_deterministic_algorithms(switches[0])
+    (torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark, torch.backends.cuda.matmul.allow_tf32,
+     torch.backends.cudnn.allow_tf32) = switches[1:]
+
+
 @pytest.fixture(autouse=True)
 def leaves_nothing_behind():
     """What a test starts ends with it: a process it started that still runs (a run left behind by a failed
     assertion, with every process below it) is killed, so that it cannot load the machine, hold a port or a run
     folder's lock, or signal anything during later tests; environment variables and the handlers of the stop
     signals are put back (an in-process run that stopped on a signal leaves SIGTERM ignored, which every process
-    started later would inherit)."""
+    started later would inherit), and so are torch's numerics switches (TF32, deterministic kernels)."""
     environ, handlers = dict(os.environ), {number: signal.getsignal(number) for number in STOP_SIGNALS}
+    numerics = _numerics()
     before = _started_processes()
     yield
     leftovers = _started_processes() - before
@@ -103,6 +116,7 @@ def leaves_nothing_behind():
     os.environ.update(environ)
     for number, handler in handlers.items():
         signal.signal(number, handler)
+    _restore_numerics(numerics)
 
 
 @pytest.fixture(scope="session")

@@ -36,20 +36,6 @@ from utils.launcher import local_process
 from utils.lr_scheduler import build_scheduler
 
 
-@pytest.fixture
-def numerics():
-    """configure_numerics changes process-wide switches: put them back."""
-    saved = (torch.are_deterministic_algorithms_enabled(), torch.backends.cudnn.deterministic,
-             torch.backends.cudnn.benchmark, torch.backends.cuda.matmul.fp32_precision,
-             torch.backends.cudnn.conv.fp32_precision, os.environ.get("CUBLAS_WORKSPACE_CONFIG"))
-    yield
-    torch.use_deterministic_algorithms(saved[0])
-    torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = saved[1], saved[2]
-    torch.backends.cuda.matmul.fp32_precision, torch.backends.cudnn.conv.fp32_precision = saved[3], saved[4]
-    if saved[5] is None:
-        os.environ.pop("CUBLAS_WORKSPACE_CONFIG", None)
-
-
 def test_auto_and_cpu_choose_the_cpu_without_cuda(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # as on this test machine
     assert choose_device("auto", 0, 1) == torch.device("cpu")
@@ -130,17 +116,19 @@ def test_the_process_group_gets_the_timeout_and_no_device_on_a_cpu(monkeypatch):
     assert calls == [{"backend": "gloo", "init_method": "env://", "timeout": timedelta(minutes=7), "device_id": None}]
 
 
-def test_deterministic_sets_what_it_says(numerics, monkeypatch):
+def test_deterministic_sets_what_it_says(monkeypatch):
     monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
     configure_numerics(torch.device("cpu"), tf32=False, deterministic=True)
     assert torch.are_deterministic_algorithms_enabled()
     assert torch.backends.cudnn.deterministic and not torch.backends.cudnn.benchmark
     assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8"
-    assert torch.backends.cuda.matmul.fp32_precision == torch.backends.cudnn.conv.fp32_precision == "ieee"
+    assert not torch.backends.cuda.matmul.allow_tf32 and not torch.backends.cudnn.allow_tf32
+    assert torch.get_float32_matmul_precision() == "highest"
     configure_numerics(torch.device("cpu"), tf32=True, deterministic=False)
     assert not torch.are_deterministic_algorithms_enabled() and not torch.backends.cudnn.deterministic
     assert not torch.backends.cudnn.benchmark  # autotuning is for GPUs
-    assert torch.backends.cuda.matmul.fp32_precision == torch.backends.cudnn.conv.fp32_precision == "tf32"
+    assert torch.backends.cuda.matmul.allow_tf32 and torch.backends.cudnn.allow_tf32
+    assert torch.get_float32_matmul_precision() == "high"
 
 
 def _scaler_after(steps: list[str]) -> torch.amp.GradScaler:

@@ -1,5 +1,6 @@
 """conftest.leaves_nothing_behind, in a pytest session of its own (pytester): what one test starts and leaves
-(a running process, an environment variable, an ignored SIGTERM) is gone when the next test runs."""
+(a running process, an environment variable, an ignored SIGTERM, torch's numerics switches as a run or tool sets
+them) is gone when the next test runs."""
 from __future__ import annotations
 
 # The inner session's leaves_nothing_behind imports tests.run_helpers (train, torch.distributed) to kill what was
@@ -18,16 +19,22 @@ import sys
 import time
 from pathlib import Path
 
+import torch
+
 from tests.conftest import leaves_nothing_behind  # noqa: F401 (the autouse fixture under test)
+from utils.device import configure_numerics
 
 PID_FILE = Path(__file__).with_name("pid")
+DEFAULT_NUMERICS = (torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32,
+                    torch.are_deterministic_algorithms_enabled())
 
 
-def test_leaves_a_process_a_variable_and_an_ignored_sigterm():
+def test_leaves_a_process_a_variable_an_ignored_sigterm_and_numerics():
     process = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
     PID_FILE.write_text(str(process.pid))
     os.environ["LEFT_BY_A_TEST"] = "1"
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    configure_numerics(torch.device("cpu"), tf32=not DEFAULT_NUMERICS[0], deterministic=not DEFAULT_NUMERICS[2])
 
 
 def _running(stat: Path) -> bool:
@@ -45,10 +52,12 @@ def test_finds_none_of_them():
     assert not _running(stat)
     assert "LEFT_BY_A_TEST" not in os.environ
     assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
+    assert (torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32,
+            torch.are_deterministic_algorithms_enabled()) == DEFAULT_NUMERICS
 '''
 
 
-def test_a_test_s_process_variable_and_signal_handler_end_with_it(pytester):
+def test_a_test_s_process_variable_signal_handler_and_numerics_end_with_it(pytester):
     pytester.makepyfile(test_inner=INNER)
     result = pytester.runpytest_inprocess("-p", "no:randomly", "-p", "no:cacheprovider")
     result.assert_outcomes(passed=2)

@@ -15,7 +15,6 @@ and what is used where:
   ShardedTensor with one local shard (2.4, 2.11; built without a process group);
 - ONNX export with a dynamic batch: torch.export's exporter (``dynamo=True, dynamic_shapes``: 2.11,
   2.14) or the TorchScript one (``dynamic_axes``: 2.4);
-- TF32 for float32 matmuls and convolutions: ``fp32_precision`` (2.11, 2.14) or ``allow_tf32`` (2.4);
 - a half-precision GEMM with a float32 result: ``torch.mm(..., out_dtype=torch.float32)`` where the
   device has that kernel (CUDA with 2.11, 2.14), else the GEMM in float32.
 """
@@ -51,16 +50,6 @@ def require_supported_torch() -> None:
     raise ConfigError(f"torch {torch.__version__} is older than pairface supports: it needs torch >= {floor} "
                       f"({FLOOR_FEATURE}); install torch>={floor} with its torchvision, e.g. "
                       "pip install -r requirements.txt")
-
-
-def use_tf32(enabled: bool) -> None:
-    """TF32 (or full float32) for float32 matmuls and cuDNN convolutions."""
-    if hasattr(torch.backends.cudnn, "conv"):
-        precision = "tf32" if enabled else "ieee"
-        torch.backends.cuda.matmul.fp32_precision = precision
-        torch.backends.cudnn.conv.fp32_precision = precision
-    else:
-        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = enabled
 
 
 # --- collectives ------------------------------------------------------------------------------------

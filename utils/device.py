@@ -11,7 +11,6 @@ from pathlib import Path
 
 import torch
 
-from utils.compat import use_tf32
 from utils.errors import ConfigError
 
 # The oldest Linux driver each CUDA major version runs on (NVIDIA's CUDA toolkit release notes).
@@ -84,7 +83,9 @@ def configure_numerics(device: torch.device, tf32: bool, deterministic: bool) ->
     torch.use_deterministic_algorithms(deterministic)
     torch.backends.cudnn.deterministic = deterministic
     torch.backends.cudnn.benchmark = device.type == "cuda" and not deterministic
-    use_tf32(tf32)
+    # The allow_tf32 switches, on every release: they also set the newer fp32_precision ones (2.9 on), whereas
+    # fp32_precision set alone leaves allow_tf32 behind, and torch's own reads of it (torch.export's) then raise.
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = tf32
 
 
 def describe_device(device: torch.device) -> str:
