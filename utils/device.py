@@ -83,8 +83,9 @@ def configure_numerics(device: torch.device, tf32: bool, deterministic: bool) ->
     torch.use_deterministic_algorithms(deterministic)
     torch.backends.cudnn.deterministic = deterministic
     torch.backends.cudnn.benchmark = device.type == "cuda" and not deterministic
-    # The allow_tf32 switches, on every release: they also set the newer fp32_precision ones (2.9 on), whereas
-    # fp32_precision set alone leaves allow_tf32 behind, and torch's own reads of it (torch.export's) then raise.
+    # The allow_tf32 switches, on every release: they also set the newer fp32_precision ones where those exist
+    # (checked on 2.11 and 2.14), whereas fp32_precision set alone leaves allow_tf32 behind, and torch's own reads
+    # of it (torch.export's) then raise.
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = tf32
 
 
