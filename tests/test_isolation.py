@@ -1,13 +1,15 @@
 """conftest.leaves_nothing_behind, in a pytest session of its own (pytester): what one test starts and leaves
 (a running process, an environment variable, an ignored SIGTERM, torch's numerics switches as a run or tool sets
-them) is gone when the next test runs."""
+them) is gone when the next test runs.
+
+The session runs in a process of its own: an in-process one has every module it imported dropped when it ends,
+and modules with native parts (torch.distributed's operator registrations, triton, which
+torch.use_deterministic_algorithms imports) cannot be imported again by a later test."""
 from __future__ import annotations
 
-# The inner session's leaves_nothing_behind imports tests.run_helpers (train, torch.distributed) to kill what was
-# left. pytester drops every module an in-process session imported once it ends, and torch's C++ operator
-# registrations cannot be dropped with them: imported again by a later test, torch.distributed would register
-# its operators twice and fail. Imported here, before the inner session, they stay.
-import tests.run_helpers  # noqa: F401 (kept loaded: see above)
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
 
 pytest_plugins = ("pytester",)
 
@@ -57,7 +59,8 @@ def test_finds_none_of_them():
 '''
 
 
-def test_a_test_s_process_variable_signal_handler_and_numerics_end_with_it(pytester):
+def test_a_test_s_process_variable_signal_handler_and_numerics_end_with_it(pytester, monkeypatch):
     pytester.makepyfile(test_inner=INNER)
-    result = pytester.runpytest_inprocess("-p", "no:randomly", "-p", "no:cacheprovider")
+    monkeypatch.setenv("PYTHONPATH", str(ROOT))  # the inner file imports tests.conftest
+    result = pytester.runpytest_subprocess("-p", "no:randomly", "-p", "no:cacheprovider", timeout=300)
     result.assert_outcomes(passed=2)
