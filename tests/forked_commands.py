@@ -47,24 +47,18 @@ def run_python(arguments: Sequence[str]) -> None:
         runpy.run_path(arguments[0], run_name="__main__")
 
 
-SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2)
-# The handlers of the signals a launcher or the tests send, as the forked command found them: the forkserver's,
-# which are those of a new interpreter that the tests' process starts (a signal it ignores, as under nohup or in
-# a background job, stays ignored, as exec keeps it).
-_started_with: dict[int, object] = {}
-
-
-def _fresh_signal_handlers() -> None:
-    """A new interpreter's handlers again, in a process forked from one that changed them (torchrun's agent)."""
-    for number, handler in _started_with.items():
-        signal.signal(number, handler)
+def fresh_signal_handlers() -> None:
+    """The handlers of the signals a launcher or the tests send, as a new interpreter has them."""
+    for number in (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2):
+        signal.signal(number, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def _torchrun_worker(*arguments: str) -> None:
     """One torchrun worker: what `python -u SCRIPT ARGS` would run, in a session of its own as torchrun starts
     its workers (a signal to the launcher's process group does not reach them)."""
     os.setsid()
-    _fresh_signal_handlers()  # not the agent's, which turn SIGTERM into an exception
+    fresh_signal_handlers()  # not the agent's, which turn SIGTERM into an exception
     try:
         run_python(arguments)
     finally:
@@ -90,9 +84,9 @@ def _command(argv: list[str], cwd: str, environment: dict[str, str], stdout: str
              own_group: bool, prepare: Callable[[], None] | None) -> None:
     """The forked process: `argv` (`sys.executable` first) as a command line would run it; exits with its status.
     `prepare` runs first, as subprocess.Popen's preexec_fn does."""
-    _started_with.update({number: signal.getsignal(number) for number in SIGNALS})
     if own_group:
         os.setpgid(0, 0)
+    fresh_signal_handlers()
     for path, flags, fd in ((os.devnull, os.O_RDONLY, 0), (stdout, os.O_WRONLY | os.O_APPEND, 1),
                             (stderr, os.O_WRONLY | os.O_APPEND, 2)):
         file = os.open(path, flags)
