@@ -47,9 +47,13 @@ def run_python(arguments: Sequence[str]) -> None:
         runpy.run_path(arguments[0], run_name="__main__")
 
 
+SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2)
+
+
 def fresh_signal_handlers() -> None:
-    """The handlers of the signals a launcher or the tests send, as a new interpreter has them."""
-    for number in (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2):
+    """The handlers of the signals a launcher or the tests send, as a new interpreter started from a terminal has
+    them (whatever the tests' own: a test sends Ctrl-C as a user would, also when the suite runs under nohup)."""
+    for number in SIGNALS:
         signal.signal(number, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.default_int_handler)
 

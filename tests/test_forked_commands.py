@@ -1,11 +1,14 @@
 """The tests' forked command lines start their scripts as a new interpreter would: a torchrun worker forked
 from the agent has the default handlers of the signals, not the agent's (torch elastic's, which turns SIGTERM
-into an exception inside training). The reference: the same script in a new interpreter."""
+into an exception inside training). The reference: the same script in a new interpreter, started as from a
+terminal."""
 from __future__ import annotations
 
+import signal
 import subprocess
 import sys
 
+from tests.forked_commands import SIGNALS
 from tests.run_helpers import run_command
 
 SCRIPT = """
@@ -14,11 +17,19 @@ print([str(signal.getsignal(number)) for number in (signal.SIGTERM, signal.SIGIN
 """
 
 
+def _as_from_a_terminal() -> None:
+    """The signal dispositions a shell in a terminal gives a command, whatever the tests' own (under nohup or
+    in a background job SIGHUP and SIGINT are ignored, and exec keeps them ignored)."""
+    for number in SIGNALS:
+        signal.signal(number, signal.SIG_DFL)
+
+
 def test_a_forked_torchrun_worker_starts_with_a_new_interpreters_signal_handlers(tmp_path):
     script = tmp_path / "handlers.py"
     script.write_text(SCRIPT)
     result = run_command([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1",
                           str(script)])
     assert result.returncode == 0, result.stderr[-3000:]
-    fresh = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60, check=True)
+    fresh = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60, check=True,
+                           preexec_fn=_as_from_a_terminal)
     assert result.stdout.strip().splitlines()[-1] == fresh.stdout.strip()  # what a new interpreter has
