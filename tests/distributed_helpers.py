@@ -12,6 +12,7 @@ from __future__ import annotations
 import faulthandler
 import multiprocessing
 import os
+import resource
 import signal
 import tempfile
 import time
@@ -37,7 +38,9 @@ def _worker(rank: int, world_size: int, environment: dict, init_file: str, out_d
     os.environ.update(environment)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     # Where a hung rank is: _join ends it with SIGABRT, on which faulthandler writes its stacks here and exits
+    # (without a core file, which would land in the tests' working folder)
     faulthandler.enable(open(_stacks_path(out_dir, rank), "w"), all_threads=True)  # noqa: SIM115 (open till exit)
+    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size,
                             timeout=collective_timeout)
