@@ -66,7 +66,8 @@ def test_ranks_take_disjoint_slices(pair_rec):
 def test_batches_do_not_depend_on_num_workers(pair_rec):
     ds = build_dataset(pair_rec, num_views=2, flip=True, seed=7)
     single = collect(build_loader(ds, 4, seed=1, num_workers=0), range(2))
-    assert_same_batches(collect(build_loader(ds, 4, seed=1, num_workers=2), range(2)), single)
+    with build_loader(ds, 4, seed=1, num_workers=2) as loader:  # its workers end with the test
+        assert_same_batches(collect(loader, range(2)), single)
     first = single[0][0]
     assert first.shape == (4, 2, 3, 112, 112) and first.dtype == torch.uint8
 
@@ -76,8 +77,8 @@ def test_steps_from_any_start_are_the_uninterrupted_batches(pair_rec, start):
     """A resumed run asks for the steps from its saved step on: it gets what the uninterrupted run got."""
     ds = build_dataset(pair_rec, num_views=2, flip=True, seed=7)
     uninterrupted = collect(build_loader(ds, 4, seed=2, num_workers=0), range(3))  # 7 batches per epoch
-    resumed = build_loader(ds, 4, seed=2, num_workers=1)
-    steps = list(resumed.steps(start, 21))
+    with build_loader(ds, 4, seed=2, num_workers=1) as resumed:
+        steps = list(resumed.steps(start, 21))
     assert all(len(micro_batches) == 1 for micro_batches in steps)
     assert_same_batches([micro_batches[0] for micro_batches in steps], uninterrupted[start:])
 
@@ -110,11 +111,11 @@ def test_skipped_records_are_summed_over_workers(tmp_path, pair_rec):
             header, payload = unpack(reader.read(key))
             writer.write(key, pack(header, b"garbage" if key in bad_keys else payload))
     ds = build_dataset(str(tmp_path), num_views=2, skip_bad_records=True)
-    loader = build_loader(ds, 4, seed=3, num_workers=2)
     order = list(DistributedSampler(ds, num_replicas=1, rank=0, shuffle=True, seed=3, drop_last=True))
-    expected = sum(1 for i in order[:len(loader) * 4] if i + 1 in bad_keys)  # sample i is key i + 1
-    labels = torch.cat([labels for _, labels in loader])
-    assert loader.skipped == expected > 0
+    with build_loader(ds, 4, seed=3, num_workers=2) as loader:
+        expected = sum(1 for i in order[:len(loader) * 4] if i + 1 in bad_keys)  # sample i is key i + 1
+        labels = torch.cat([labels for _, labels in loader])
+        assert loader.skipped == expected > 0
     assert set(labels.tolist()).isdisjoint({k - 1 for k in bad_keys})
 
 
@@ -233,8 +234,9 @@ def image_folder(root, identities: int, per_identity: int) -> str:
 
 
 def decoded_here(ds, batch_size, seed, num_workers, steps=(0, 14)):
-    loader = FaceLoader(ds, batch_size, 0, 1, seed, num_workers, torch.device("cpu"), True, decode_on_device=True)
-    return [batch for step in loader.steps(*steps) for batch in step]
+    with FaceLoader(ds, batch_size, 0, 1, seed, num_workers, torch.device("cpu"), True,
+                    decode_on_device=True) as loader:
+        return [batch for step in loader.steps(*steps) for batch in step]
 
 
 def decoded_in_workers(ds, batch_size, seed, steps=(0, 14)):
@@ -276,9 +278,9 @@ def test_decoding_in_the_training_process_skips_bad_records_as_the_workers_do(tm
     ds = build_dataset(damaged_copy(pair_rec, tmp_path, {4: b"\xff\xd8garbage", 9: b""}), num_views=2,
                        skip_bad_records=True, dali_aug=True)
     in_workers = build_loader(ds, 4, seed=3, num_workers=0)
-    here = FaceLoader(ds, 4, 0, 1, 3, 2, torch.device("cpu"), True, decode_on_device=True)
-    assert_same_batches(collect(here, range(2)), collect(in_workers, range(2)))
-    assert here.skipped == in_workers.skipped > 0
+    with FaceLoader(ds, 4, 0, 1, 3, 2, torch.device("cpu"), True, decode_on_device=True) as here:
+        assert_same_batches(collect(here, range(2)), collect(in_workers, range(2)))
+        assert here.skipped == in_workers.skipped > 0
 
 
 def test_gpu_decode_without_a_gpu_says_so_once_and_decodes_in_the_workers(pair_rec, caplog):
@@ -375,10 +377,10 @@ def test_a_bad_record_stops_the_loader_with_its_data_error(tmp_path, pair_rec, w
 def test_loading_draws_nothing_from_torchs_global_generator(pair_rec):
     """Centre sampling and dropout draw from torch's global generator: a loader that drew from it (a
     DataLoader draws a worker seed at every epoch start) would change them at each epoch."""
-    loader = build_loader(build_dataset(pair_rec, num_views=2), 4, num_workers=1)
     torch.manual_seed(0)
     state = torch.get_rng_state()
-    collect(loader, range(2))
+    with build_loader(build_dataset(pair_rec, num_views=2), 4, num_workers=1) as loader:
+        collect(loader, range(2))
     assert torch.equal(torch.get_rng_state(), state)
 
 
