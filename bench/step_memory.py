@@ -200,6 +200,7 @@ def measure(cfg: SimpleNamespace, device: torch.device) -> dict[str, int]:
         state = build_training_state(cfg, dataset.num_classes, device, len(loader) // cfg.gradient_acc)
         wrap_in_ddp(state, device)
         _hook_markers(state, marks, inputs, gradients)
+        marks.mark("built")
         torch.manual_seed(cfg.seed + 1 + rank())
         taken = False
         for measured_step, micro_batches in enumerate(loader.steps(0, MAX_STEPS, cfg.gradient_acc)):
@@ -237,10 +238,14 @@ def measure(cfg: SimpleNamespace, device: torch.device) -> dict[str, int]:
     after_softmax = marks.peak_between(f"softmax end {last}", f"step {measured_step} end") - start
     items["backbone_backward"] = max(marks.peak_between(f"forward {last}", f"forward end {last}") - start,
                                      after_softmax - (centre_gradient if cfg.gradient_acc == 1 else 0))
-    # Everything else alive when the step starts: the batches, and scalars (grad scaler, optimizer steps).
-    persistent = ("class_centres", "centre_optimizer_state", "backbone_parameters", "backbone_optimizer_state",
-                  "ddp_gradient_buckets")
-    items["batch"] = marks.at(f"step {measured_step}") - sum(items[item] for item in persistent)
+    # Everything else alive when the step starts: the batches, and scalars (grad scaler, optimizer steps). Counted
+    # from what was alive once the state was built, less what the first step made to keep (the optimizer state, the
+    # room for BatchNorm statistics); not as what is alive less the persistent items' sizes, because what DDP's
+    # constructor leaves for a gloo thread to free (its broadcast's flat buffer, when that thread happens to drop
+    # the last reference) is freed outside this thread's profile: it would never show as freed, and count here.
+    made_by_first_step = (items["centre_optimizer_state"] + items["backbone_optimizer_state"]
+                          + _nbytes(state.bn_buffers))
+    items["batch"] = marks.at(f"step {measured_step}") - marks.at("built") - made_by_first_step
     items["total"] = marks.peak_between(f"step {measured_step}", f"step {measured_step} end")
     # Not planned, and 0 on a GPU (the caching allocator's figures include it): what this CPU's kernels add
     # on top of the tensors at some moment of the step.
