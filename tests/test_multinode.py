@@ -71,9 +71,9 @@ def test_a_missing_shard_stops_every_rank_with_the_same_line(data, killed_two_no
     output = Path(shutil.copytree(killed_two_node_run, tmp_path / "run"))
     folder = output / json.loads((output / POINTER_NAME).read_text())["directory"]
     (folder / "__1_0.distcp").unlink()
-    start = time.monotonic()
+    # Ended at all: a rank waiting for its peer in a collective would wait out timeout_minutes (30 by default), far
+    # past run_cli's bound, which fails the test.
     result = run_cli(data, output, *OVERRIDES, nproc=2, resume=True)
-    assert time.monotonic() - start < 100  # no wait for a collective timeout
     assert result.returncode != 0
     lines = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
     messages = sorted(re.sub(r"^error: (\[rank 1\] )?", "", line) for line in lines)
