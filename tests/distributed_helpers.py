@@ -27,8 +27,11 @@ COLLECTIVE_TIMEOUT = timedelta(seconds=60)  # far longer than any test's collect
 WORLD_TIMEOUT = 300.0  # seconds for a whole world, its imports included
 # Ranks fork from multiprocessing's forkserver, a process that has imported these and run nothing (so no thread
 # pool a forked child cannot use): spawning would import torch and pairface again in every rank, seconds of CPU
-# each, most of what a small world costs. tests/run_helpers.py's children fork from the same server.
-FORKSERVER_PRELOAD = ["train", "checkpoint.sharded", "torchvision.io"]
+# each, most of what a small world costs. tests/run_helpers.py's children fork from the same server. Besides
+# train.py: what its runs import only once they save (DCP), decode (torchvision), verify (scikit-learn's folds and
+# ROC, ~1 s) or log (TensorBoard).
+FORKSERVER_PRELOAD = ["train", "checkpoint.sharded", "torchvision.io", "sklearn.model_selection", "sklearn.metrics",
+                      "torch.utils.tensorboard"]
 multiprocessing.set_forkserver_preload(FORKSERVER_PRELOAD)
 
 

@@ -3,12 +3,13 @@
 A command line the tests run (`python train.py ...`, `python -m tests.nan_injection ...`, `python -m
 torch.distributed.run ... train.py ...`) costs seconds of CPU before it does anything: each process imports
 torch (a torchrun of two workers: three imports). Most of the suite's CPU went there. Here the same command
-runs in a process forked from the tests' forkserver (tests/run_helpers.py), which has imported train.py,
-DCP and torchvision and run nothing:
+runs in a process forked from the tests' forkserver (tests/run_helpers.py), which has imported train.py and
+what its runs import on first use (DCP, torchvision, scikit-learn, TensorBoard) and run nothing:
 
 - `python SCRIPT ARGS` / `python -m MODULE ARGS` runs the script or module as `__main__` with `sys.argv` as
   Python sets it (runpy, as the interpreter itself does), in the command's folder, environment, process
-  group and with its stdout and stderr in files.
+  group and with its stdout and stderr in files, and ends as the interpreter ends: it waits for its threads
+  that are not daemons, then runs its exit handlers.
 - `python -m torch.distributed.run ...` runs torchrun's own `main` (its argument parser, rendezvous, agent
   store, monitoring, restarts, signal forwarding and failure report) with one change: its workers are forked
   from the agent and run the script as above, instead of each starting an interpreter. Each worker starts a
@@ -27,6 +28,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import traceback
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -58,6 +60,13 @@ def fresh_signal_handlers() -> None:
     signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
+def exit_as_the_interpreter_does() -> None:
+    """What the interpreter does on its way out and a forked process's os._exit does not: wait for every thread
+    that is not a daemon, then run the exit handlers (Py_FinalizeEx's order)."""
+    threading._shutdown()  # (no public equivalent)
+    atexit._run_exitfuncs()
+
+
 def _torchrun_worker(*arguments: str) -> None:
     """One torchrun worker: what `python -u SCRIPT ARGS` would run, in a session of its own as torchrun starts
     its workers (a signal to the launcher's process group does not reach them)."""
@@ -66,7 +75,7 @@ def _torchrun_worker(*arguments: str) -> None:
     try:
         run_python(arguments)
     finally:
-        atexit._run_exitfuncs()  # as the interpreter does on its way out (a forked process's exit does not)
+        exit_as_the_interpreter_does()
 
 
 def _torchrun(arguments: Sequence[str]) -> None:
@@ -117,7 +126,7 @@ def _command(argv: list[str], cwd: str, environment: dict[str, str], stdout: str
     except BaseException as error:  # what the interpreter prints for an uncaught exception, and its status
         traceback.print_exc()
         status = -signal.SIGINT if isinstance(error, KeyboardInterrupt) else 1
-    atexit._run_exitfuncs()  # as the interpreter does on its way out
+    exit_as_the_interpreter_does()
     sys.stdout.flush()
     sys.stderr.flush()
     if status < 0:  # Python ends itself with SIGINT after an uncaught KeyboardInterrupt

@@ -127,12 +127,12 @@ def start_command(argv: Sequence[str], env: Mapping[str, str] | None = None, own
 def start_cli(data: Path, output: Path, *overrides: str, nproc: int = 2, resume: bool = False,
               base: Sequence[str] = QUIET, env: Mapping[str, str] | None = None,
               nan_steps: str | None = None, own_group: bool = False, injection: Sequence[str] = (),
-              real: bool = False) -> subprocess.Popen | ForkedCommand:
+              real: bool = False, console: Path | None = None) -> subprocess.Popen | ForkedCommand:
     """`torchrun --nproc_per_node <nproc> train.py ...` (`python train.py ...` for nproc 0), started, not
     awaited (start_command), so that tests start independent runs side by side. `injection`: "-m", a fault
-    injection module and its arguments, run instead of train.py."""
+    injection module and its arguments, run instead of train.py. `console`: start_command's `output`."""
     command = _command(nproc, nan_steps, injection) + arguments(data, output, *overrides, resume=resume, base=base)
-    return start_command(command, env=env, own_group=own_group, real=real)
+    return start_command(command, env=env, own_group=own_group, real=real, output=console)
 
 
 def run_cli(data: Path, output: Path, *overrides: str, nproc: int = 0, resume: bool = False,

@@ -33,3 +33,26 @@ def test_a_forked_torchrun_worker_starts_with_a_new_interpreters_signal_handlers
     fresh = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60, check=True,
                            preexec_fn=_as_from_a_terminal)
     assert result.stdout.strip().splitlines()[-1] == fresh.stdout.strip()  # what a new interpreter has
+
+
+THREAD_AND_EXIT_HANDLER = """
+import atexit
+import threading
+go = threading.Event()
+atexit.register(print, "exit handler")
+threading.Thread(target=lambda: go.wait() and print("thread")).start()
+print("main")
+go.set()
+"""
+
+
+def test_a_forked_command_waits_for_its_threads_then_runs_its_exit_handlers_as_an_interpreter_does(tmp_path):
+    """A thread that is not a daemon still running when the script ends: the interpreter waits for it before its
+    exit handlers (a forked command that ran the handlers first, or ended without the thread, would pass a run
+    whose real command line hangs at its exit)."""
+    script = tmp_path / "exit_order.py"
+    script.write_text(THREAD_AND_EXIT_HANDLER)
+    forked = run_command([sys.executable, str(script)])
+    fresh = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60, check=True)
+    assert fresh.stdout.split("\n") == ["main", "thread", "exit handler", ""]
+    assert (forked.returncode, forked.stdout) == (0, fresh.stdout)

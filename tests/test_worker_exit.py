@@ -2,15 +2,15 @@
 
 The data workers outlive an epoch and ignore SIGTERM (stopping is the training process's job): a run that
 left them to the interpreter's exit waited for them forever, after printing its error line. Every run here
-is a real command line in a process group of its own, so that a worker left behind is seen after the run
-exits; a run that hangs fails its test at the bound, it is never waited for longer.
+is a command line in a process group of its own, so that a worker left behind is seen after the run exits,
+ending as the interpreter ends (its threads, then its exit handlers: tests/forked_commands.py); a run that
+hangs fails its test at the bound, it is never waited for longer.
 """
 from __future__ import annotations
 
 import os
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -18,24 +18,16 @@ import numpy as np
 import pytest
 from PIL import Image
 
+from tests.forked_commands import ForkedCommand
 from tests.run_helpers import ROOT, start_cli
 
 EXIT_BOUND_SECONDS = 30  # from the error line to the exit of every process of the run
 START_BOUND_SECONDS = 300  # imports and the first batch, on a loaded 2-core machine
 
 
-def stderr_lines(process: subprocess.Popen) -> tuple[list[str], threading.Event]:
-    """The process's stderr lines as they come, and an event set when the first `error:` line has come."""
-    lines, error_seen = [], threading.Event()
-
-    def read() -> None:
-        for line in process.stderr:
-            lines.append(line.rstrip("\n"))
-            if line.startswith("error:"):
-                error_seen.set()
-
-    threading.Thread(target=read, daemon=True).start()
-    return lines, error_seen
+def console_lines(console: Path) -> list[str]:
+    """What the command has printed so far (stdout and stderr together), line by line."""
+    return console.read_text(errors="replace").splitlines() if console.exists() else []
 
 
 def group_is_gone(group: int) -> bool:
@@ -46,12 +38,18 @@ def group_is_gone(group: int) -> bool:
     return False
 
 
-def assert_exits_after_its_error(process: subprocess.Popen, name: str, status: int = 1) -> list[str]:
+def assert_exits_after_its_error(process: subprocess.Popen | ForkedCommand, console: Path, name: str,
+                                 status: int = 1) -> list[str]:
     """The run prints an `error:` line, then it and every process it started are gone within the bound,
-    exiting with `status`; its stderr lines."""
-    lines, error_seen = stderr_lines(process)
+    exiting with `status`; its console lines."""
+    deadline = time.monotonic() + START_BOUND_SECONDS
     try:
-        assert error_seen.wait(START_BOUND_SECONDS), f"{name}: no error line: {lines[-20:]}"
+        while True:
+            ended = process.poll() is not None  # first: a run that ended has printed all it will
+            if any(line.startswith("error:") for line in console_lines(console)):
+                break
+            assert not ended and time.monotonic() < deadline, f"{name}: no error line: {console_lines(console)[-20:]}"
+            time.sleep(0.05)  # poll interval of the console file
         process.wait(EXIT_BOUND_SECONDS)
         deadline = time.monotonic() + EXIT_BOUND_SECONDS
         while not group_is_gone(process.pid) and time.monotonic() < deadline:
@@ -63,6 +61,7 @@ def assert_exits_after_its_error(process: subprocess.Popen, name: str, status: i
         if not group_is_gone(process.pid):
             os.killpg(process.pid, 9)
         process.wait()
+    lines = console_lines(console)
     assert process.returncode == status, (name, process.returncode, lines[-20:])
     return lines
 
@@ -86,8 +85,8 @@ def photos_of_the_wrong_shape(folder: Path) -> Path:
 
 
 @pytest.fixture(scope="module")
-def runs(data, tmp_path_factory) -> dict[str, tuple[subprocess.Popen, Path]]:
-    """Every erroring run, started side by side (each costs seconds of imports): name -> (process, output)."""
+def runs(data, tmp_path_factory) -> dict[str, tuple[ForkedCommand, Path, Path]]:
+    """Every erroring run, started side by side: name -> (process, output folder, console file)."""
     root = tmp_path_factory.mktemp("worker_exit")
     photos = photos_of_the_wrong_shape(root / "photos")
     setups = {f"data error, num_workers={workers}": (data, 0, None, [f"num_workers={workers}", "num_views=3"])
@@ -99,28 +98,29 @@ def runs(data, tmp_path_factory) -> dict[str, tuple[subprocess.Popen, Path]]:
     started = {}
     for number, (name, (rec, nproc, nan_steps, overrides)) in enumerate(setups.items()):
         output = root / f"run{number}"
+        console = root / f"run{number}.console"
         started[name] = (start_cli(rec, output, *overrides, nproc=nproc, nan_steps=nan_steps, own_group=True,
-                                   real=True), output)
+                                   console=console), output, console)
     yield started
-    for process, _ in started.values():
+    for process, _, _ in started.values():
         if not group_is_gone(process.pid):
             os.killpg(process.pid, 9)
         process.wait()
 
 
-@pytest.mark.slow  # six real command lines
+@pytest.mark.slow  # six training runs, one of them torchrun with two ranks
 @pytest.mark.parametrize("name", ["data error, num_workers=0", "data error, num_workers=1",
                                   "data error, num_workers=2", "photo folder of another shape, num_workers=2",
                                   "non-finite losses, num_workers=2"])
 def test_an_error_in_the_loop_ends_the_workers_and_exits_with_one_line(runs, name):
-    process, output = runs[name]
-    assert_one_error_line(assert_exits_after_its_error(process, name), output)
+    process, output, console = runs[name]
+    assert_one_error_line(assert_exits_after_its_error(process, console, name), output)
 
 
 def test_a_data_error_under_torchrun_ends_every_rank_and_its_workers(runs):
     name = "data error under torchrun, 2 processes, num_workers=1"
-    process, output = runs[name]
-    lines = assert_exits_after_its_error(process, name)
+    process, output, console = runs[name]
+    lines = assert_exits_after_its_error(process, console, name)
     assert any(line.startswith("error:") and "not 3 square view(s)" in line for line in lines), lines[-20:]
     logged = (output / "training.log").read_text()
     assert "not 3 square view(s)" in logged and "Traceback" not in logged, logged[-2000:]
@@ -137,10 +137,14 @@ except Exception as error:
 """
 
 
-def test_a_loader_left_open_ends_its_workers_when_its_process_exits(data):
+def test_a_loader_left_open_ends_its_workers_when_its_process_exits(data, tmp_path):
     """A script (or a test, or a notebook) that never closes its loader still exits: the workers are ended
-    by an exit handler that runs before multiprocessing's, which would wait for them forever."""
-    process = subprocess.Popen([sys.executable, "-c", SCRIPT, str(data)], cwd=ROOT, stderr=subprocess.PIPE,
-                               text=True, process_group=0, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    lines = assert_exits_after_its_error(process, "a script that never closes its loader", status=0)
+    by an exit handler that runs before multiprocessing's, which would wait for them forever. A new
+    interpreter, with nothing imported but what the script imports (a forked command has imported train.py)."""
+    console = tmp_path / "console"
+    with console.open("w") as file:
+        process = subprocess.Popen([sys.executable, "-c", SCRIPT, str(data)], cwd=ROOT, stdout=file,
+                                   stderr=subprocess.STDOUT, process_group=0,
+                                   env={**os.environ, "OMP_NUM_THREADS": "1"})
+    lines = assert_exits_after_its_error(process, console, "a script that never closes its loader", status=0)
     assert any("not 3 square view(s)" in line for line in lines), lines
