@@ -207,20 +207,37 @@ def _share_cpu(num_workers: int) -> None:
     torch.set_num_threads(max(1, per_process - num_workers))
 
 
-def _count_nonfinite(outcome: StepOutcome, counter: StepCounter, cfg, continue_with: str) -> None:
-    """Count skipped steps; fp16 gradient overflow alone is routine (the scale backs off) and not counted."""
-    if outcome == StepOutcome.TAKEN or (outcome == StepOutcome.GRAD_NONFINITE and cfg.fp16):
+def _count_nonfinite(outcome: StepOutcome, counter: StepCounter, cfg, continue_with: str,
+                     grad_scale: float | None) -> None:
+    """Count skipped steps. fp16 gradient overflow alone is routine (the scale backs off) and not counted, unless
+    it has pushed the grad scale (`grad_scale`, after the step; None without fp16) below min_grad_scale: then
+    every step counts, taken or not, until the scale has grown back."""
+    collapsed = grad_scale is not None and grad_scale < cfg.min_grad_scale
+    if not collapsed and (outcome == StepOutcome.TAKEN or (outcome == StepOutcome.GRAD_NONFINITE and cfg.fp16)):
         counter.nonfinite_in_a_row = 0
         return
     counter.nonfinite_in_a_row += 1
     counter.nonfinite_total += 1
+    last_good_line = last_good(cfg.output, continue_with)
+    if outcome != StepOutcome.LOSS_NONFINITE and collapsed:
+        log.warning("Global Step %d: fp16 grad scale %g, below min_grad_scale=%g (%d in a row, %d in this run)",
+                    counter.shown_step, grad_scale, cfg.min_grad_scale, counter.nonfinite_in_a_row,
+                    counter.nonfinite_total)
+        if counter.nonfinite_in_a_row >= cfg.max_nonfinite_steps:
+            raise TrainingError(f"stopped at global step {counter.shown_step}: the fp16 grad scale fell to "
+                                f"{grad_scale:g}, below min_grad_scale={cfg.min_grad_scale:g}, for "
+                                f"{counter.nonfinite_in_a_row} steps in a row (max_nonfinite_steps="
+                                f"{cfg.max_nonfinite_steps}): float16 gradients overflow at every step and the loss "
+                                f"no longer moves; {last_good_line}; set bf16=True instead of fp16, lower lr, or "
+                                "lower max_grad_norm")
+        return
     what = "loss" if outcome == StepOutcome.LOSS_NONFINITE else "gradient"
     log.warning("Global Step %d: non-finite %s, step skipped (%d in a row, %d in this run)", counter.shown_step,
                 what, counter.nonfinite_in_a_row, counter.nonfinite_total)
     if counter.nonfinite_in_a_row >= cfg.max_nonfinite_steps:
         raise TrainingError(f"stopped at global step {counter.shown_step}: {counter.nonfinite_in_a_row} "
                             f"non-finite losses in a row (max_nonfinite_steps={cfg.max_nonfinite_steps}); "
-                            f"{last_good(cfg.output, continue_with)}; lower lr, try bf16 instead of fp16, or check "
+                            f"{last_good_line}; lower lr, try bf16 instead of fp16, or check "
                             "the data")
 
 
@@ -377,7 +394,7 @@ def _loop(cfg, state: TrainingState, loader: FaceLoader, counter: StepCounter, c
             epoch, lr = counter.epoch, state.optimizer.param_groups[0]["lr"]  # of this step, for the log
             losses, outcome = train_step(state, micro_batches, cfg)
             counter.global_step = step + 1
-            _count_nonfinite(outcome, counter, cfg, checkpointer.continue_with)
+            _count_nonfinite(outcome, counter, cfg, checkpointer.continue_with, grad_scale and grad_scale())
             if outcome != StepOutcome.LOSS_NONFINITE:  # a skipped fp16 overflow step still has a loss worth logging
                 speed(counter.shown_step, losses, epoch, lr, grad_scale)
             final = counter.global_step == stop

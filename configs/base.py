@@ -85,6 +85,9 @@ max_steps: int = 0                # stop after this many optimizer steps (0: run
                                   # spans num_epoch. Steps of that schedule: renumbered by a resume on another
                                   # batch size or world size (the log says which shown step it is then)
 max_nonfinite_steps: int = 10     # this many non-finite losses in a row stop the run (each one skips its step)
+min_grad_scale: float = 1.0       # fp16: a step that leaves the grad scale below this counts towards
+                                  # max_nonfinite_steps like a non-finite loss: a scale collapsing towards 0
+                                  # (every step an overflow) freezes the loss, and would otherwise show only in the log
 
 # --- logging and evaluation ---------------------------------------------------------------
 frequent: int = 10                # a log line (speed, loss per view, lr, ETA) every this many steps

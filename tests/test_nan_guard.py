@@ -2,7 +2,7 @@
 at the steps it is given): a skipped step changes no weight and no optimizer state
 on any rank, is logged with its counters; too many in a row stop the run with one sentence and a
 non-zero exit, leaving the last good checkpoint byte for byte (and mtime) as it was; fp16's routine
-overflow skips are not counted."""
+overflow skips are not counted, unless they push the grad scale below min_grad_scale (injected overflows)."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 from tests.distributed_helpers import run_world
-from tests.nan_injection import nan_at_steps
+from tests.nan_injection import nan_at_steps, overflow_at_steps
 from tests.run_helpers import (
     CONFIG,
     QUIET,
@@ -85,6 +85,30 @@ def test_fp16_overflow_backs_the_scale_off_without_counting_towards_the_stop(dat
     log = (output / "training.log").read_text()
     assert "non-finite" not in log
     assert "fp16 on a CPU: float16 convolutions have no fast CPU kernel" in log  # and how to avoid it
+
+
+def test_an_fp16_grad_scale_below_min_grad_scale_counts_towards_the_stop(data, tmp_path: Path):
+    """An overflow at every step halves the scale from 2^16 each time: 2^11 after step 5, the first below
+    min_grad_scale=2^12; steps 5, 6 and 7 are three in a row, and max_nonfinite_steps=3 stops the run at step 7
+    with the scale (2^9) named, the last good checkpoint (step 4) untouched."""
+    output = tmp_path / "run"
+    overrides = ("fp16=True", "max_steps=20", "save_every_steps=4", f"min_grad_scale={2.0 ** 12}",
+                 "max_nonfinite_steps=3")
+    with overflow_at_steps(set(range(1, 21))):
+        status, stderr = run_here(data, output, *overrides)
+    assert status == 1
+    assert only_line(stderr) == (
+        f"error: stopped at global step 7: the fp16 grad scale fell to 512, below min_grad_scale=4096, for 3 steps "
+        f"in a row (max_nonfinite_steps=3): float16 gradients overflow at every step and the loss no longer moves; "
+        f"the last good checkpoint.json in {output} is untouched (continue with: "
+        f"{continue_command(data, output, *overrides)}); set bf16=True instead of fp16, lower lr, or lower "
+        "max_grad_norm")
+    log = (output / "training.log").read_text()
+    for step, scale, count in ((5, 2048, 1), (6, 1024, 2), (7, 512, 3)):
+        assert (f"Global Step {step}: fp16 grad scale {scale}, below min_grad_scale=4096 ({count} in a row, "
+                f"{count} in this run)") in log
+    assert "Global Step 4: fp16 grad scale" not in log
+    assert load_run(output)["progress"]["global_step"] == 4
 
 
 def _centre_gradient_fault(rank: int, world_size: int) -> dict:
