@@ -16,6 +16,11 @@ Each rank holds a contiguous range of class centres. One forward:
 5. return ``sum_v w_v * CE_v`` (the same scalar on every rank, with an ordinary backward) and
    each view's mean cross-entropy.
 
+The centres' gradient is zero outside the sampled rows. By default it is a dense (C, D) tensor, what any
+optimizer takes; with ``sparse_grad=True`` (as ``nn.Embedding(sparse=True)``) it is a sparse COO tensor
+holding the sampled rows alone, so that no step writes or reads C x D zeros: an optimizer that knows such
+gradients (training/optimizer.py) then updates every row in one pass with the dense semantics.
+
 The centres are initialised here, from a seed alone: the same matrix for any world size, and each
 rank draws only the rows it holds.
 
@@ -93,11 +98,15 @@ class PartialFC(nn.Module):
     embeddings. Checking costs the host a wait for the device, so a GPU training loop may pass
     ``defer_label_check=True``: a bad label then makes the loss NaN instead (nothing waits), and
     ``check_labels(labels)`` raises its error once the loop sees the non-finite loss.
+
+    ``sparse_grad=True``: when sampling, ``weight.grad`` is a sparse COO tensor of the sampled rows (the
+    only non-zero ones) instead of a dense matrix of zeros elsewhere; torch's own optimizers mostly refuse
+    such gradients (training/optimizer.py's take them).
     """
 
     def __init__(self, margin_loss: MarginFamily, embedding_size: int, num_classes: int,
                  sample_rate: float = 1.0, view_weights: Sequence[float] | None = None, seed: int = 0,
-                 defer_label_check: bool = False, num_subcenters: int = 1):
+                 defer_label_check: bool = False, num_subcenters: int = 1, sparse_grad: bool = False):
         super().__init__()
         if not 0.0 <= sample_rate <= 1.0:
             raise ValueError(f"sample_rate={sample_rate} must lie in [0, 1] (1.0 uses every class centre, 0 only "
@@ -108,6 +117,7 @@ class PartialFC(nn.Module):
         self.sample_rate = sample_rate
         self.view_weights = None if view_weights is None else tuple(float(w) for w in view_weights)
         self.defer_label_check = defer_label_check
+        self.sparse_grad = sparse_grad
         self.rank, self.world_size = rank(), world()
         if num_classes < self.world_size:
             raise ConfigError(f"num_classes={num_classes} is smaller than the {self.world_size} processes; every "
@@ -187,7 +197,7 @@ class PartialFC(nn.Module):
         with torch.autocast(device_type, enabled=False):
             loss, row_losses = _ShardedMarginSoftmax.apply(
                 gathered, self.weight, rows_index, row_labels, row_coef, self.margin_loss, gemm_dtype,
-                self.margin_state, rows, self.num_subcenters)
+                self.margin_state, rows, self.num_subcenters, self.sparse_grad)
         self.margin_step += 1
         if self.defer_label_check:
             loss = torch.where(bad_label, torch.nan, loss)
@@ -305,7 +315,7 @@ class _ShardedMarginSoftmax(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, index, labels, row_coef, family: MarginFamily, gemm_dtype, margin_state,
-                rows: GlobalRows, k: int):
+                rows: GlobalRows, k: int, sparse_grad: bool):
         dtype = x.dtype
         centres = weight if index is None else weight.index_select(0, index)
         centres = centres.to(dtype)
@@ -362,7 +372,7 @@ class _ShardedMarginSoftmax(torch.autograd.Function):
             logits.masked_fill_(dirty, 0.0)
 
         ctx.save_for_backward(x, weight, centres, index, inv_norm, norms, logits, best)
-        ctx.gemm_dtype, ctx.k = gemm_dtype, k
+        ctx.gemm_dtype, ctx.k, ctx.sparse_grad = gemm_dtype, k, sparse_grad
         ctx.consumed = False
         ctx.mark_non_differentiable(row_losses)
         return loss, row_losses
@@ -387,9 +397,12 @@ class _ShardedMarginSoftmax(torch.autograd.Function):
             grad_centres = grad_centres.to(weight.dtype)
             if index is None:
                 grad_weight = grad_centres
+            elif ctx.sparse_grad:  # the sampled rows alone; sorted and distinct, so already coalesced
+                grad_weight = torch.sparse_coo_tensor(index[None], grad_centres, weight.shape, is_coalesced=True,
+                                                      check_invariants=False)
             else:
                 grad_weight = torch.zeros_like(weight).index_copy_(0, index, grad_centres)
-        return grad_x, grad_weight, None, None, None, None, None, None, None, None
+        return grad_x, grad_weight, None, None, None, None, None, None, None, None, None
 
 
 def _to_subcentres(grad: torch.Tensor, best: torch.Tensor, k: int) -> torch.Tensor:

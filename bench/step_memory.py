@@ -152,7 +152,9 @@ def _recording(device: torch.device) -> Iterator[_Marks]:
 
 
 def _nbytes(tensors) -> int:
-    return sum(tensor.untyped_storage().nbytes() for tensor in tensors)
+    """Bytes of the tensors' storage (a sparse one's: its indices and values)."""
+    return sum(_nbytes([tensor._indices(), tensor._values()]) if tensor.is_sparse else tensor.untyped_storage().nbytes()
+               for tensor in tensors)
 
 
 def _hook_markers(state: TrainingState, marks: _Marks, inputs: list[int], gradients: dict) -> None:
@@ -175,7 +177,7 @@ def _hook_markers(state: TrainingState, marks: _Marks, inputs: list[int], gradie
     for parameter in [*state.backbone.parameters(), state.pfc.weight]:
         if parameter.requires_grad:
             parameter.register_post_accumulate_grad_hook(
-                lambda p: gradients.__setitem__(p, p.grad.untyped_storage().nbytes()))
+                lambda p: gradients.__setitem__(p, _nbytes([p.grad])))
 
 
 def _ddp_bucket_bytes(state: TrainingState) -> int:

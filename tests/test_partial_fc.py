@@ -8,6 +8,8 @@ worst errors are ~1e-15 of a tensor's largest element and ~1e-10 relative on its
 (cancellation), so `assert_float64_close` allows 1e-12 relative per element with a floor of 1e-14
 of the largest element, still many orders of magnitude below any real mistake.
 """
+from types import SimpleNamespace
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -19,6 +21,7 @@ from losses import CombinedMarginLoss
 from partial_fc import PartialFC, class_range, initial_centres
 from tests.distributed_helpers import run_world
 from tools.check_pfc import dense_reference, make_backbone
+from training.state import build_optimizer
 from utils import distributed
 
 ARCFACE, COSFACE = (1.0, 0.5, 0.0), (1.0, 0.0, 0.35)
@@ -155,7 +158,8 @@ def _everything_distributed(rank, world_size):
                 empty_shard=pfc_against_dense(views=2, margin=ARCFACE, num_classes=5, sample_rate=0.3, labels_below=3),
                 positives_only=_positives_only_cases(),
                 sampling=_sampling_facts(rank, world_size),
-                bad_label=_bad_label_on_rank_one(rank, world_size))
+                bad_label=_bad_label_on_rank_one(rank, world_size),
+                optimizer_steps={name: steps_against_dense(name) for name in OPTIMIZERS})
 
 
 @pytest.fixture(scope="module")
@@ -195,6 +199,96 @@ def test_a_rank_that_samples_no_centre_at_all(world2):
     """Tiny sample rates over many ranks leave a rank without positives no centre: its softmax shard is
     empty (the maximum of no logits is -inf) and the result is still the reference's."""
     assert_matches_reference(world2[0]["empty_shard"], "rank 1 samples no centre")
+
+
+OPTIMIZERS = {"sgd": dict(lr=0.1, momentum=0.9, weight_decay=0.05), "adamw": dict(lr=0.01, weight_decay=0.05)}
+
+
+def steps_against_dense(optimizer: str, steps: int = 3, num_classes: int = 60, batch: int = 3, views: int = 2,
+                        embedding_size: int = 8, seed: int = 21) -> dict:
+    """`steps` training steps at sample_rate 0.1 as training builds them (the centres' gradient sparse, the
+    optimizer of build_optimizer), on every rank of the current world; on rank 0 {name: (pairface's, the
+    reference's)} for the centres, their optimizer state and the backbone, every row, and {"never sampled":
+    rows} (such rows move only by momentum and weight decay). The reference: dense float64 in one process,
+    the full (C, D) centre gradient (zero outside the step's sampled classes) and torch's own optimizer."""
+    rank, world_size = distributed.rank(), distributed.world()
+    gen = torch.Generator().manual_seed(seed)
+    inputs = torch.randn(steps, world_size * batch, views, IN_FEATURES, generator=gen, dtype=torch.float64)
+    labels = torch.randint(0, num_classes, (steps, world_size * batch), generator=gen)
+    torch.manual_seed(seed)
+    reference_backbone = make_backbone(IN_FEATURES, embedding_size).double()
+    backbone = make_backbone(IN_FEATURES, embedding_size).double()
+    backbone.load_state_dict(reference_backbone.state_dict())
+    model = torch.nn.parallel.DistributedDataParallel(backbone) if distributed.is_initialized() else backbone
+    pfc = PartialFC(CombinedMarginLoss(SCALE, *ARCFACE), embedding_size, num_classes, sample_rate=0.1, seed=seed,
+                    sparse_grad=True).double()
+    settings = OPTIMIZERS[optimizer]
+    cfg = SimpleNamespace(optimizer=optimizer, lr=settings["lr"], momentum=settings.get("momentum", 0.0),
+                          weight_decay=settings["weight_decay"])
+    opt = build_optimizer(cfg, backbone, pfc)
+    mine, sampled = slice(rank * batch, (rank + 1) * batch), []
+    for step in range(steps):
+        features = model(inputs[step, mine].reshape(batch * views, IN_FEATURES)).view(batch, views, -1)
+        pfc(features.unbind(1), labels[step, mine])[0].backward()
+        assert pfc.weight.grad.is_sparse
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        sampled.append(pfc.last_sampled_classes)
+    state = {name: value for name, value in opt.state[pfc.weight].items() if value.dim() == 2}
+    shards = distributed.gather_objects((pfc.weight.detach(), state, sampled))
+    if rank != 0:
+        return {}
+
+    centres = initial_centres(seed, 0, num_classes, embedding_size).double().requires_grad_(True)
+    groups = [{"params": list(reference_backbone.parameters())}, {"params": [centres]}]
+    reference_opt = (torch.optim.SGD(groups, foreach=False, **settings) if optimizer == "sgd"
+                     else torch.optim.AdamW(groups, foreach=False, **settings))
+    for step in range(steps):
+        subset = torch.cat([classes[step] for _, _, classes in shards])
+        ref_views = reference_backbone(inputs[step].reshape(-1, IN_FEATURES)).view(world_size * batch, views, -1)
+        dense_reference(list(ref_views.unbind(1)), torch.searchsorted(subset, labels[step]), centres[subset],
+                        ARCFACE, SCALE).backward()
+        reference_opt.step()
+        reference_opt.zero_grad(set_to_none=True)
+    result = {"centres": (torch.cat([weight for weight, _, _ in shards]), centres.detach())}
+    for name in shards[0][1]:
+        result[f"centres' {name}"] = (torch.cat([s[name] for _, s, _ in shards]), reference_opt.state[centres][name])
+    for name, parameter in backbone.named_parameters():
+        result[f"backbone.{name}"] = (parameter.detach(), dict(reference_backbone.named_parameters())[name].detach())
+    ever = torch.cat([classes for _, _, per_step in shards for classes in per_step]).unique()
+    never = torch.ones(num_classes, dtype=torch.bool).index_fill_(0, ever, False).nonzero().squeeze(1)
+    return dict(compared=result, never_sampled=never, initial=initial_centres(seed, 0, num_classes, embedding_size))
+
+
+@pytest.mark.parametrize("optimizer", OPTIMIZERS)
+@pytest.mark.parametrize("world", ["world1", "world2"])
+def test_sampled_steps_move_every_row_as_the_dense_reference(request, world, optimizer):
+    """Three steps at sample_rate 0.1 with the sparse centre gradient and the optimizer training builds: every
+    centre (sampled or not), its optimizer state and the backbone equal those of torch's optimizer stepping a
+    dense float64 gradient (zero outside the sampled rows), momentum and weight decay included. Rows never
+    sampled moved, by momentum and decay alone: leaving them in place fails."""
+    outcome = request.getfixturevalue(world)[0]["optimizer_steps"][optimizer]
+    for name, (actual, expected) in outcome["compared"].items():
+        assert_float64_close(actual, expected, f"{world} {optimizer}: {name}")
+    never = outcome["never_sampled"]
+    assert len(never) > 20
+    moved = (outcome["compared"]["centres"][1][never] - outcome["initial"][never].double()).abs()
+    assert bool((moved > 1e-6 * outcome["initial"][never].abs().double()).all())
+
+
+def test_the_sparse_centre_gradient_is_the_dense_ones_sampled_rows():
+    """sparse_grad=True: the same gradient as the default's dense one, holding the sampled rows alone."""
+    grads = []
+    for sparse in (False, True):
+        torch.manual_seed(9)
+        pfc = PartialFC(CombinedMarginLoss(), 8, 50, sample_rate=0.2, sparse_grad=sparse).double()
+        views = [torch.randn(6, 8, dtype=torch.float64) for _ in range(2)]
+        pfc(views, torch.tensor([0, 3, 3, 17, 25, 49]))[0].backward()
+        grads.append(pfc.weight.grad)
+    dense, sparse = grads
+    assert sparse.is_sparse and not dense.is_sparse
+    assert sparse._indices()[0].tolist() == pfc.last_sampled_classes.tolist()
+    assert torch.equal(sparse.to_dense(), dense)
 
 
 def _positives_only_cases() -> list[dict]:

@@ -62,7 +62,11 @@ def memory_plan(cfg: SimpleNamespace, num_classes: int | None, world_size: int) 
         forward, backward = _softmax_peaks(cfg, rows, world_size)
         # The step's autocast ends between the softmax's forward and backward, freeing the backbone's
         # weight casts that no backward keeps (under checkpointing): the backward peaks above less.
-        plan.update(class_centres=centres, centre_gradient=centres, centre_optimizer_state=states * centres,
+        columns = _sampled_columns(cfg, rows, world_size)
+        # Sampled: a sparse gradient of the sampled rows and their indices (one per micro-batch, concatenated)
+        gradient = centres if columns is None else cfg.gradient_acc * columns * num_subcenters(cfg) * (
+            cfg.embedding_size * FLOAT32 + INDEX)
+        plan.update(class_centres=centres, centre_gradient=gradient, centre_optimizer_state=states * centres,
                     logits_buffer=max(forward, backward - backbone.released(cfg.batch_size)))
     plan.update(
         backbone_parameters=backbone.parameters + 2 * backbone.buffers,
@@ -116,9 +120,9 @@ def _softmax_peaks(cfg: SimpleNamespace, rows: int, world_size: int) -> tuple[in
     (N, C*K). CurricularFace keeps a second (N, C) buffer, its negatives' derivative, through the forward."""
     local = cfg.batch_size * cfg.num_views
     n, d, k = local * world_size, cfg.embedding_size, num_subcenters(cfg)
-    num_sample = int(cfg.sample_rate * rows)
-    sampled = cfg.sample_rate < 1.0 and num_sample < rows
-    columns = max(num_sample, min(rows, cfg.batch_size * world_size)) if sampled else rows
+    sampled_columns = _sampled_columns(cfg, rows, world_size)
+    sampled = sampled_columns is not None
+    columns = rows if sampled_columns is None else sampled_columns
     nc, nd = n * columns * FLOAT32, n * d * FLOAT32
     nck, cd = nc * k, columns * k * d * FLOAT32
     # The views stacked and normalised, the normalised rows of every rank, the centres' norms and 1/norms,
@@ -130,7 +134,6 @@ def _softmax_peaks(cfg: SimpleNamespace, rows: int, world_size: int) -> tuple[in
     reduced = nck + nc + 2 * nc if k > 1 else nc  # the max: its input, its values and int64 indices at once
     slope = nc if cfg.margin_family == "curricular" else 0
     spread = nck if k > 1 else 0  # the backward's (N, C*K) gradient beside the (N, C) one
-    centre_gradient = rows * k * d * FLOAT32 if sampled else 0  # sampled: a zero matrix besides the C rows'
     filter_mask = n * columns if cfg.interclass_filtering_threshold > 0 else 0  # the (N, C) boolean mask
     if cfg.fp16 or cfg.bf16:  # the backward's GEMMs in half precision, their results brought to float32
         # The cosines' GEMM writes float32: from half-precision casts of its inputs where the device has such a
@@ -142,7 +145,15 @@ def _softmax_peaks(cfg: SimpleNamespace, rows: int, world_size: int) -> tuple[in
         forward = max(reduced, nc + slope + filter_mask)
         gemms = nc + spread + nd + cd
     projection = 4 * columns * k * FLOAT32  # the normalisation's backward: a few values per centre
-    return beside + forward, beside + max(gemms, nc + spread + nd + cd + centre_gradient + projection)
+    return beside + forward, beside + max(gemms, nc + spread + nd + cd + projection)
+
+
+def _sampled_columns(cfg: SimpleNamespace, rows: int, world_size: int) -> int | None:
+    """The centres a step samples of `rows` (at most: the step's labels may be fewer), None without sampling."""
+    num_sample = int(cfg.sample_rate * rows)
+    if cfg.sample_rate >= 1.0 or num_sample >= rows:
+        return None
+    return max(num_sample, min(rows, cfg.batch_size * world_size))
 
 
 @dataclass(frozen=True)

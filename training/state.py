@@ -18,6 +18,7 @@ from torch.nn.parallel import DistributedDataParallel
 from backbones import get_model
 from losses import AdaFaceMargin, CombinedMarginLoss, CurricularMargin, ElasticMargin
 from partial_fc import PartialFC
+from training.optimizer import RowSparseAdamW, RowSparseSGD
 from utils.compat import ddp_without_buffer_sync
 from utils.distributed import world
 from utils.lr_scheduler import build_scheduler
@@ -145,21 +146,23 @@ def build_networks(cfg: SimpleNamespace, num_classes: int, device: torch.device)
     torch.manual_seed(cfg.seed)
     backbone = get_model(cfg.network, num_features=cfg.embedding_size, dropout=cfg.dropout,
                          **cfg.network_kwargs).to(device)
-    # On a GPU the label check would make every step wait for the device: deferred to a NaN loss instead.
+    # On a GPU the label check would make every step wait for the device: deferred to a NaN loss instead. The
+    # sampled centres' gradient is sparse, for build_optimizer's update.
     pfc = PartialFC(build_margin(cfg), cfg.embedding_size, num_classes, cfg.sample_rate, view_weights=cfg.view_weights,
                     seed=cfg.seed, defer_label_check=device.type == "cuda",
-                    num_subcenters=num_subcenters(cfg)).to(device)
+                    num_subcenters=num_subcenters(cfg), sparse_grad=True).to(device)
     return backbone, pfc
 
 
 def build_optimizer(cfg: SimpleNamespace, backbone: nn.Module, pfc: PartialFC) -> torch.optim.Optimizer:
     """One optimizer, two parameter groups (backbone, centres), the same lr and weight decay (upstream).
     Fused: one kernel updates each group in place, where the default one would allocate a centre-sized
-    temporary for the weight decay term."""
+    temporary for the weight decay term. The sampled centres' sparse gradient (build_networks) gets the
+    same update as its dense equivalent, in one pass over the centres (training/optimizer.py)."""
     groups = [{"params": list(backbone.parameters())}, {"params": list(pfc.parameters())}]
     if cfg.optimizer == "sgd":
-        return torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay, fused=True)
-    return torch.optim.AdamW(groups, lr=cfg.lr, weight_decay=cfg.weight_decay, fused=True)
+        return RowSparseSGD(groups, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay, fused=True)
+    return RowSparseAdamW(groups, lr=cfg.lr, weight_decay=cfg.weight_decay, fused=True)
 
 
 def build_training_state(cfg: SimpleNamespace, num_classes: int, device: torch.device,
