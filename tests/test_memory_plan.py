@@ -31,6 +31,7 @@ from utils.config import load_config
 CONFIG = "configs/synthetic_pair.py"
 BASE = ["rec=synthetic", "num_classes=600", "num_image=48", "embedding_size=32", "num_workers=0", "optimizer=sgd",
         "momentum=0.9", "network=r18", "network_kwargs={'width_mult':0.0625}", "batch_size=2"]
+LOGITS_DOMINATE = "r18 fp32, 2 views, a million classes: the logits are half the step"
 CASES = {
     "r18 fp32, 2 views, SGD": "",
     "r18 bf16, 10% of the centres, AdamW": "bf16=True sample_rate=0.1 optimizer=adamw",
@@ -45,6 +46,7 @@ CASES = {
                                                          "'drop_path_rate':0.0}",
     "r18 fp32, 3 sub-centres per class, half of them sampled": "margin_family=subcenter sample_rate=0.5",
     "r18 bf16, CurricularFace's second buffer": "margin_family=curricular bf16=True",
+    LOGITS_DOMINATE: "batch_size=8 embedding_size=8 num_classes=1000000",
 }
 EXACT = ("class_centres", "centre_gradient", "centre_optimizer_state", "backbone_parameters", "backbone_gradients",
          "backbone_optimizer_state", "ddp_gradient_buckets")
@@ -97,6 +99,32 @@ def assert_close_to_a_real_step(result: dict) -> None:
 @pytest.mark.parametrize("name", CASES)
 def test_each_planned_item_is_what_a_real_step_allocates(measured, name):
     assert_close_to_a_real_step(measured[name])
+
+
+@pytest.mark.slow
+def test_where_the_logits_dominate_two_views_are_planned_with_the_rows_of_both(measured):
+    """16 rows (8 records of 2 views) against a million 8-wide centres: the (N, C) buffers are more than half
+    the step, so a plan that counted one view's rows would miss a quarter of the peak."""
+    result = measured[LOGITS_DOMINATE]
+    assert result["measured"]["logits_buffer"] > result["measured"]["total"] / 2
+    assert_close_to_a_real_step(result)
+
+
+def test_two_views_give_the_softmax_the_rows_of_one_view_at_twice_the_batch():
+    """The softmax's rows are every view of every record on every rank, and its (N, C) float32 logits grow
+    with them: without sampling, two views of B records plan what one view of 2B records does, and at least
+    the B x C logits of the second view's rows more than one view of B records."""
+    classes = 100_000
+
+    def logits(views: int, batch_size: int, world_size: int = 1) -> int:
+        cfg = config(f"num_views={views} batch_size={batch_size} num_classes={classes} embedding_size=16")
+        return memory_plan(cfg, classes, world_size)["logits_buffer"]
+
+    for world_size in (1, 2):
+        one, two = logits(1, 4, world_size), logits(2, 4, world_size)
+        assert two == logits(1, 8, world_size)
+        # rank 0 holds half the columns on two processes, and sees both processes' rows
+        assert two - one >= 4 * world_size * (classes // world_size) * 4, world_size
 
 
 def test_a_kernels_workspace_is_kept_apart_from_the_tensor_it_returns():
