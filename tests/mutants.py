@@ -26,11 +26,15 @@ ROOT = Path(__file__).resolve().parent.parent
 # Each module with the test files that cover it (the mutmut selection in pyproject.toml is their union).
 TEST_FILES = {
     "partial_fc.py": ["tests/test_partial_fc.py", "tests/test_check_pfc.py"],
-    "losses.py": ["tests/test_losses.py", "tests/test_partial_fc.py"],
+    "losses.py": ["tests/test_losses.py", "tests/test_margin_families.py", "tests/test_partial_fc.py"],
     "utils/lr_scheduler.py": ["tests/test_lr_scheduler.py"],
     "facedata/recordio.py": ["tests/test_recordio.py"],
     "facedata/loader.py": ["tests/test_loader.py"],
     "checkpoint/checkpointer.py": ["tests/test_checkpoint.py"],
+    "checkpoint/safe_dcp.py": ["tests/test_safe_dcp.py", "tests/test_checkpoint.py"],
+    "checkpoint/manifest.py": ["tests/test_checkpoint_files.py", "tests/test_checkpoint.py"],
+    "checkpoint/pointer.py": ["tests/test_checkpoint_files.py", "tests/test_checkpoint.py"],
+    "training/memory_plan.py": ["tests/test_memory_plan.py"],
 }
 DEFAULT = list(TEST_FILES)
 RECHECK_TIMEOUT = 300  # seconds; a mutant that desynchronises two ranks' collectives would wait far longer
