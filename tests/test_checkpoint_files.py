@@ -11,8 +11,14 @@ import os
 import crc32c
 import pytest
 
-from checkpoint.manifest import IntegrityError, checked_json, describe_files, file_crc32c, read_checked_json, \
-    verify_file
+from checkpoint.manifest import (
+    IntegrityError,
+    checked_json,
+    describe_files,
+    file_crc32c,
+    read_checked_json,
+    verify_file,
+)
 from checkpoint.pointer import FORMAT, complete_folders, folder_step, free_folder_name, read_pointer, write_pointer
 from utils.errors import CheckpointError
 
