@@ -30,7 +30,8 @@ from checkpoint.restored import Restored
 from checkpoint.run_config import RUN_CONFIG_NAME, ResumeCommand, resumed_overrides
 from checkpoint.run_dir import AUTO, continues_torchrun_run, lock_run_dir, resolve_resume
 from dataset import FaceLoader, build_dataset, build_loader, classes_in_header, recorded_preparation
-from eval.callback import VerificationCallback, check_val_targets
+from eval.callback import VerificationCallback, check_keep_best, check_val_targets
+from training.best_model import BestModel
 from training.memory_plan import describe, describe_fit, device_bytes, fit, memory_plan
 from training.state import (
     StepCounter,
@@ -93,6 +94,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         _refuse_report_options(args)
         check_data_path(cfg)
         check_val_targets(cfg.val_targets, cfg.rec)  # before any model is built (minutes for a large one)
+        check_keep_best(cfg.keep_best, cfg.val_targets, cfg.rec)
         device = choose_device(cfg.device, *local_process())
         configure_numerics(device, cfg.tf32, cfg.deterministic)
         if launched_rank() == 0:
@@ -297,8 +299,8 @@ def _train_in_folder(cfg: SimpleNamespace, device: torch.device, source, restart
     counter = StepCounter(steps_per_epoch=_steps_per_epoch(loader, cfg.gradient_acc))
     _check_memory(cfg, dataset.num_classes, device)
     state = build_training_state(cfg, dataset.num_classes, device, counter.steps_per_epoch)
-    checkpointer = Checkpointer(cfg.output, state, loader,
-                                architecture(cfg, dataset.num_classes, recorded_preparation(cfg.rec)), vars(cfg),
+    trained_as = architecture(cfg, dataset.num_classes, recorded_preparation(cfg.rec))
+    checkpointer = Checkpointer(cfg.output, state, loader, trained_as, vars(cfg),
                                 save_every_steps=cfg.save_every_steps, save_all_states=cfg.save_all_states,
                                 async_save=cfg.async_save, config_file=settings.config_file,
                                 overrides=settings.overrides, continue_with=str(settings.resume_command))
@@ -313,9 +315,10 @@ def _train_in_folder(cfg: SimpleNamespace, device: torch.device, source, restart
              len(dataset), dataset.num_classes, world(), counter.steps_per_epoch, total_steps, counter.global_step)
     if not _steps_left(cfg, counter, stop, checkpointer.renumbering):
         return {}
+    best = agreed(lambda: cfg.keep_best and BestModel(cfg.output, cfg.keep_best, trained_as), share=False)
     metrics = open_metrics(cfg, counter.shown_step if source else None)
     try:
-        results = _loop(cfg, state, loader, counter, checkpointer, stop, metrics, signals)
+        results = _loop(cfg, state, loader, counter, checkpointer, stop, metrics, signals, best)
     except BaseException:
         checkpointer.settle()
         raise
@@ -376,10 +379,10 @@ def _steps_per_epoch(loader: FaceLoader, gradient_acc: int) -> int:
 
 
 def _loop(cfg, state: TrainingState, loader: FaceLoader, counter: StepCounter, checkpointer: Checkpointer,
-          stop: int, metrics: Metrics, signals: StopSignals) -> dict[str, float]:
-    """Steps counter.global_step .. stop - 1: train, log, verify, save; stop between two steps when a
-    signal asks (RunStopped). The final verification accuracies. Log lines, verification and TensorBoard
-    count shown steps (StepCounter.shown_step)."""
+          stop: int, metrics: Metrics, signals: StopSignals, best: BestModel | None) -> dict[str, float]:
+    """Steps counter.global_step .. stop - 1: train, log, verify (offering each verification to `best`, the
+    keep_best model, on the main rank), save; stop between two steps when a signal asks (RunStopped). The final
+    verification accuracies. Log lines, verification and TensorBoard count shown steps (StepCounter.shown_step)."""
     verification = VerificationCallback(cfg.verbose, cfg.val_targets, cfg.rec, metrics=metrics,
                                         highest=counter.best_accuracy)
     speed = SpeedLogger(cfg.frequent, stop + counter.shown_offset, cfg.batch_size * world() * cfg.gradient_acc,
@@ -407,6 +410,8 @@ def _loop(cfg, state: TrainingState, loader: FaceLoader, counter: StepCounter, c
                 if accuracy is not None:
                     results = accuracy
                     counter.best_accuracy, counter.verification = verification.highest, verification.operating_points
+                    if best:
+                        best.offer(counter.shown_step, accuracy, state.backbone, verification.operating_points)
                 if checkpointer.after_step(counter, final) and cfg.save_artifacts and cfg.using_wandb:
                     checkpointer.wait_for_save()  # the artifact is the published backbone.pth
                     if is_main():

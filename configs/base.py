@@ -93,6 +93,8 @@ min_grad_scale: float = 1.0       # fp16: a step that leaves the grad scale belo
 frequent: int = 10                # a log line (speed, loss per view, lr, ETA) every this many steps
 verbose: int = 2000               # verification on val_targets every this many steps (and at the end)
 val_targets: tuple[str, ...] = () # .bin verification sets: names looked up as <rec>/<name>.bin, or paths
+keep_best: str | None = None      # a val_targets set's name: keep the backbone.pth (and model.json) of the best
+                                  # verification on it in <output>/best/, logged when it changes; None: off
 using_wandb: bool = False         # also log to Weights & Biases (needs `pip install wandb`; WANDB_MODE=offline works)
 wandb_key: str | None = None      # API key to log in with (None or arcface_torch's "XXX..." placeholder: wandb's own)
 wandb_entity: str | None = None   # W&B entity (team or user); None: your default

@@ -36,6 +36,15 @@ def check_val_targets(targets: Sequence[str], rec_prefix: str) -> None:
                               "or remove it from val_targets")
 
 
+def check_keep_best(keep_best: str | None, targets: Sequence[str], rec_prefix: str) -> None:
+    """A ConfigError when config key keep_best names no set of val_targets."""
+    names = [resolve_target(target, rec_prefix)[0] for target in targets]
+    if keep_best is not None and keep_best not in names:
+        listed = f"one of {', '.join(map(repr, names))}" if names else "a set you add to val_targets"
+        raise ConfigError(f"config key 'keep_best' is {keep_best!r}, which is not a set of val_targets "
+                          f"({', '.join(map(repr, names)) or 'none'}); set it to {listed}, or to None")
+
+
 class VerificationCallback:
     """Every ``every`` steps (config key ``verbose``), accuracy on each ``.bin`` set, logged as upstream logs it
     and written to ``metrics`` (TensorBoard, W&B) when given.

@@ -1,0 +1,318 @@
+"""Does pairface learn real faces? LFW under its own protocol: train on DevTrain's people, verify on pairsDevTest.
+
+    python -m bench.real_faces /path/to/lfw [--work data/lfw_bench] [--quick] [--rows two_view one_view ...]
+
+LFW_FOLDER is Labeled Faces in the Wild as its project distributes it: ``images_deepfunneled/<Name>/<Name>_NNNN.jpg``
+(deep-funneled, aligned: 250x250 colour JPEGs) beside its protocol files ``peopleDevTrain.txt`` and
+``pairsDevTest.txt``. The photos are news pictures under their owners' copyright, shared for research: nothing
+made from them belongs in this repository, and everything this command writes goes under --work.
+
+Preparation (once per work folder, reused after): every photo becomes a 112x112 face as tools.pack_rec prepares
+any photos, here aligned by five landmarks (``--landmarks``) onto the ArcFace template. Deep funneling has
+already aligned LFW's faces to one pose, so every photo gets the same five points: those of the mean
+deep-funneled face (``MEAN_LANDMARKS``, read off the mean of 1,500 photos). That warp is a fixed crop, the
+130-pixel square at (60, 51) scaled to 112: faces framed as insightface frames MS1MV3's and its lfw.bin's,
+tighter than the central 150 pixels LFW's site points to, so the background and hair take little of the picture.
+The DevTrain people (4,038, 9,525 photos) are packed one photo per record (``lfw_devtrain/train.rec``), and
+pairsDevTest (500 same-person, 500 different-person pairs of 1,711 people none of whom is trained on) becomes
+``lfw_devtrain/lfw_devtest.bin``.
+
+Each row is one train.py run of configs/lfw_r18_pair.py with the row's ``--set`` values, all rows seeing the same
+number of images (``--images``): a row of V views takes batch_size / V records a step, so every row takes the
+same steps of the same number of images. Rows:
+- ``one_view``: arcface_torch's recipe, ArcFace (1, 0.5, 0) under SGD, one photo per sample;
+- ``two_view``: the same with two views (``view_source="identity"``: another photo of the same person; a
+  person with one photo gets it twice, flipped independently);
+- ``recipe``: configs/lfw_r18_pair.py as it is (two views);
+- one row per margin family on two views (``cosface``, ``subcenter``, ``adaface``, ``curricular``,
+  ``elastic_arc``, ``elastic_cos``), under the recipe's optimizer.
+Columns: held-out Accuracy-Flip (10 folds, with the folds' spread) and TAR at FAR 1e-2, of the best verification
+(kept by ``keep_best``) and of the last; the CPU time the run took (minutes of CPU over every process, so the
+figure does not depend on what else the machine runs) and its wall time. Differences smaller than the spread are
+noise, and the table says which rows beat one_view by more than that. A PNG beside the table draws held-out
+accuracy against images seen, one curve per row.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import resource
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+CONFIG = "configs/lfw_r18_pair.py"
+VAL_SET = "lfw_devtest"
+IMAGES = "images_deepfunneled"
+# The mean deep-funneled face's eyes, nose tip and mouth corners (x, y in the 250x250 photo): the darkest points
+# of the mean image's eyes and mouth, and the nose tip between them.
+MEAN_LANDMARKS = (104, 111, 146, 111, 125, 135, 109, 157, 141, 157)
+FAR_TARGET = 1e-2
+ARCFACE_SGD = {"optimizer": "'sgd'", "lr": "0.1", "weight_decay": "5e-4", "margin_list": "(1.0, 0.5, 0.0)",
+               "margin_scale": "64.0"}
+ROWS: dict[str, dict[str, str]] = {
+    "one_view": {**ARCFACE_SGD, "num_views": "1"},
+    "two_view": {**ARCFACE_SGD, "num_views": "2"},
+    "recipe": {},
+    "cosface": {"margin_family": "'combined'", "margin_list": "(1.0, 0.0, 0.35)"},
+    "arcface": {"margin_family": "'combined'", "margin_list": "(1.0, 0.5, 0.0)"},
+    "subcenter": {"margin_family": "'subcenter'"},
+    "adaface": {"margin_family": "'adaface'"},
+    "curricular": {"margin_family": "'curricular'"},
+    "elastic_arc": {"margin_family": "'elastic_arc'"},
+    "elastic_cos": {"margin_family": "'elastic_cos'"},
+}
+ACCURACY = re.compile(rf"\[{VAL_SET}\]\[(\d+)\]Accuracy-Flip: ([\d.]+)\+-([\d.]+)")
+
+
+@dataclass(frozen=True)
+class Size:
+    """How much each row trains: images seen, the batch of images a step, verifications along the way."""
+
+    images: int
+    batch_images: int
+    verifications: int
+
+    @property
+    def steps(self) -> int:
+        return max(1, self.images // self.batch_images)
+
+
+FULL = Size(images=153_600, batch_images=128, verifications=8)
+QUICK = Size(images=12_800, batch_images=128, verifications=4)
+
+
+# --- preparation ---------------------------------------------------------------------------------
+
+
+def people(protocol_file: Path) -> list[str]:
+    """The names of a peopleDev*.txt file (a count, then ``name photos`` lines)."""
+    lines = protocol_file.read_text().split("\n")[1:]
+    return [line.split()[0] for line in lines if line.strip()]
+
+
+def pair_people(pairs_file: Path) -> set[str]:
+    """Everyone a pairs*.txt file names (``name n1 n2`` or ``name1 n1 name2 n2`` lines after the header)."""
+    names = set()
+    for line in pairs_file.read_text().split("\n")[1:]:
+        fields = line.split()
+        names.update(fields[0::2] if len(fields) == 4 else fields[:1])
+    return names
+
+
+def check_lfw(lfw: Path) -> None:
+    needed = [lfw / IMAGES, lfw / "peopleDevTrain.txt", lfw / "pairsDevTest.txt"]
+    missing = [str(path) for path in needed if not path.exists()]
+    if missing:
+        raise SystemExit(f"error: {lfw} is not an LFW folder: missing {', '.join(missing)}; pass the folder holding "
+                         f"{IMAGES}/ (the deep-funneled photos) and LFW's peopleDevTrain.txt and pairsDevTest.txt")
+
+
+def run_tool(module: str, args: Sequence[str]) -> None:
+    command = [sys.executable, "-m", module, *map(str, args)]
+    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, check=False)
+    if result.returncode:
+        raise SystemExit(f"error: {' '.join(command)} failed:\n{result.stderr[-2000:]}")
+    print(result.stdout.strip().splitlines()[-1])
+
+
+def prepare(lfw: Path, work: Path, workers: int) -> Path:
+    """The records of DevTrain's people and the pairsDevTest .bin under ``work`` (made once); their folder."""
+    data = work / "lfw_devtrain"
+    bin_path = data / f"{VAL_SET}.bin"
+    if bin_path.is_file():
+        print(f"using the prepared data in {data}")
+        return data
+    check_lfw(lfw)
+    trained, held_out = people(lfw / "peopleDevTrain.txt"), pair_people(lfw / "pairsDevTest.txt")
+    if overlap := set(trained) & held_out:
+        raise SystemExit(f"error: {len(overlap)} people are in both peopleDevTrain.txt and pairsDevTest.txt (e.g. "
+                         f"{sorted(overlap)[0]}); these are not LFW's protocol files")
+    # tools.pack_rec packs a folder of people: DevTrain's, linked from LFW's folder (nothing copied).
+    people_folder = work / "devtrain_people"
+    people_folder.mkdir(parents=True, exist_ok=True)
+    for name in trained:
+        link = people_folder / name
+        if not link.exists():
+            link.symlink_to((lfw / IMAGES / name).resolve(), target_is_directory=True)
+    landmarks = work / "landmarks.txt"
+    points = " ".join(map(str, MEAN_LANDMARKS))
+    photos = sorted((lfw / IMAGES).glob("*/*.jpg"))
+    landmarks.write_text("".join(f"{photo.parent.name}/{photo.name} {points}\n" for photo in photos))
+    run_tool("tools.pack_rec", [people_folder, data, "--views", "1", "--landmarks", landmarks, "--overwrite",
+                                "--workers", workers])
+    run_tool("tools.make_bin", [lfw / IMAGES, bin_path, "--pairs", lfw / "pairsDevTest.txt", "--landmarks",
+                                landmarks, "--force"])
+    return data
+
+
+# --- training ------------------------------------------------------------------------------------
+
+
+@dataclass
+class Result:
+    name: str
+    seed: int
+    curve: list[tuple[int, float, float]]  # (images seen, Accuracy-Flip, fold spread) per verification
+    best: tuple[float, float, float]       # Accuracy-Flip, spread, TAR at FAR_TARGET of the kept best model
+    last: tuple[float, float, float]       # the same of the last model
+    cpu_minutes: float
+    wall_minutes: float
+
+
+def row_settings(name: str, size: Size, data: Path, output: Path, seed: int, extra: Sequence[str]) -> list[str]:
+    views = int(ROWS[name].get("num_views", "2"))
+    settings = {"rec": repr(str(data)), "output": repr(str(output)), "seed": str(seed),
+                "batch_size": str(size.batch_images // views), "max_steps": str(size.steps),
+                "num_epoch": str(epochs_for(size, data, views)),
+                "verbose": str(max(1, size.steps // size.verifications)), "frequent": str(max(1, size.steps // 20)),
+                **ROWS[name]}
+    return [item for key, value in settings.items() for item in ("--set", f"{key}={value}")] + \
+        [item for setting in extra for item in ("--set", setting)]
+
+
+def steps_per_epoch(data: Path, records_per_step: int) -> int:
+    """Steps of an epoch: the header record (insightface's layout, as tools.pack_rec writes it) gives image keys
+    1..a-1."""
+    from dataset import RecordReader, unpack  # noqa: PLC0415
+
+    header = unpack(RecordReader(str(data / "train.idx"), str(data / "train.rec")).read(0))[0]
+    return (int(header.label[0]) - 1) // records_per_step
+
+
+def train_row(name: str, size: Size, data: Path, runs: Path, seed: int, extra: Sequence[str]) -> Result:
+    output = runs / f"{name}-seed{seed}"
+    if (output / "backbone.pth").is_file():
+        print(f"{name} (seed {seed}): using the finished run in {output}")
+        cpu_seconds = wall_seconds = float("nan")
+    else:
+        command = [sys.executable, "train.py", CONFIG, *row_settings(name, size, data, output, seed, extra)]
+        before, start = resource.getrusage(resource.RUSAGE_CHILDREN), time.perf_counter()
+        result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, check=False)
+        after, wall_seconds = resource.getrusage(resource.RUSAGE_CHILDREN), time.perf_counter() - start
+        cpu_seconds = (after.ru_utime + after.ru_stime) - (before.ru_utime + before.ru_stime)
+        if result.returncode:
+            raise SystemExit(f"error: the {name} run failed ({' '.join(command)}):\n{result.stderr[-3000:]}")
+    log = (output / "training.log").read_text()
+    views = int(ROWS[name].get("num_views", "2"))
+    batch_images = size.batch_images // views * views
+    curve = [(int(step) * batch_images, float(accuracy), float(spread))
+             for step, accuracy, spread in ACCURACY.findall(log)]
+    return Result(name, seed, curve, evaluate(output / "best", data), evaluate(output, data),
+                  cpu_seconds / 60, wall_seconds / 60)
+
+
+def epochs_for(size: Size, data: Path, views: int) -> int:
+    """num_epoch such that the LR schedule spans the row's steps, or a little more (max_steps stops it there)."""
+    per_epoch = steps_per_epoch(data, size.batch_images // views)
+    return max(1, -(-size.steps // per_epoch))
+
+
+def evaluate(model_folder: Path, data: Path) -> tuple[float, float, float]:
+    """Accuracy-Flip, its fold spread and TAR at FAR_TARGET of the backbone.pth in ``model_folder``."""
+    from backbones.trained import load_saved_backbone  # noqa: PLC0415
+    from eval.verification import flip_fused, load_bin, test  # noqa: PLC0415
+
+    backbone, _ = load_saved_backbone(model_folder)
+    data_set = load_bin(str(data / f"{VAL_SET}.bin"))
+    _, _, accuracy, spread, _, embeddings = test(data_set, backbone, 64)
+    return accuracy, spread, tar_at_far(flip_fused(embeddings), data_set[1], FAR_TARGET)
+
+
+def tar_at_far(fused: np.ndarray, issame: Sequence[bool], far: float) -> float:
+    """The share of same-person pairs accepted at the lowest cosine threshold that accepts at most ``far`` of the
+    different-person pairs (all pairs of the set: a verification set's one operating point)."""
+    issame = np.asarray(issame, dtype=bool)
+    similarity = np.sum(fused[0::2] * fused[1::2], axis=1)
+    different = np.sort(similarity[~issame])[::-1]
+    allowed = int(np.floor(far * different.size))  # false accepts allowed
+    threshold = different[allowed] if allowed < different.size else -np.inf
+    return float(np.mean(similarity[issame] > threshold))
+
+
+# --- report --------------------------------------------------------------------------------------
+
+
+def table(results: Sequence[Result], size: Size) -> str:
+    lines = [f"LFW DevTrain -> pairsDevTest, {size.images:,} images seen per row ({size.steps} steps of "
+             f"{size.batch_images}), load average {os.getloadavg()[0]:.1f} at the end",
+             f"{'row':<12}{'seed':>5}{'best acc':>10}{'+-':>7}{'TAR@1e-2':>10}{'at images':>11}"
+             f"{'last acc':>10}{'+-':>7}{'TAR@1e-2':>10}{'CPU min':>9}{'wall min':>10}  vs one_view"]
+    reference = next((result for result in results if result.name == "one_view"), None)
+    for result in results:
+        best_images = max(result.curve, key=lambda point: point[1])[0] if result.curve else 0
+        verdict = ""
+        if reference is not None and result is not reference:
+            difference = result.best[0] - reference.best[0]
+            noise = max(result.best[1], reference.best[1])
+            kind = "noise: within the spread" if abs(difference) <= noise else "beyond the spread"
+            verdict = f"{100 * difference:+.1f}p ({kind})"
+        lines.append(f"{result.name:<12}{result.seed:>5}{result.best[0]:>10.4f}{result.best[1]:>7.3f}"
+                     f"{result.best[2]:>10.3f}{best_images:>11,}{result.last[0]:>10.4f}{result.last[1]:>7.3f}"
+                     f"{result.last[2]:>10.3f}{result.cpu_minutes:>9.1f}{result.wall_minutes:>10.1f}  {verdict}")
+    return "\n".join(lines)
+
+
+def plot(results: Sequence[Result], path: Path) -> None:
+    import matplotlib  # noqa: PLC0415
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt  # noqa: PLC0415
+
+    figure, axes = plt.subplots(figsize=(7, 4.5))
+    for result in results:
+        images, accuracy, spread = (np.array(column) for column in zip(*result.curve))
+        axes.plot(images, accuracy, marker="o", label=f"{result.name} (seed {result.seed})")
+        axes.fill_between(images, accuracy - spread, accuracy + spread, alpha=0.1)
+    axes.set_xlabel("images seen by the backbone")
+    axes.set_ylabel(f"{VAL_SET} Accuracy-Flip (10 folds)")
+    axes.set_title("LFW: trained on DevTrain people, verified on pairsDevTest")
+    axes.grid(alpha=0.3)
+    axes.legend(fontsize=8)
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("lfw", type=Path, metavar="LFW_FOLDER", help=f"holds {IMAGES}/ and LFW's protocol files")
+    parser.add_argument("--work", type=Path, default=Path("data/lfw_bench"),
+                        help="where the records, the .bin, the runs, the table and the PNG go")
+    parser.add_argument("--rows", nargs="+", default=["one_view", "two_view", "recipe"], choices=list(ROWS))
+    parser.add_argument("--seeds", nargs="+", type=int, default=[2048])
+    parser.add_argument("--quick", action="store_true",
+                        help=f"{QUICK.images:,} images a row instead of {FULL.images:,}")
+    parser.add_argument("--images", type=int, help="images seen per row (overrides --quick)")
+    parser.add_argument("--batch", type=int, default=FULL.batch_images, help="images a step, in every row")
+    parser.add_argument("--set", dest="extra", action="append", default=[], metavar="KEY=VALUE",
+                        help="a config value for every row, after the row's own (e.g. a narrower network)")
+    parser.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="processes preparing photos")
+    args = parser.parse_args(argv)
+    size = QUICK if args.quick else FULL
+    size = Size(args.images or size.images, args.batch, size.verifications)
+    work = args.work.resolve()
+    data = prepare(args.lfw.resolve(), work, args.workers)
+    runs = work / f"runs-{size.images}"
+    results = []
+    for name in args.rows:
+        for seed in args.seeds:
+            results.append(train_row(name, size, data, runs, seed, args.extra))
+            print(f"{name} seed {seed}: best {results[-1].best[0]:.4f}, last {results[-1].last[0]:.4f}", flush=True)
+    report = table(results, size)
+    print(report)
+    (runs / "table.txt").write_text(report + "\n")
+    plot(results, runs / "accuracy.png")
+    print(f"table: {runs / 'table.txt'}; accuracy against images seen: {runs / 'accuracy.png'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
