@@ -34,6 +34,7 @@ from eval.callback import VerificationCallback, check_keep_best, check_val_targe
 from training.best_model import BestModel
 from training.memory_plan import describe, describe_fit, device_bytes, fit, memory_plan
 from training.state import (
+    CENTRES_GROUP,
     StepCounter,
     TrainingState,
     architecture,
@@ -309,6 +310,7 @@ def _train_in_folder(cfg: SimpleNamespace, device: torch.device, source, restart
     if restarted:
         _log_restart(restored, counter, cfg.save_every_steps)
     wrap_in_ddp(state, device)
+    _log_fine_tuning(cfg)
     total_steps = counter.steps_per_epoch * cfg.num_epoch
     stop = min(total_steps, cfg.max_steps) if cfg.max_steps else total_steps
     log.info("%d records, %d classes, %d process(es), %d steps per epoch, %d steps in all, starting at step %d",
@@ -330,6 +332,15 @@ def _train_in_folder(cfg: SimpleNamespace, device: torch.device, source, restart
     if device.type == "cuda":
         log.info("peak GPU memory %.2f GiB", torch.cuda.max_memory_allocated(device) / 2 ** 30)
     return results
+
+
+def _log_fine_tuning(cfg: SimpleNamespace) -> None:
+    if cfg.backbone_lr_mult != 1.0:
+        log.info("the backbone's lr is backbone_lr_mult=%g times the scheduled lr (the class centres')",
+                 cfg.backbone_lr_mult)
+    if cfg.freeze_backbone_steps:
+        log.info("steps 1 to %d of the LR schedule train the class centres alone (freeze_backbone_steps): the "
+                 "backbone's weights and BatchNorm statistics stay as they are", cfg.freeze_backbone_steps)
 
 
 def _log_restart(restored: Restored | None, counter: StepCounter, save_every_steps: int) -> None:
@@ -394,7 +405,7 @@ def _loop(cfg, state: TrainingState, loader: FaceLoader, counter: StepCounter, c
     signals.stepping = True
     try:
         for step, micro_batches in enumerate(loader.steps(start, stop, cfg.gradient_acc), start=start):
-            epoch, lr = counter.epoch, state.optimizer.param_groups[0]["lr"]  # of this step, for the log
+            epoch, lr = counter.epoch, state.optimizer.param_groups[CENTRES_GROUP]["lr"]  # the schedule's, for the log
             losses, outcome = train_step(state, micro_batches, cfg)
             counter.global_step = step + 1
             _count_nonfinite(outcome, counter, cfg, checkpointer.continue_with, grad_scale and grad_scale())

@@ -34,7 +34,7 @@ from checkpoint.restored import Restored
 from checkpoint.rng import set_rng_state
 from checkpoint.run_config import WHERE_KEYS, write_run_config
 from dataset import FaceLoader
-from training.state import StepCounter, TrainingState
+from training.state import CENTRES_GROUP, StepCounter, TrainingState, group_lrs
 from utils.distributed import agreed, checkpoint_group, world
 from utils.lr_scheduler import jump_to_step
 
@@ -120,7 +120,7 @@ class Checkpointer:
             self.renumbering = self._renumber(restored, counter)
         self._follow_schedule_changes(restored.config, counter)
         log.info("resumed from %s at global step %d (epoch %d), lr %.6f", path, counter.shown_step, counter.epoch,
-                 self.state.optimizer.param_groups[0]["lr"])
+                 self.state.optimizer.param_groups[CENTRES_GROUP]["lr"])
         _log_config_changes(restored.config, self.config)
         self.saved_at = counter.global_step
         return restored
@@ -143,12 +143,15 @@ class Checkpointer:
                            counter.global_step)
 
     def _follow_schedule_changes(self, saved_config: Mapping, counter: StepCounter) -> None:
-        """A resume that changes lr, num_epoch or warmup_epoch goes on along the new schedule from this
-        very step (the restored scheduler would keep the saved lr, and the restored LR is the old plan's)."""
+        """A resume that changes lr, backbone_lr_mult, num_epoch or warmup_epoch goes on along the new schedule
+        from this very step (the restored scheduler would keep the saved lr, and the restored LR is the old plan's).
+        The base lrs are compared too: a checkpoint that predates backbone_lr_mult (or arcface_torch's) has one lr
+        for both groups."""
         scheduler = self.state.scheduler
-        if not any(_differs(saved_config, self.config, key) for key in ("lr", "num_epoch", "warmup_epoch")):
+        if scheduler.base_lrs == group_lrs(self.config) and not any(
+                _differs(saved_config, self.config, key) for key in ("num_epoch", "warmup_epoch")):
             return
-        scheduler.base_lrs = [self.config["lr"]] * len(scheduler.base_lrs)
+        scheduler.base_lrs = group_lrs(self.config)
         jump_to_step(scheduler, counter.global_step)
 
     def _start_from_backbone(self, path: Path) -> None:

@@ -77,6 +77,11 @@ weight_decay: float = 5e-4        # the same for backbone and centres, as upstre
 batch_size: int = 128             # records per process per forward (a record holds num_views images)
 gradient_acc: int = 1             # forwards accumulated per optimizer step (loss divided, no DDP sync in between)
 max_grad_norm: float = 5.0        # backbone gradient clipped to this L2 norm before each step
+backbone_lr_mult: float = 1.0     # fine-tuning: the backbone's lr is this times the scheduled lr (the class
+                                  # centres' is the scheduled lr itself), e.g. 0.1 to keep a trained backbone close
+freeze_backbone_steps: int = 0    # fine-tuning: the first this many optimizer steps train the class centres alone;
+                                  # the backbone runs in eval mode without gradients, so its weights AND its BatchNorm
+                                  # statistics stay exactly as loaded (new centres first settle on good features)
 num_epoch: int = 20               # passes over the data
 warmup_epoch: int = 0             # linear warmup from 0 to lr, then polynomial (power 2) decay to 0 at the end;
                                   # negative (arcface_torch's 3millions.py: -1): no warmup, and its PolyScheduler

@@ -154,15 +154,31 @@ def build_networks(cfg: SimpleNamespace, num_classes: int, device: torch.device)
     return backbone, pfc
 
 
+BACKBONE_GROUP, CENTRES_GROUP = 0, 1  # the optimizer's parameter groups; the centres' lr is the scheduled one
+
+
+def group_lrs(config: Mapping) -> list[float]:
+    """Base learning rate of each parameter group: the backbone's scaled by backbone_lr_mult (fine-tuning)."""
+    return [config["lr"] * config["backbone_lr_mult"], config["lr"]]
+
+
+def backbone_frozen(state: TrainingState, cfg: SimpleNamespace) -> bool:
+    """Whether the coming step is one of freeze_backbone_steps, which train the class centres alone (counted on
+    the LR schedule's steps, so that a resume goes on where the warm-up was)."""
+    return state.scheduler.last_epoch < cfg.freeze_backbone_steps
+
+
 def build_optimizer(cfg: SimpleNamespace, backbone: nn.Module, pfc: PartialFC) -> torch.optim.Optimizer:
-    """One optimizer, two parameter groups (backbone, centres), the same lr and weight decay (upstream).
+    """One optimizer, two parameter groups (backbone, centres), the same weight decay (upstream) and the same lr
+    unless backbone_lr_mult scales the backbone's.
     Fused: one kernel updates each group in place, where the default one would allocate a centre-sized
     temporary for the weight decay term. The sampled centres' sparse gradient (build_networks) gets the
     same update as its dense equivalent, in one pass over the centres (training/optimizer.py)."""
-    groups = [{"params": list(backbone.parameters())}, {"params": list(pfc.parameters())}]
+    backbone_lr, centres_lr = group_lrs(vars(cfg))
+    groups = [{"params": list(backbone.parameters()), "lr": backbone_lr}, {"params": list(pfc.parameters())}]
     if cfg.optimizer == "sgd":
-        return RowSparseSGD(groups, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay, fused=True)
-    return RowSparseAdamW(groups, lr=cfg.lr, weight_decay=cfg.weight_decay, fused=True)
+        return RowSparseSGD(groups, lr=centres_lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay, fused=True)
+    return RowSparseAdamW(groups, lr=centres_lr, weight_decay=cfg.weight_decay, fused=True)
 
 
 def build_training_state(cfg: SimpleNamespace, num_classes: int, device: torch.device,

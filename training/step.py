@@ -17,7 +17,7 @@ from types import SimpleNamespace
 import torch
 from torch import nn
 
-from training.state import TrainingState
+from training.state import TrainingState, backbone_frozen
 from utils.distributed import all_reduce_max
 from utils.image import normalize
 
@@ -35,12 +35,14 @@ def train_step(state: TrainingState, micro_batches, cfg: SimpleNamespace) -> tup
     micro-batches, detached, on the device; the outcome every rank agreed on): a step is taken on
     every rank, or skipped on every rank."""
     state.keep_bn_buffers()
+    frozen = backbone_frozen(state, cfg)
+    state.backbone.train(not frozen)  # eval mode: BatchNorm neither updates nor uses batch statistics
     micro_losses = []
     for i, (images, labels) in enumerate(micro_batches):
         last = i == len(micro_batches) - 1
         accumulating = not last and state.ddp_backbone is not state.backbone
         with state.ddp_backbone.no_sync() if accumulating else contextlib.nullcontext():
-            micro_losses.append(_forward_backward(state, images, labels, len(micro_batches)))
+            micro_losses.append(_forward_backward(state, images, labels, len(micro_batches), frozen))
     state.scaler.unscale_(state.optimizer)
     grad_norm = nn.utils.clip_grad_norm_(state.backbone.parameters(), cfg.max_grad_norm)
     losses = torch.stack(micro_losses).mean(dim=0)
@@ -65,12 +67,14 @@ def train_step(state: TrainingState, micro_batches, cfg: SimpleNamespace) -> tup
 
 
 def _forward_backward(state: TrainingState, images: torch.Tensor, labels: torch.Tensor,
-                      accumulation: int) -> torch.Tensor:
-    """One micro-batch: returns [loss, loss of view 1..V] (detached); gradients accumulate."""
+                      accumulation: int, frozen: bool) -> torch.Tensor:
+    """One micro-batch: returns [loss, loss of view 1..V] (detached); gradients accumulate. A `frozen` backbone
+    runs outside autograd and outside DDP: it gets no gradient, so the optimizer leaves it as it is."""
     batch, views = images.shape[:2]
     flat = normalize(images).reshape(batch * views, *images.shape[2:])  # row b*V + v = record b, view v
     with state.autocast(flat.device.type):
-        embeddings = state.ddp_backbone(flat)
+        with torch.no_grad() if frozen else contextlib.nullcontext():
+            embeddings = (state.backbone if frozen else state.ddp_backbone)(flat)
         loss, per_view = state.pfc(embeddings.reshape(batch, views, -1).unbind(dim=1), labels)
     state.scaler.scale(loss / accumulation).backward()
     return torch.cat([loss.detach().reshape(1), per_view])

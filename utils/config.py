@@ -190,7 +190,7 @@ _POSITIVE = ("num_views", "embedding_size", "batch_size", "gradient_acc", "num_e
 # torch.optim and the loop refuse these below zero (a traceback from deep inside): checked here first
 # (warmup_epoch may be: arcface_torch's 3millions.py sets -1, a schedule without warmup, see utils/lr_scheduler.py)
 _NOT_NEGATIVE = ("lr", "momentum", "weight_decay", "max_grad_norm", "num_workers", "max_steps", "save_every_steps",
-                 "dropout")
+                 "dropout", "backbone_lr_mult", "freeze_backbone_steps")
 
 
 def _check_values(values: dict) -> None:
