@@ -1,11 +1,12 @@
 """Margin functions: the logit a target class gets from its cosine, and the margin families.
 
-The families (``MarginFamily``, chosen by the config key ``margin_family``) share one interface that
-partial_fc.py's sharded softmax calls: ``bind(state, rows, target_cos)`` once per forward, with the
-family's state (a small float tensor the classifier keeps: EMAs), what it may read of the global batch
-(``GlobalRows``) and, for the families that ask, every row's target cosine; it returns the margin of
-this forward, whose ``target_logit(cos)`` gives each row's target logit and ``modulate(cos, slope)``
-(where ``modulates_negatives``) rewrites non-target cosines in place. The families:
+A family is one class with the ``MarginFamily`` interface (a ``typing.Protocol``, below, each method
+documented there), chosen by the config key ``margin_family``: partial_fc.py's sharded softmax calls
+``bind(state, rows, target_cos)`` once per forward, with the family's state (a small float tensor the
+classifier keeps: EMAs), what it may read of the global batch (``GlobalRows``) and, for the families that
+ask, every row's target cosine; it returns that forward's ``Margin``, whose ``target_logit(cos)`` gives each
+row's target logit and ``modulate(cos, slope)`` (where ``modulates_negatives``) rewrites non-target cosines
+in place. The families:
 
 - ``CombinedMarginLoss`` (arcface_torch's ``margin_list``), stateless; sub-center ArcFace is this margin
   over ``K`` sub-centres per class (partial_fc.py takes the max cosine over them);
@@ -30,6 +31,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -53,7 +55,54 @@ class GlobalRows:
         return self.world_size * self.num_views * self.batch
 
 
-class CombinedMarginLoss:
+class Margin(Protocol):
+    """One forward's margin, as ``MarginFamily.bind`` returns it; the sharded softmax reads only this.
+
+    The flags default off (a class that subclasses this protocol inherits them); a margin that sets one
+    implements the method it enables."""
+
+    s: float  # every logit's scale: non-target logits are s * cos
+    interclass_filtering_threshold: float = 0.0  # > 0: ``filtered`` is called
+    modulates_negatives: bool = False  # True: ``modulate`` is called
+
+    def target_logit(self, cos: torch.Tensor) -> torch.Tensor:
+        """Every row's target logit from its target cosine (N,), rows in the sharded softmax's order
+        (rank, view, sample). Differentiable: its derivative is taken by autograd on these (N,) values and
+        is the gradient the target cosine gets (a straight-through margin returns a surrogate's)."""
+        ...
+
+    def filtered(self, cos: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """A boolean (N, C) mask of the non-target cosines to zero, with their gradient (label noise);
+        called only when ``interclass_filtering_threshold > 0``. Labels of -1: no target among the columns."""
+        ...
+
+    def modulate(self, cos: torch.Tensor, slope: torch.Tensor) -> None:
+        """Rewrite a column chunk of the (N, C) cosines in place into the values that ``s`` scales, and
+        write d(new)/d(cos) into ``slope`` (same shape); targets are overwritten afterwards, so their values
+        here do not matter. Called only when ``modulates_negatives``."""
+        ...
+
+
+class MarginFamily(Protocol):
+    """What ``PartialFC`` takes: a margin family. A new family is one class with these members (subclass
+    this protocol to inherit the flags' defaults), named in ``training.state.build_margin``."""
+
+    reads_norms: bool = False  # True: ``bind`` gets ``rows.norms``, every row's feature norm (one all-gather)
+    reads_target_cos: bool = False  # True: ``bind`` gets every row's target cosine (one all-reduce)
+
+    def initial_state(self) -> list[float]:
+        """The family's state at step 0 as floats ([] when stateless). PartialFC keeps it in its
+        ``margin_state`` buffer, the same on every rank, and the checkpoint saves and restores it."""
+        ...
+
+    def bind(self, state: torch.Tensor, rows: GlobalRows, target_cos: torch.Tensor | None) -> Margin:
+        """This forward's margin. Update ``state`` (float32, in place) from the global batch first: every
+        rank calls this with the same global values, so the state stays replicated. ``target_cos`` (N,) is
+        every row's target cosine when ``reads_target_cos``, else None. Runs under no_grad."""
+        ...
+
+
+class CombinedMarginLoss(MarginFamily, Margin):
     """Cosines (N, C) and labels (N,) -> margin logits (N, C).
 
     A label of -1 means "this row's target is not among these columns" (it lives on another
@@ -64,8 +113,6 @@ class CombinedMarginLoss:
     ``interclass_filtering_threshold > 0`` zeroes non-target cosines above the threshold (and their
     gradient), as arcface_torch does to ignore likely label noise.
     """
-
-    reads_norms = reads_target_cos = modulates_negatives = False
 
     def __init__(self, s: float = 64.0, m1: float = 1.0, m2: float = 0.5, m3: float = 0.0,
                  interclass_filtering_threshold: float = 0.0, straight_through: bool = False):
@@ -137,12 +184,9 @@ def _ema(slot: torch.Tensor, value: torch.Tensor, rate: float) -> None:
     slot.copy_(torch.where(torch.isfinite(new), new, slot))
 
 
-class _RowMargin:
+class _RowMargin(Margin):
     """One forward's margin whose target logit depends on the row (AdaFace, ElasticFace): ``target(cos)``
     is called on every row's target cosine, in the sharded softmax's row order."""
-
-    interclass_filtering_threshold = 0.0
-    modulates_negatives = False
 
     def __init__(self, s: float, target):
         self.s, self._target = s, target
@@ -151,7 +195,7 @@ class _RowMargin:
         return self._target(cos)
 
 
-class AdaFaceMargin:
+class AdaFaceMargin(MarginFamily):
     """AdaFace (Kim et al., CVPR 2022): the margin of each row adapts to its image quality, read from its
     feature norm.
 
@@ -170,8 +214,6 @@ class AdaFaceMargin:
     """
 
     reads_norms = True
-    reads_target_cos = modulates_negatives = False
-    interclass_filtering_threshold = 0.0
     EPS = 1e-3
     NORM_RANGE = (0.001, 100.0)
     INITIAL_MEAN, INITIAL_STD = 20.0, 100.0
@@ -199,7 +241,7 @@ class AdaFaceMargin:
         return _RowMargin(s, target)
 
 
-class CurricularMargin:
+class CurricularMargin(MarginFamily):
     """CurricularFace (Huang et al., CVPR 2020): ArcFace's target, and hard negatives weighted up as
     training goes on.
 
@@ -210,9 +252,7 @@ class CurricularMargin:
     rows of every view, updated with this batch before use (the authors: their GPU's batch).
     """
 
-    reads_target_cos = modulates_negatives = True
-    reads_norms = False
-    interclass_filtering_threshold = 0.0
+    reads_target_cos = True
 
     def __init__(self, s: float = 64.0, m: float = 0.5, alpha: float = 0.01):
         self.s, self.m, self.alpha = float(s), float(m), float(alpha)
@@ -228,10 +268,9 @@ class CurricularMargin:
         return _CurricularStep(self, state[0].to(target_cos.dtype), target_cos)
 
 
-class _CurricularStep:
+class _CurricularStep(Margin):
     """CurricularMargin for one forward: its t and each row's hardness threshold cos(theta_y + m)."""
 
-    interclass_filtering_threshold = 0.0
     modulates_negatives = True
 
     def __init__(self, margin: CurricularMargin, t: torch.Tensor, target_cos: torch.Tensor):
@@ -258,7 +297,7 @@ ELASTIC_DEFAULTS = {  # (m, std, std of the "+" variant): the authors' settings
 }
 
 
-class ElasticMargin:
+class ElasticMargin(MarginFamily):
     """ElasticFace (Boutros et al., CVPRW 2022): each row's margin m_i drawn from N(m, std) at every step.
 
     ``kind="arc"``: target ``s * cos(theta + m_i)`` (past theta = pi - m_i, continued linearly as
@@ -271,9 +310,6 @@ class ElasticMargin:
     global sample g (rank * batch + its position) of view v takes draw ``g * V + v``. A sample's margins
     therefore do not depend on the number of processes (nor on the device's shard of the batch).
     """
-
-    reads_norms = modulates_negatives = False
-    interclass_filtering_threshold = 0.0
 
     def __init__(self, s: float = 64.0, kind: str = "arc", m: float | None = None, std: float | None = None,
                  plus: bool = False):
@@ -313,9 +349,6 @@ class ElasticMargin:
             below = -torch.cos(m.clamp_min(0.0))  # cos(pi - m_i): where theta + m_i reaches pi
             return s * torch.where(cos >= below, angular, cos - below - 1.0)
         return _RowMargin(s, target)
-
-
-MarginFamily = CombinedMarginLoss | AdaFaceMargin | CurricularMargin | ElasticMargin  # what PartialFC takes
 
 
 # The target of each row is read and written through gather/scatter over every row, not through the rows

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 
 from checkpoint.pointer import POINTER_NAME
 from checkpoint.sharded import restore_state, save_state
-from losses import AdaFaceMargin, CombinedMarginLoss, CurricularMargin, ElasticMargin
+from losses import AdaFaceMargin, CombinedMarginLoss, CurricularMargin, ElasticMargin, GlobalRows, Margin, MarginFamily
 from partial_fc import PartialFC, initial_centres
 from tests.distributed_helpers import run_world
 from tests.test_partial_fc import assert_float64_close
@@ -378,3 +378,44 @@ def test_each_family_equals_its_authors_head_on_the_same_features_centres_and_la
             where = f"{name}, step {step}: {what}"
             torch.testing.assert_close(ours, theirs, rtol=1e-10, atol=1e-12 * max(1.0, float(theirs.abs().sum())),
                                        msg=lambda text, where=where: f"{where}: {text}")
+
+
+class WarmupCosFace(MarginFamily, Margin):
+    """A family written as one class against the protocols alone (a margin warm-up, a known recipe): CosFace
+    whose margin grows linearly over the first ``warmup`` forwards, its state the forwards counted so far."""
+
+    def __init__(self, s: float, m: float, warmup: int):
+        self.s, self.m, self.warmup = s, m, warmup
+
+    def initial_state(self) -> list[float]:
+        return [0.0]
+
+    def bind(self, state: torch.Tensor, rows: GlobalRows, target_cos: torch.Tensor | None) -> Margin:
+        state += 1.0
+        self.current = self.m * min(1.0, float(state[0]) / self.warmup)
+        return self
+
+    def target_logit(self, cos: torch.Tensor) -> torch.Tensor:
+        return self.s * (cos - self.current)
+
+
+def test_a_new_family_is_one_class_that_partial_fc_runs_unchanged():
+    batch, num_classes, m, warmup = 5, 6, 0.4, 2
+    pfc = PartialFC(WarmupCosFace(S, m, warmup), EMBEDDING, num_classes, seed=4).double()
+    gen = torch.Generator().manual_seed(4)
+    for step in range(3):
+        raw = torch.randn(batch, EMBEDDING, generator=gen, dtype=torch.float64).requires_grad_(True)
+        labels = torch.randint(0, num_classes, (batch,), generator=gen)
+        pfc.weight.grad = None
+        loss, _ = pfc(raw, labels)
+        loss.backward()
+        their_raw = raw.detach().requires_grad_(True)
+        centres = pfc.weight.detach().clone().requires_grad_(True)
+        cos = F.normalize(their_raw) @ F.normalize(centres).t()
+        margin = m * min(1.0, (step + 1) / warmup)
+        their_loss = F.cross_entropy(S * (cos - margin * F.one_hot(labels, num_classes).double()), labels)
+        grads = torch.autograd.grad(their_loss, [their_raw, centres])
+        for what, ours, theirs in (("loss", loss.detach(), their_loss.detach()), ("features.grad", raw.grad, grads[0]),
+                                   ("centres.grad", pfc.weight.grad, grads[1]),
+                                   ("state", pfc.margin_state, torch.tensor([step + 1.0], dtype=torch.float64))):
+            torch.testing.assert_close(ours, theirs, rtol=1e-10, atol=1e-12, msg=lambda text, w=what: f"{w}: {text}")
