@@ -11,7 +11,7 @@ import pytest
 
 import train
 from backbones.trained import find_saved_backbone, parse_network_kw
-from utils.config import BASE_CONFIG, ConfigError, check_data_path, load_config
+from utils.config import ALIASES, BASE_CONFIG, ConfigError, _read_base, check_data_path, load_config
 from utils.errors import WeightsError
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"
@@ -74,7 +74,8 @@ def test_set_a_string_key_to_a_number_keeps_the_text(tmp_path):
 
 @pytest.mark.parametrize("where, key, suggestion", [
     ("file", "lrr", "lr"), ("file", "num_epochs", "num_epoch"), ("set", "embeding_size", "embedding_size"),
-    ("set", "margin", "margin_list")])
+    ("set", "margin", "margin_list"), ("set", "learning_rate", "lr"), ("file", "epochs", "num_epoch"),
+    ("set", "wd", "weight_decay")])
 def test_unknown_key_names_it_and_the_closest_valid_key(tmp_path, where, key, suggestion):
     path = write(tmp_path, f"{key} = 1\n" if where == "file" else "")
     with pytest.raises(ConfigError) as info:
@@ -82,6 +83,11 @@ def test_unknown_key_names_it_and_the_closest_valid_key(tmp_path, where, key, su
     message = str(info.value)
     assert f"'{key}'" in message and f"did you mean '{suggestion}'" in message
     assert "\n" not in message
+
+
+def test_every_alias_names_a_key_of_base_py():
+    keys = _read_base()[1]
+    assert not set(ALIASES) & set(keys) and set(ALIASES.values()) <= set(keys)
 
 
 @pytest.mark.parametrize("text, overrides, key, expected", [

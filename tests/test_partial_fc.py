@@ -8,6 +8,8 @@ worst errors are ~1e-15 of a tensor's largest element and ~1e-10 relative on its
 (cancellation), so `assert_float64_close` allows 1e-12 relative per element with a floor of 1e-14
 of the largest element, still many orders of magnitude below any real mistake.
 """
+import math
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -438,6 +440,19 @@ def test_view_losses_are_each_views_mean_cross_entropy():
     each = [dense_reference([v], labels, pfc.weight.detach(), (1.0, 0.0, 0.35), 64.0).item() for v in views]
     assert per_view.tolist() == pytest.approx(each, rel=1e-12)
     assert loss.item() == pytest.approx(0.25 * each[0] + 0.75 * each[1], rel=1e-12)
+
+
+def test_a_hopeless_row_s_loss_is_not_capped_at_arcface_torchs_69_08():
+    # arcface_torch clamps the target probability at 1e-30 (a row's loss at most -ln 1e-30 = 69.08); the README
+    # says pairface's loss is the plain cross-entropy, so a row whose target is the far side of the sphere reads
+    # s * 2 = 128 (the gradient is the same either way: the clamp only touches the logged value).
+    pfc = PartialFC(CombinedMarginLoss(m2=0.0), 2, 2).double()
+    with torch.no_grad():
+        pfc.weight.copy_(torch.tensor([[1.0, 0.0], [-1.0, 0.0]], dtype=torch.float64))
+    loss, _ = pfc(torch.tensor([[-1.0, 0.0]], dtype=torch.float64), torch.tensor([0]))
+    reference = torch.logsumexp(torch.tensor([-64.0, 64.0], dtype=torch.float64), 0) + 64.0
+    assert loss.item() == pytest.approx(reference.item(), rel=1e-12) and loss.item() > -math.log(1e-30)
+    assert "1e-30" in (Path(__file__).resolve().parent.parent / "README.md").read_text()
 
 
 def test_extreme_inputs_give_finite_loss_and_gradients():

@@ -107,10 +107,25 @@ def _parse_override(item: str, types_by_key: dict) -> tuple[str, object]:
     return key, value
 
 
+# Names other trainers (and habit) give these keys; spelling distance alone would suggest a wrong key for some
+# (learning_rate is closest to sample_rate).
+ALIASES = {
+    "learning_rate": "lr", "base_lr": "lr", "epochs": "num_epoch", "num_epochs": "num_epoch", "epoch": "num_epoch",
+    "max_epochs": "num_epoch", "warmup_epochs": "warmup_epoch", "warmup": "warmup_epoch", "steps": "max_steps",
+    "max_iters": "max_steps", "wd": "weight_decay", "grad_clip": "max_grad_norm", "clip_grad_norm": "max_grad_norm",
+    "gradient_accumulation": "gradient_acc", "accumulate_grad_batches": "gradient_acc", "batch": "batch_size",
+    "bs": "batch_size", "workers": "num_workers", "classes": "num_classes", "emb_size": "embedding_size",
+    "embedding_dim": "embedding_size", "feature_dim": "embedding_size", "margin": "margin_list",
+    "scale": "margin_scale", "s": "margin_scale", "amp": "fp16", "data": "rec", "dataset": "rec",
+    "output_dir": "output", "log_every": "frequent", "eval_every": "verbose", "save_every": "save_every_steps",
+    "backbone": "network", "arch": "network",
+}
+
+
 def _require_known(key: str, types_by_key: dict, where: str) -> None:
     if key in types_by_key:
         return
-    close = difflib.get_close_matches(key, list(types_by_key), n=1, cutoff=0.0)
+    close = [ALIASES[key]] if key in ALIASES else difflib.get_close_matches(key, list(types_by_key), n=1, cutoff=0.0)
     raise ConfigError(f"unknown config key {key!r} in {where}; did you mean {close[0]!r}? "
                       "(every key is listed in configs/base.py)")
 
