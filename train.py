@@ -52,6 +52,7 @@ from utils.errors import ConfigError, TrainingError, UserError
 from utils.launcher import adopt_srun_environment, launched_rank, local_process, torchrun_run_id
 from utils.log import SpeedLogger, log_to_file_only, setup_logging
 from utils.metrics import Metrics, open_metrics
+from utils.network import describe_host
 from utils.rank0_verdict import CONFIG_ERROR, NO_CONFIG_ERROR, rank0_had_config_error, tell
 from utils.sizes import parse_size
 from utils.stop import EXIT_INTERRUPTED, EXIT_PREEMPTED, RunStopped, StopRequest, StopSignals
@@ -116,7 +117,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _train_in_process_group(cfg: SimpleNamespace, device: torch.device, settings: RunSettings) -> None:
     """train() among the processes of the job, with stop signals caught until the process group is gone."""
-    init_distributed(device, cfg.timeout_minutes)
+    init_distributed(device, cfg.timeout_minutes, cfg.network_check_seconds)
     if device.type == "cpu":
         _share_cpu(cfg.num_workers)
     try:
@@ -161,12 +162,15 @@ def dry_run_report(cfg: SimpleNamespace, world_size: int, as_json: bool, availab
     num_classes = cfg.num_classes if from_header is None else from_header
     plan = memory_plan(cfg, num_classes, world_size)
     result = None if available is None or num_classes is None else fit(cfg, num_classes, world_size, available)
+    launched = "WORLD_SIZE" in os.environ  # by torchrun or srun: what this rank sees of the network
+    network = describe_host("nccl" if cfg.device != "cpu" and torch.cuda.is_available() else "gloo")
     if as_json:
         verdict = {} if result is None else {
             "device_memory": available, "fits": result.fits, "largest_batch_size": result.largest_batch_size,
             "fewest_processes": result.fewest_processes}
         read = {} if from_header is None else {"num_classes": from_header}  # beside the config, which says None
-        return json.dumps({"config": vars(cfg), "memory": {"world_size": world_size, **read, **plan, **verdict}})
+        return json.dumps({"config": vars(cfg), "memory": {"world_size": world_size, **read, **plan, **verdict},
+                           **({"network": network} if launched else {})})
     keys = "\n".join(f"{key} = {value!r}" + (f"  # {from_header}, read from {cfg.rec}/train.rec's header"
                                               if key == "num_classes" and from_header is not None else "")
                      for key, value in vars(cfg).items())
@@ -178,7 +182,8 @@ def dry_run_report(cfg: SimpleNamespace, world_size: int, as_json: bool, availab
         verdict = "set num_classes to see whether it fits"
     return (f"{keys}\n\nmargin: {describe_margin(cfg)}\n\n"
             f"memory per process, {world_size} process(es) (rank 0's: it holds the most centres), "
-            f"batch_size {cfg.batch_size} x {cfg.num_views} view(s):\n{describe(plan, cfg)}\n{verdict}")
+            f"batch_size {cfg.batch_size} x {cfg.num_views} view(s):\n{describe(plan, cfg)}\n{verdict}"
+            + (f"\n\nnetwork, as this process sees it: {network}" if launched else ""))
 
 
 def _device_memory(args: argparse.Namespace) -> int | None:

@@ -124,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
     data = prepare(args.lfw, args.work)
     cfg = load_config(ROOT / CONFIG)
     epochs = -(-args.steps // steps_per_epoch(data, cfg.batch_size))  # the LR schedule ends with the last step
-    common = [f"rec={str(data)!r}", f"max_steps={args.steps}", f"num_epoch={epochs}",
+    common = [f"rec={str(data)!r}", f"val_targets=({VAL_SET!r},)", f"max_steps={args.steps}", f"num_epoch={epochs}",
               f"verbose={max(1, args.steps // 4)}"]
     rows = {"scratch": ["resume=False", "backbone_lr_mult=1.0", "freeze_backbone_steps=0"],
             "fine-tune": [f"resume={str(args.backbone)!r}", "freeze_backbone_steps=0"],

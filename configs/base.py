@@ -67,6 +67,8 @@ device: Literal["auto", "cuda", "cpu"] = "auto"  # auto: this process's GPU when
 tf32: bool = True                 # TF32 tensor cores for float32 matmuls and convolutions on GPUs (~10 bits mantissa)
 deterministic: bool = False       # deterministic GPU kernels (slower): bitwise-exact resume on GPUs too
 timeout_minutes: float = 30.0     # how long a rank waits at a collective (e.g. for a checkpoint being written)
+network_check_seconds: float = 120.0  # several processes: one small all-reduce before the first step must end
+                                  # within this, else the run stops naming each host's network (docs/failures.md)
 
 # --- optimisation -------------------------------------------------------------------------
 optimizer: Literal["sgd", "adamw"] = "sgd"  # one optimizer, backbone and class centres as two param groups

@@ -13,8 +13,9 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from utils.errors import TrainingError, UserError
+from utils.errors import NetworkError, TrainingError, UserError
 from utils.launcher import local_process
+from utils.network import ADVICE, describe_host
 
 
 def is_initialized() -> bool:
@@ -42,17 +43,31 @@ def nodes() -> int:
     return max(1, world() // (local_process()[1] or 1))
 
 
-def init_distributed(device: torch.device, timeout_minutes: float) -> None:
+def init_distributed(device: torch.device, timeout_minutes: float, check_seconds: float = 120.0) -> None:
     """Join the process group torchrun (or srun, through utils.launcher.adopt_srun_environment) describes, or
     run as one process: without WORLD_SIZE in the environment no process group is created and the
     collective helpers are no-ops. NCCL on GPUs, bound to this process's GPU; gloo on CPUs. The
     timeout covers the longest a rank may wait at a collective for the others (e.g. while rank 0
-    writes a checkpoint), so that a slow save does not trip the NCCL watchdog."""
+    writes a checkpoint), so that a slow save does not trip the NCCL watchdog.
+
+    Then one small all-reduce, waited for at most `check_seconds`: a network that joins the group but cannot
+    carry a collective (the wrong interface, a container's own network) fails here, with what this process
+    sees of the network, rather than as a hang or a backend error in the first step (NetworkError)."""
     if "WORLD_SIZE" not in os.environ or is_initialized():
         return
     on_gpu = device.type == "cuda"
-    dist.init_process_group(backend="nccl" if on_gpu else "gloo", init_method="env://",
-                            timeout=timedelta(minutes=timeout_minutes), device_id=device if on_gpu else None)
+    name = "nccl" if on_gpu else "gloo"
+    try:
+        dist.init_process_group(backend=name, init_method="env://", timeout=timedelta(minutes=timeout_minutes),
+                                device_id=device if on_gpu else None)
+        probe = torch.ones(1, device=device if on_gpu else "cpu")
+        dist.all_reduce(probe, async_op=True).wait(timedelta(seconds=check_seconds))
+        if probe.item() != dist.get_world_size():
+            raise RuntimeError(f"the all-reduce of ones over {dist.get_world_size()} processes gave {probe.item()}")
+    except RuntimeError as error:  # DistError is one; gloo raises plain RuntimeErrors
+        reason = re.sub(r"^\[[^\]]*\]\s*", "", str(error)).strip().splitlines()[0]
+        raise NetworkError(f"the network check before the first step failed ({reason}) on {describe_host(name)}; "
+                           f"{ADVICE}") from error
 
 
 def backend() -> str:

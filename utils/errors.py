@@ -34,6 +34,10 @@ class TrainingError(UserError, RuntimeError):
     """Training cannot go on (e.g. too many non-finite losses in a row)."""
 
 
+class NetworkError(UserError, RuntimeError):
+    """The processes of a job cannot reach each other (the network check before the first step)."""
+
+
 class WeightsError(UserError, ValueError):
     """A weights file is missing, unreadable or does not fit the requested network."""
 
