@@ -175,7 +175,7 @@ def dry_run_report(cfg: SimpleNamespace, world_size: int, as_json: bool, availab
                                               if key == "num_classes" and from_header is not None else "")
                      for key, value in vars(cfg).items())
     if result is not None:
-        verdict = describe_fit(result, cfg, world_size)
+        verdict = describe_fit(result, cfg, world_size, plan)
     elif available is None:
         verdict = "pass --device-memory SIZE (e.g. 80GiB) to see whether it fits"
     else:
@@ -384,7 +384,7 @@ def _check_memory(cfg: SimpleNamespace, num_classes: int, device: torch.device) 
              "on %s", plan["total"] / 2 ** 30, plan["activations"] / 2 ** 30, plan["class_centres"] / 2 ** 30,
              available / 2 ** 30, device)
     if plan["total"] > available:
-        log.warning("the memory plan %s", describe_fit(fit(cfg, num_classes, world(), available), cfg, world()))
+        log.warning("the memory plan %s", describe_fit(fit(cfg, num_classes, world(), available), cfg, world(), plan))
 
 
 def _steps_per_epoch(loader: FaceLoader, gradient_acc: int) -> int:

@@ -204,12 +204,33 @@ def test_the_dry_run_says_whether_it_fits_and_the_largest_batch_and_fewest_proce
         assert planned(128, fewest) <= available and all(planned(128, p) > available for p in range(1, fewest))
         status, out, _ = dry_run(capsys, *settings, "--device-memory", f"{available}B")
         assert f"\n{verdict}" in out and f"the largest batch_size that fits on 8 process(es) is {largest}" in out
-    assert fewest > 8 and f"batch_size 128 fits from {fewest} processes on" in out
+        assert f"batch_size 128 fits from {fewest} processes on" in out  # either way, as the README says
+    assert fewest > 8
+
+
+def test_a_plan_that_does_not_fit_names_its_largest_item_and_what_shrinks_that(capsys):
+    """Two million centres on one process: the centres dominate, so more processes, not sample_rate (the
+    old advice whatever dominated); a tiny classifier with a big batch: the activations."""
+    for settings, largest, remedy in (
+            (["--set", "num_classes=2000000", "--set", "embedding_size=512"], "centre optimizer state",
+             "more processes"),
+            (["--set", "num_classes=100", "--set", "batch_size=512"], "backbone backward", "a smaller batch_size")):
+        cfg = load_config(ROOT / CONFIG, [item for item in settings if item != "--set"])
+        plan = memory_plan(cfg, cfg.num_classes, 1)
+        status, out, _ = dry_run(capsys, *settings, "--device-memory", f"{plan['total'] - 1}B")
+        assert status == 0 and "does not fit" in out
+        item = largest.replace(" ", "_")
+        held = [value for key, value in plan.items() if key not in ("total", "host_checkpoint_staging")]
+        assert plan[item] == max(held)
+        assert f"the largest item is {largest} ({plan[item] / 2 ** 30:.2f} GiB): try {remedy}" in out
+        assert "sample_rate" not in out.rpartition("does not fit")[2]
 
 
 @pytest.mark.parametrize(("arguments", "message"), [
     (["--dry-run", "--device-memory", "80 gigs"],
      "error: --device-memory '80 gigs' is not an amount of memory; write it like 80GiB, 80GB or 81920MiB\n"),
+    (["--dry-run", "--device-memory", "80"],
+     "error: --device-memory '80' has no unit; write it with one, e.g. 80GiB (or 80GB, 80B for bytes)\n"),
     (["--device-memory", "80GiB"],
      "error: --device-memory only shapes the --dry-run report; add --dry-run, or drop --device-memory to train\n"),
     (["--dry-run", "--set", "batch_size=1", "--set", "num_views=1"],

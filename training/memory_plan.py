@@ -226,16 +226,38 @@ def _amount(value: int | None) -> str:
     return "unknown (set num_classes)" if value is None else f"{value / GIB:10.3f} GiB"
 
 
-def describe_fit(result: Fit, cfg: SimpleNamespace, world_size: int) -> str:
-    """One line: fits or not in the memory available, and the largest batch and fewest processes that fit."""
+# What shrinks each item, for the one line that names the item dominating a plan that does not fit.
+_SAMPLING = "lower sample_rate (now {sample_rate:g})"
+_MORE_PROCESSES = "more processes (each holds its share of the centres)"
+_SMALLER_BATCH = "a smaller batch_size with gradient_acc keeping the global batch"
+_SMALLER_NETWORK = "a smaller network, or fp16/bf16"
+REMEDIES = {"class_centres": _MORE_PROCESSES, "centre_optimizer_state": _MORE_PROCESSES,
+            "centre_gradient": _SAMPLING, "logits_buffer": _SAMPLING, "activations": _SMALLER_BATCH,
+            "backbone_backward": _SMALLER_BATCH, "batch": _SMALLER_BATCH, "backbone_parameters": _SMALLER_NETWORK,
+            "backbone_optimizer_state": _SMALLER_NETWORK, "backbone_gradients": _SMALLER_NETWORK,
+            "ddp_gradient_buckets": _SMALLER_NETWORK}
+
+
+def dominant_item(plan: dict[str, int | None], cfg: SimpleNamespace) -> str:
+    """The largest item alive at the step's peak."""
+    alive = _moments(cfg)
+    peak = max(alive, key=lambda when: _known(plan, alive[when]))
+    return max((item for item in (*PERSISTENT, *alive[peak]) if plan[item] is not None), key=lambda item: plan[item])
+
+
+def describe_fit(result: Fit, cfg: SimpleNamespace, world_size: int, plan: dict[str, int | None]) -> str:
+    """One line: fits or not in the memory available, the largest batch and fewest processes that fit, and when
+    it does not fit, what shrinks the item that dominates the plan."""
     largest = (f"the largest batch_size that fits on {world_size} process(es) is {result.largest_batch_size}"
                if result.largest_batch_size else
                f"not even batch_size 1 fits on {world_size} process(es)")
-    if result.fits:
-        return (f"fits: {result.total / GIB:.2f} GiB of {result.available / GIB:.2f} GiB per process; "
-                f"{largest}")
     processes = (f"batch_size {cfg.batch_size} fits from {result.fewest_processes} processes on"
                  if result.fewest_processes else
                  f"no number of processes fits batch_size {cfg.batch_size} (the backbone's share alone is too large)")
+    if result.fits:
+        return (f"fits: {result.total / GIB:.2f} GiB of {result.available / GIB:.2f} GiB per process; "
+                f"{largest}; {processes}")
+    item = dominant_item(plan, cfg)
     return (f"does not fit: {result.total / GIB:.2f} GiB planned, {result.available / GIB:.2f} GiB per process; "
-            f"{largest}, or {processes}; or lower sample_rate (now {cfg.sample_rate:g})")
+            f"{largest}, or {processes}; the largest item is {item.replace('_', ' ')} "
+            f"({plan[item] / GIB:.2f} GiB): try {REMEDIES[item].format(sample_rate=cfg.sample_rate)}")
