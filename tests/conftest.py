@@ -42,6 +42,15 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     items.sort(key=lambda item: item.path not in slow_files)
 
 
+def pytest_terminal_summary(terminalreporter, config: pytest.Config) -> None:
+    """The random order's seed, last: pytest-randomly prints it in the header, which `make test`'s -q hides (and
+    xdist's workers print nothing), so a failure that depends on the order could not be replayed."""
+    seed = config.getoption("randomly_seed", None) if config.pluginmanager.hasplugin("randomly") else None
+    if isinstance(seed, int) and not hasattr(config, "workerinput"):
+        terminalreporter.write_line(f"random order seed {seed}: replay this order with "
+                                    f"pytest -p randomly --randomly-seed={seed}")
+
+
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 
 

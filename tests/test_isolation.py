@@ -64,3 +64,14 @@ def test_a_test_s_process_variable_signal_handler_and_numerics_end_with_it(pytes
     monkeypatch.setenv("PYTHONPATH", str(ROOT))  # the inner file imports tests.conftest
     result = pytester.runpytest_subprocess("-p", "no:randomly", "-p", "no:cacheprovider", timeout=300)
     result.assert_outcomes(passed=2)
+
+
+def test_a_quiet_run_ends_with_the_random_order_seed(pytester, monkeypatch):
+    pytester.makeconftest("from tests.conftest import pytest_terminal_summary  # noqa: F401 (the hook under test)\n")
+    pytester.makepyfile(test_inner="def test_nothing():\n    pass\n")
+    monkeypatch.setenv("PYTHONPATH", str(ROOT))
+    result = pytester.runpytest_subprocess("-q", "-p", "randomly", "--randomly-seed=1234", "-p", "no:cacheprovider",
+                                           timeout=300)
+    result.assert_outcomes(passed=1)
+    assert "random order seed 1234: replay this order with pytest -p randomly --randomly-seed=1234" in result.outlines
+    assert not any("Using --randomly-seed" in line for line in result.outlines)  # -q: the header is not shown
