@@ -2,6 +2,7 @@
 
     python -m bench.bench_pfc [--classes 10000 100000 1000000] [--device cuda]
     python -m bench.bench_pfc --families [--classes 100000]   # each margin family's time / the combined's
+    python -m bench.bench_pfc --step [--classes 10000 100000]  # the centre step with its optimizer (bench/pfc_step.py)
 
 The reference is what a user would write without Partial FC: ``nn.Linear`` on normalised
 weights, the same margin, ``F.cross_entropy``, over the same 256 embeddings (batch 128 x 2
@@ -27,6 +28,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from bench import pfc_step
 from losses import AdaFaceMargin, CombinedMarginLoss, CurricularMargin, ElasticMargin
 from partial_fc import PartialFC
 
@@ -127,7 +129,8 @@ def measure(implementation: str, num_classes: int, device: torch.device, steps: 
 
 def run_in_subprocess(implementation: str, num_classes: int, args) -> dict:
     command = [sys.executable, "-m", "bench.bench_pfc", "--worker", implementation, str(num_classes),
-               "--device", args.device, "--threads", str(args.threads)] + (["--fp16"] if args.fp16 else [])
+               "--device", args.device, "--threads", str(args.threads), "--rounds", str(args.rounds)]
+    command += ["--fp16"] if args.fp16 else []
     done = subprocess.run(command, capture_output=True, text=True, check=False, cwd=ROOT)
     if done.returncode != 0:
         raise RuntimeError(f"{implementation} at C={num_classes} failed:\n{done.stderr[-2000:]}")
@@ -141,7 +144,10 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--fp16", action="store_true", help="fp16 autocast and fp16 logits GEMMs (CUDA)")
     parser.add_argument("--families", action="store_true", help="each margin family's time relative to the combined")
-    parser.add_argument("--rounds", type=int, default=3, help="with --families: processes per family and cell")
+    parser.add_argument("--rounds", type=int, default=3, help="with --families: processes per family and cell; with "
+                        "--step: interleaved rounds per cell")
+    parser.add_argument("--step", action="store_true", help="forward, backward and SGD of the centres, against the "
+                        "floor and arcface_torch's PartialFC_V2 + SGD, at sample rates 1.0 and 0.1, with a profile")
     parser.add_argument("--worker", nargs=2, metavar=("IMPL", "C"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -149,12 +155,19 @@ def main() -> None:
 
     if args.worker:
         implementation, num_classes = args.worker[0], int(args.worker[1])
+        if implementation.startswith("step@"):
+            pfc_step.worker(num_classes, float(implementation.split("@")[1]), args)
+            return
         steps = 5 if num_classes <= 100_000 else 2
         print(json.dumps(measure(implementation, num_classes, device, steps, args.fp16)))
         return
 
     if args.families:
         compare_families(args)
+        return
+    if args.step:
+        pfc_step.print_table({(num_classes, rate): run_in_subprocess(f"step@{rate}", num_classes, args)
+                              for num_classes in args.classes for rate in FAMILY_RATES}, args)
         return
     print(f"PartialFC vs dense reference: batch {BATCH} x {VIEWS} views, D={DIM}, world 1, {device.type}, "
           f"{args.threads} threads{', fp16' if args.fp16 else ''}. One fresh process per row.")

@@ -293,6 +293,38 @@ def test_the_sparse_centre_gradient_is_the_dense_ones_sampled_rows():
     assert torch.equal(sparse.to_dense(), dense)
 
 
+@pytest.mark.parametrize("optimizer", OPTIMIZERS)
+def test_micro_batches_sparse_gradients_step_as_their_dense_sum(optimizer):
+    """Two micro-batches per step, each sampling its own centres, some rows in both: autograd sums their sparse
+    gradients and the step equals torch's optimizer on the summed dense gradient."""
+    settings = OPTIMIZERS[optimizer]
+    cfg = SimpleNamespace(optimizer=optimizer, lr=settings["lr"], momentum=settings.get("momentum", 0.0),
+                          weight_decay=settings["weight_decay"])
+    gen = torch.Generator().manual_seed(13)
+    batches = [(torch.randn(2, 4, 8, generator=gen, dtype=torch.float64), torch.randint(0, 40, (4,), generator=gen))
+               for _ in range(8)]
+    centres, repeated = [], 0
+    for sparse in (True, False):
+        torch.manual_seed(14)
+        pfc = PartialFC(CombinedMarginLoss(), 8, 40, sample_rate=0.2, sparse_grad=sparse).double()
+        backbone = torch.nn.Linear(8, 8).double()
+        opt = build_optimizer(cfg, backbone, pfc) if sparse else (
+            torch.optim.SGD if optimizer == "sgd" else torch.optim.AdamW)(
+            [{"params": backbone.parameters()}, {"params": pfc.parameters()}], foreach=False, **settings)
+        for step in range(4):
+            drawn = []
+            for views, labels in batches[2 * step:2 * step + 2]:
+                (pfc([backbone(v) for v in views], labels)[0] / 2).backward()
+                drawn.append(set(pfc.last_sampled_classes.tolist()))
+            assert pfc.weight.grad.is_sparse == sparse
+            repeated += len(drawn[0] & drawn[1])
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        centres.append(pfc.weight.detach())
+    assert repeated > 6, "the micro-batches' samples should share rows"
+    assert_float64_close(*centres, f"{optimizer}, two micro-batches per step")
+
+
 def _positives_only_cases() -> list[dict]:
     """sample_rate 0: 8 labels of 41 classes; and every label on rank 0's shard, so that rank 1 (of two)
     has no positive and keeps no centre at all."""

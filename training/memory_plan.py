@@ -63,7 +63,7 @@ def memory_plan(cfg: SimpleNamespace, num_classes: int | None, world_size: int) 
         # The step's autocast ends between the softmax's forward and backward, freeing the backbone's
         # weight casts that no backward keeps (under checkpointing): the backward peaks above less.
         columns = _sampled_columns(cfg, rows, world_size)
-        # Sampled: a sparse gradient of the sampled rows and their indices (one per micro-batch, concatenated)
+        # Sampled: a sparse gradient, the sampled rows and their indices (micro-batches' unions: at most their sum)
         gradient = centres if columns is None else cfg.gradient_acc * columns * num_subcenters(cfg) * (
             cfg.embedding_size * FLOAT32 + INDEX)
         plan.update(class_centres=centres, centre_gradient=gradient, centre_optimizer_state=states * centres,
