@@ -226,7 +226,7 @@ def steps_against_dense(optimizer: str, steps: int = 3, num_classes: int = 60, b
                     sparse_grad=True).double()
     settings = OPTIMIZERS[optimizer]
     cfg = SimpleNamespace(optimizer=optimizer, lr=settings["lr"], momentum=settings.get("momentum", 0.0),
-                          weight_decay=settings["weight_decay"])
+                          weight_decay=settings["weight_decay"], backbone_lr_mult=1.0)
     opt = build_optimizer(cfg, backbone, pfc)
     mine, sampled = slice(rank * batch, (rank + 1) * batch), []
     for step in range(steps):
@@ -299,7 +299,7 @@ def test_micro_batches_sparse_gradients_step_as_their_dense_sum(optimizer):
     gradients and the step equals torch's optimizer on the summed dense gradient."""
     settings = OPTIMIZERS[optimizer]
     cfg = SimpleNamespace(optimizer=optimizer, lr=settings["lr"], momentum=settings.get("momentum", 0.0),
-                          weight_decay=settings["weight_decay"])
+                          weight_decay=settings["weight_decay"], backbone_lr_mult=1.0)
     gen = torch.Generator().manual_seed(13)
     batches = [(torch.randn(2, 4, 8, generator=gen, dtype=torch.float64), torch.randint(0, 40, (4,), generator=gen))
                for _ in range(8)]
