@@ -25,7 +25,7 @@ from torch import nn
 
 from backbones import flip_fused_embeddings, read_face_image
 from backbones.trained import SavedBackbone
-from facedata.packing import PACKABLE_SUFFIXES
+from facedata.packing import PACKABLE_SAID, PACKABLE_SUFFIXES
 from facedata.photos import Preparation
 from utils.atomic import atomic_save
 from utils.errors import DataError, located
@@ -56,7 +56,7 @@ def gallery_people(folder: str | os.PathLike) -> list[tuple[str, list[str]]]:
         photos = [os.path.join(entry.path, name) for name in sorted(os.listdir(entry.path))
                   if name.lower().endswith(PACKABLE_SUFFIXES)]
         if not photos:
-            raise DataError(f"gallery person {entry.path} holds no photos ({', '.join(PACKABLE_SUFFIXES)}); add "
+            raise DataError(f"gallery person {entry.path} holds no photos ({PACKABLE_SAID}); add "
                             "photos of them or remove the folder")
         people.append((entry.name, photos))
     if not people:

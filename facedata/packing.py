@@ -6,14 +6,29 @@ import os
 from collections.abc import Sequence
 
 import numpy as np
-from PIL import Image
+from PIL import Image, ImageFile
 
 from facedata.photos import Preparation
 from facedata.recordio import IRHeader, RecordWriter, encode_parts, pack
 from utils.errors import DataError, located
 
 FORMATS = ("jpeg", "png")
-PACKABLE_SUFFIXES = (".jpg", ".jpeg", ".png", ".webp", ".bmp", ".tif", ".tiff")
+# Every file name ending Pillow decodes itself (.pgm, .ppm, .gif, ... beside the usual ones), not a list of our
+# own: tools.inference reads any of them, so packing refusing one would be a surprise. Left out: save-only formats,
+# stubs that need a handler Pillow lacks (HDF5, GRIB, WMF), video (MPEG) and EPS (needs Ghostscript), so that a
+# video or data file beside the photos is not taken for one.
+_NOT_PHOTOS = {"MPEG", "EPS"}
+
+
+def _decoded_by_pillow(name: str) -> bool:
+    factory = Image.OPEN.get(name, (None,))[0]
+    return factory is not None and name not in _NOT_PHOTOS and not (
+        isinstance(factory, type) and issubclass(factory, ImageFile.StubImageFile))
+
+
+PACKABLE_SUFFIXES = tuple(sorted(suffix for suffix, name in Image.registered_extensions().items()
+                                 if _decoded_by_pillow(name)))
+PACKABLE_SAID = "a format Pillow reads: .jpg, .png, .webp, .bmp, .tif, .pgm, ..."
 
 
 def encode(pixels: np.ndarray, image_format: str = "jpeg", quality: int = 95) -> bytes:
@@ -110,7 +125,7 @@ def scan_identities(root: str) -> list[tuple[str, list[str]]]:
             if images:
                 identities.append((name, [os.path.join(folder, f) for f in images]))
     if not identities:
-        raise DataError(f"{root} has no sub-folders with images ({', '.join(PACKABLE_SUFFIXES)}); "
+        raise DataError(f"{root} has no sub-folders with images ({PACKABLE_SAID}); "
                         "put each identity's images in a sub-folder of its own")
     return identities
 
@@ -126,7 +141,7 @@ def skipped_folders_line(root: str) -> str | None:
     empty = empty_folders(root)
     if not empty:
         return None
-    return (f"skipped {len(empty)} sub-folder(s) of {root} without images ({', '.join(PACKABLE_SUFFIXES)}): "
+    return (f"skipped {len(empty)} sub-folder(s) of {root} without images ({PACKABLE_SAID}): "
             f"{', '.join(empty[:10])}{' ...' if len(empty) > 10 else ''}")
 
 

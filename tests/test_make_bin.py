@@ -222,7 +222,8 @@ def test_a_bin_beside_packed_records_is_prepared_as_they_were_unless_told_otherw
     assert make_bin.main([str(photos), str(data / "val.bin"), "--random", "2"]) == 0
     out, err = capsys.readouterr()
     assert f"photos prepared with --pad, as {data / 'train.rec'} records (another option overrides it)" in out
-    assert f"skipped 1 sub-folder(s) of {photos} without images (.jpg, .jpeg, .png, .webp, .bmp, .tif, .tiff): s23" \
+    assert f"skipped 1 sub-folder(s) of {photos} without images (a format Pillow reads: .jpg, .png, .webp, .bmp, " \
+           ".tif, .pgm, ...): s23" \
            in out.splitlines()
     assert "every one of the 4 photos prepared (pad to 112x112) and re-encoded" in out and "warning" not in err
     with open(data / "val.bin", "rb") as f:

@@ -150,6 +150,26 @@ def test_pack_refuses_bad_images_and_existing_output(faces, tmp_path, capsys):
                                                                                       "--views", "0"])
 
 
+def test_pack_takes_every_photo_format_pillow_decodes(tmp_path):
+    """Portable graymaps (an old face set's format) and GIFs, as tools.inference reads them."""
+    photos = tmp_path / "photos"
+    paths = []
+    for person, suffix in (("anna", ".pgm"), ("bo", ".gif"), ("cy", ".ppm")):
+        (photos / person).mkdir(parents=True)
+        yy, xx = np.mgrid[0:96, 0:80]
+        pixels = ((xx * 3 + yy * 2 + len(person) * 40) % 256).astype(np.uint8)
+        image = Image.fromarray(pixels) if suffix != ".ppm" else Image.fromarray(np.stack([pixels] * 3, -1))
+        image.save(photos / person / f"0{suffix}")
+        paths.append(photos / person / f"0{suffix}")
+    assert pack_rec.main([str(photos), str(tmp_path / "data"), "--format", "png", "--workers", "1"]) == 0
+    dataset = build_dataset(str(tmp_path / "data"), num_views=1, flip=False)
+    assert len(dataset) == 3
+    for index, path in enumerate(paths):
+        images, label = dataset[index]
+        assert int(label) == index
+        assert np.array_equal(images[0].permute(1, 2, 0).numpy(), reference_view(path, "resize")), path
+
+
 def test_pack_shows_its_progress_on_stderr(faces, tmp_path, capsys):
     assert pack_rec.main([str(faces), str(tmp_path), "--workers", "1"]) == 0
     lines = [line for line in capsys.readouterr().err.splitlines() if not line.startswith("warning: ")]
@@ -185,8 +205,8 @@ def test_pack_records_its_preparation_beside_the_records_and_lists_folders_witho
     (photos / "dee" / "notes.txt").write_text("no photo here")
     assert pack_rec.main([str(photos), str(tmp_path / "data"), "--crop", "--workers", "1"]) == 0
     out = capsys.readouterr().out
-    assert (f"skipped 2 sub-folder(s) of {photos} without images (.jpg, .jpeg, .png, .webp, .bmp, .tif, .tiff): "
-            "cy, dee") in out.splitlines()
+    assert (f"skipped 2 sub-folder(s) of {photos} without images (a format Pillow reads: .jpg, .png, "
+            ".webp, .bmp, .tif, .pgm, ...): cy, dee") in out.splitlines()
     assert "2 identities (classes 0..1), crop to 112x112" in out
     assert json.loads((tmp_path / "data" / "train.rec.preparation.json").read_text()) == {
         "photo_preparation": "crop", "landmarks_file": None, "written_by": "tools.pack_rec", "people": ["anna", "bo"]}
