@@ -61,10 +61,13 @@ log = logging.getLogger("train")
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description="pairface training (arcface_torch-style, multi-view)")
-    parser.add_argument("config", help="experiment file, e.g. configs/ms1mv3_r50_pair.py")
+    parser = argparse.ArgumentParser(description="pairface training (arcface_torch-style, multi-view)",
+                                     epilog="Every config key, its default and what it does: configs/base.py.")
+    parser.add_argument("config", help="experiment file, e.g. configs/ms1mv3_r50_pair.py (it overrides keys of "
+                                       "configs/base.py)")
     parser.add_argument("--set", metavar="KEY=VALUE", action="append", default=[],
-                        help="override a config key (value parsed as a Python literal); repeatable")
+                        help="override a config key, any of configs/base.py's (value parsed as a Python literal); "
+                             "repeatable")
     parser.add_argument("--resume", action="store_true", help="continue the run in the config's output folder")
     parser.add_argument("--dry-run", action="store_true",
                         help="print the resolved config and each process's memory plan; read no data, start no "

@@ -180,15 +180,19 @@ class _FitOption(argparse.Action):
         namespace.fit_given = True
 
 
-def add_preparation_arguments(parser: argparse.ArgumentParser, photo_names: str) -> None:
+def add_preparation_arguments(parser: argparse.ArgumentParser, photo_names: str, recorded_in: str | None = None
+                              ) -> None:
     """``--resize`` / ``--crop`` / ``--pad`` and ``--landmarks FILE``: the same in every tool that reads photos.
-    ``photo_names`` says how this tool's landmarks file names a photo. ``args.fit`` is ``resize`` unless an
-    option says otherwise (``args.fit_given`` says whether one did)."""
+    ``photo_names`` says how this tool's landmarks file names a photo; ``recorded_in`` names the file whose
+    recorded preparation is this tool's default (preparation_following), None when --resize is. ``args.fit``
+    is ``resize`` unless an option says otherwise (``args.fit_given`` says whether one did)."""
     group = parser.add_argument_group(
-        "preparing photos (the same options in tools.pack_rec, tools.make_bin and tools.inference)")
+        "preparing photos (the same options in tools.pack_rec, tools.make_bin, tools.inference and tools.search)")
+    default = ("default" if recorded_in is None else
+               f"the default when {recorded_in} records no option; when it records one, that one is the default")
     fit = group.add_mutually_exclusive_group()
     fit.add_argument("--resize", dest="fit", action=_FitOption, const="resize",
-                     help=f"stretch every photo to {IMAGE_SIZE}x{IMAGE_SIZE} (default; warns when that changes a "
+                     help=f"stretch every photo to {IMAGE_SIZE}x{IMAGE_SIZE} ({default}; warns when that changes a "
                           "photo's aspect ratio)")
     fit.add_argument("--crop", dest="fit", action=_FitOption, const="crop",
                      help="cut the largest centred square, then resize it: keeps the aspect ratio")

@@ -235,3 +235,12 @@ def test_dry_run_options_are_checked(capsys, monkeypatch, args, environ, message
         monkeypatch.setenv(key, value)
     assert train.main([str(CONFIGS / "synthetic_pair.py"), *args]) == 1
     assert capsys.readouterr().err == f"error: {message}\n"
+
+
+def test_train_help_points_at_base_py_for_the_keys(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        train.parse_args(["--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert exit_info.value.code == 0
+    assert "any of configs/base.py's" in text and "Every config key, its default and what it does: configs/base.py." \
+        in text

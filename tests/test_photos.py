@@ -24,7 +24,7 @@ from backbones import get_model
 from facedata.alignment import ARCFACE_TEMPLATE
 from facedata.recordio import RecordReader, unpack
 from tests.test_pack_tools import exits_with
-from tools import inference, make_bin, pack_rec
+from tools import inference, make_bin, pack_rec, search
 
 NAMES = ("ann", "bob", "cyd")
 PORTRAIT = (92, 112)  # width, height: the AT&T/ORL faces a newcomer tried
@@ -174,3 +174,20 @@ def test_a_bad_landmarks_file_and_a_relative_missing_folder_are_one_sentence(pho
         capsys, make_bin.main, ["faces", "x.bin", "--random", "1"])
     assert f"input folder faces (looked up from {tmp_path}) does not exist" in exits_with(
         capsys, pack_rec.main, ["faces", "rec"])
+
+
+@pytest.mark.parametrize(("tool", "default"), [
+    (inference, "the default when the model's model.json records no option; when it records one, that one is the "
+                "default"),
+    (search, "the default when the model's model.json records no option; when it records one, that one is the "
+             "default"),
+    (make_bin, "the default when the train.rec.preparation.json beside the .bin records no option; when it records "
+               "one, that one is the default"),
+    (pack_rec, "default; warns")])
+def test_help_says_where_the_default_preparation_comes_from_and_names_every_tool_sharing_it(tool, default, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        tool.parse_args(["--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert exit_info.value.code == 0
+    assert default in text
+    assert "the same options in tools.pack_rec, tools.make_bin, tools.inference and tools.search" in text

@@ -39,7 +39,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("images", nargs="+", type=Path, help="one or two face photos")
     add_network_arguments(parser)
     parser.add_argument("--save", type=Path, help="write the embedding(s) to this .npy file")
-    add_preparation_arguments(parser, "the photo's path as given here")
+    add_preparation_arguments(parser, "the photo's path as given here", "the model's model.json")
     return parser.parse_args(argv)
 
 

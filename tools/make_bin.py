@@ -72,7 +72,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     pairs.add_argument("--random", type=int, metavar="N", help="draw N same-person and N different-person pairs")
     parser.add_argument("--seed", type=int, default=0, help="seed of --random")
     parser.add_argument("--force", "--overwrite", dest="force", action="store_true", help="replace OUT.bin")
-    add_preparation_arguments(parser, "the photo's path relative to IMAGE_FOLDER, e.g. Ann_Lee/Ann_Lee_0001.jpg")
+    add_preparation_arguments(parser, "the photo's path relative to IMAGE_FOLDER, e.g. Ann_Lee/Ann_Lee_0001.jpg",
+                              "the train.rec.preparation.json beside the .bin")
     return parser.parse_args(argv)
 
 

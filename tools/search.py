@@ -54,7 +54,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--top", type=int, default=5, help="how many of the most similar people to list")
     parser.add_argument("--batch-size", type=int, default=64, help="gallery photos per forward pass")
     parser.add_argument("--rebuild", action="store_true", help="build the gallery file again even if it is current")
-    add_preparation_arguments(parser, "a gallery photo's path relative to --gallery, or a query's path as given")
+    add_preparation_arguments(parser, "a gallery photo's path relative to --gallery, or a query's path as given",
+                              "the model's model.json")
     return parser.parse_args(argv)
 
 
