@@ -21,14 +21,17 @@ import pkgutil
 import posix
 import struct
 import subprocess
+import warnings
+from dataclasses import fields
 
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import filesystem as dcp_filesystem
 from torch.distributed.checkpoint import metadata as dcp_metadata
+from torch.distributed.checkpoint.api import CheckpointException
 
-from checkpoint.safe_dcp import MetadataError, read_metadata
+from checkpoint.safe_dcp import MetadataError, SafeReader, TensorsOnlyPlanner, read_metadata
 from tests.run_helpers import ROOT
 from utils.compat import dcp_group
 
@@ -199,3 +202,130 @@ def test_a_real_dcp_index_reads_back_with_its_tensors_sizes_and_dtypes(tmp_path)
     metadata = read_metadata(tmp_path / ".metadata")
     assert {fqn: (tuple(md.size), md.properties.dtype) for fqn, md in metadata.state_dict_metadata.items()} == {
         "centres": ((5, 3), torch.float32), "optimizer.0.momentum_buffer": ((5, 3), torch.float64)}
+
+
+@pytest.fixture(scope="module")
+def real_index(tmp_path_factory) -> bytes:
+    """The `.metadata` DCP writes for a centre matrix and its momentum, in one process."""
+    folder = tmp_path_factory.mktemp("dcp")
+    state = {"centres": torch.zeros(5, 3), "optimizer.0.momentum_buffer": torch.zeros(5, 3)}
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "torch.distributed is disabled")  # one process, no group: meant
+        dcp.save(state, storage_writer=dcp.FileSystemWriter(folder), **dcp_group(None))
+    return (folder / ".metadata").read_bytes()
+
+
+def changed(index: bytes, change) -> bytes:
+    """The index unpickled plainly, `change`d in place (or replaced by what `change` returns), pickled again."""
+    metadata = pickle.loads(index)
+    return pickle.dumps(change(metadata) or metadata)
+
+
+def _first_storage(metadata):
+    return next(iter(metadata.storage_data.values()))
+
+
+def _with_storage(field: str, value):
+    return lambda metadata: setattr(_first_storage(metadata), field, value)
+
+
+def _with_entry(field: str, value):
+    return lambda metadata: setattr(metadata.state_dict_metadata["centres"], field, value)
+
+
+def _with_properties(field: str, value):
+    return lambda metadata: setattr(metadata.state_dict_metadata["centres"].properties, field, value)
+
+
+NOT_AN_INDEX = "it does not hold DCP's index of tensors and their storage"
+MALFORMED_ENTRIES = {
+    "not a Metadata": (lambda metadata: torch.Size([1]), NOT_AN_INDEX),
+    "entries a list": (lambda metadata: setattr(metadata, "state_dict_metadata", []), NOT_AN_INDEX),
+    "storage a list": (lambda metadata: setattr(metadata, "storage_data", [1]), NOT_AN_INDEX),
+    "a name not a string": (lambda metadata: metadata.state_dict_metadata.__setitem__(
+        7, metadata.state_dict_metadata.pop("centres")), "its entry 7 is not a tensor (pairface checkpoints hold "
+                                                         "tensors only)"),
+    "an entry not a tensor": (lambda metadata: metadata.state_dict_metadata.__setitem__(
+        "centres", torch.Size([5, 3])), "its entry 'centres' is not a tensor (pairface checkpoints hold tensors only)"),
+    "properties missing": (_with_entry("properties", None), "its entry 'centres' is malformed"),
+    "dtype a string": (_with_properties("dtype", "float32"), "its entry 'centres' is malformed"),
+    "size a tuple": (_with_entry("size", (5, 3)), "its entry 'centres' is malformed"),
+    "a chunk not a chunk": (lambda metadata: metadata.state_dict_metadata["centres"].chunks.append((0, 0)),
+                            "its entry 'centres' is malformed"),
+}
+
+
+MALFORMED_STORAGE = {
+    "index a string": lambda metadata: metadata.storage_data.__setitem__("centres",
+                                                                          metadata.storage_data.popitem()[1]),
+    "storage a path": lambda metadata: metadata.storage_data.__setitem__(
+        next(iter(metadata.storage_data)), pathlib.PosixPath("__0_0.distcp")),
+    "file a path": _with_storage("relative_path", pathlib.PosixPath("__0_0.distcp")),
+    "file outside the folder": _with_storage("relative_path", "../__0_0.distcp"),
+    "file in a subfolder": _with_storage("relative_path", "x/__0_0.distcp"),
+    "file not a shard": _with_storage("relative_path", "__0_0.distcp.pth"),
+    "file prefixed": _with_storage("relative_path", "a__0_0.distcp"),
+    "offset negative": _with_storage("offset", -1),
+    "offset a bool": _with_storage("offset", True),
+    "offset a float": _with_storage("offset", 0.0),
+    "length negative": _with_storage("length", -8),
+    "length a bool": _with_storage("length", False),
+    "length a string": _with_storage("length", "60"),
+    "transformed": _with_storage("transform_descriptors", ["zstd"]),
+}
+
+
+@pytest.mark.parametrize("case", MALFORMED_ENTRIES)
+def test_an_index_of_allowed_classes_holding_anything_but_tensors_in_shard_files_is_refused(tmp_path, real_index,
+                                                                                           case):
+    change, message = MALFORMED_ENTRIES[case]
+    with pytest.raises(MetadataError) as raised:
+        read(tmp_path, changed(real_index, change))
+    assert str(raised.value) == message
+
+
+@pytest.mark.parametrize("case", MALFORMED_STORAGE)
+def test_an_index_naming_storage_outside_the_folders_shards_or_transformed_is_refused(tmp_path, real_index, case):
+    if case == "transformed" and "transform_descriptors" not in {f.name for f in fields(dcp_filesystem._StorageInfo)}:
+        pytest.skip("this torch's DCP stores no transforms")
+    content = changed(real_index, MALFORMED_STORAGE[case])
+    index = next(iter(pickle.loads(content).storage_data))
+    with pytest.raises(MetadataError) as raised:
+        read(tmp_path, content)
+    assert str(raised.value) == f"its storage entry for {getattr(index, 'fqn', index)!r} is malformed"
+
+
+def test_the_real_index_with_its_storage_at_offset_and_length_zero_reads(tmp_path, real_index):
+    """The control for the refusals above: zero is a natural offset and length."""
+    content = changed(real_index, lambda metadata: [_with_storage(f, 0)(metadata) for f in ("offset", "length")]
+                      and None)
+    assert {info.offset for info in read(tmp_path, content).storage_data.values()} >= {0}
+
+
+@pytest.mark.parametrize("content", [b"", b"\x80\x04\x95", b"garbage", b"\x80\x02]q\x00(K\x01"])
+def test_a_damaged_index_is_one_sentence_saying_it_is_not_readable(tmp_path, content):
+    with pytest.raises(MetadataError) as raised:
+        read(tmp_path, content)
+    assert str(raised.value).startswith("it is not a readable index (") and "\n" not in str(raised.value)
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_a_folder_read_through_the_safe_reader_and_planner_loads_its_tensors(tmp_path):
+    saved = {"centres": torch.arange(15.0).view(5, 3)}
+    dcp.save(saved, storage_writer=dcp.FileSystemWriter(tmp_path), **dcp_group(None))
+    loaded = {"centres": torch.zeros(5, 3)}
+    dcp.load(loaded, storage_reader=SafeReader(tmp_path), planner=TensorsOnlyPlanner(), **dcp_group(None))
+    assert torch.equal(loaded["centres"], saved["centres"])
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_an_entry_stored_as_a_pickle_is_refused_by_the_planner_before_it_is_unpickled(tmp_path):
+    """Even behind a reader that let the index through (DCP's own), the planner unpickles no bytes entry."""
+    marker = tmp_path / "marker-the-entry-ran-code"
+    dcp.save({"centres": torch.zeros(2), "extra": _OpensMarker(str(marker))},
+             storage_writer=dcp.FileSystemWriter(tmp_path / "folder"), **dcp_group(None))
+    with pytest.raises(CheckpointException) as raised:  # DCP wraps what a planner raises
+        dcp.load({"centres": torch.zeros(2), "extra": None}, storage_reader=dcp.FileSystemReader(tmp_path / "folder"),
+                 planner=TensorsOnlyPlanner(), **dcp_group(None))
+    assert "its entry 'extra' is stored as a pickle" in str(raised.value)
+    assert not marker.exists()
