@@ -14,14 +14,21 @@ from utils.image import normalize
 logger = logging.getLogger(__name__)
 
 
-def read_face_image(path: str | Path, preparation: Preparation | None = None) -> torch.Tensor:
+def prepared_face(path: str | Path, preparation: Preparation | None = None
+                  ) -> tuple[torch.Tensor, tuple[int, int] | None]:
     """A face photo file -> (3, 112, 112) float32 RGB in [-1, 1], prepared as every tool prepares photos
-    (facedata/photos.py; by default stretched to 112x112, with a logged warning when that changes its
-    aspect ratio)."""
+    (facedata/photos.py), and the photo's (width, height) when ``resize`` stretched it out of its aspect ratio
+    (None otherwise): a tool reading many photos says that once, with their count (``stretch_warning``)."""
     face = (preparation or Preparation()).face(path)
-    if face.stretched_from is not None:
-        logger.warning(stretch_warning([(str(path), face.stretched_from)], 1).removeprefix("warning: "))
-    return normalize(torch.from_numpy(face.pixels.copy()).permute(2, 0, 1))
+    return normalize(torch.from_numpy(face.pixels.copy()).permute(2, 0, 1)), face.stretched_from
+
+
+def read_face_image(path: str | Path, preparation: Preparation | None = None) -> torch.Tensor:
+    """``prepared_face``'s tensor, with a logged warning when ``resize`` changed the photo's aspect ratio."""
+    image, stretched_from = prepared_face(path, preparation)
+    if stretched_from is not None:
+        logger.warning(stretch_warning([(str(path), stretched_from)], 1).removeprefix("warning: "))
+    return image
 
 
 @torch.no_grad()

@@ -27,7 +27,6 @@ from PIL import Image
 
 from backbones import flip_fused_embeddings, get_model, read_face_image
 from backbones.trained import load_saved_backbone
-from dataset import Preparation
 from eval.gallery import gallery_file, gallery_people, load_gallery, photos_digest, top_matches
 from facedata.synthetic import render_faces
 from tools import search
@@ -77,7 +76,7 @@ def main() -> None:
             build = timed(lambda: search.main(argv))
             reuse = timed(lambda: search.main(argv), 3)
         gallery = load_gallery(gallery_file(root / "gallery"))
-        check = timed(lambda: photos_digest(gallery_people(root / "gallery"), Preparation()), 5)
+        check = timed(lambda: photos_digest(gallery_people(root / "gallery")), 5)
         load = timed(lambda: load_gallery(gallery_file(root / "gallery")), 5)
         model, _ = load_saved_backbone(root / "run")
         embed = timed(lambda: flip_fused_embeddings(model, read_face_image(root / "query.jpg")[None]), 20)

@@ -3,10 +3,12 @@ embeddings, L2-normalised), kept in a file beside the photo folder so that a sea
 queries, and rebuilt when the photos or the model change.
 
 The gallery file (``<folder>.gallery.npz``) holds plain arrays, read with ``allow_pickle=False``:
-``names`` (people, in folder order), ``features`` (float32, people x D) and two digests saying what it
-was built from: ``model`` (the weights file's path, size and modification time, its network and
-options) and ``photos`` (the preparation, and every photo's relative path, size and modification
-time). Checking them costs one ``stat`` per photo, not a read.
+``names`` (people, in folder order), ``features`` (float32, people x D) and what it was built from:
+``model`` (a digest of the weights file's path, size and modification time, its network and options),
+``photos`` (a digest of every photo's relative path, size and modification time) and ``preparation``
+(how the photos were prepared, in words, so that a rebuild can say it was that which changed; a file
+written before it was recorded has none, and is rebuilt). Checking them costs one ``stat`` per photo,
+not a read.
 """
 from __future__ import annotations
 
@@ -23,16 +25,17 @@ import numpy as np
 import torch
 from torch import nn
 
-from backbones import flip_fused_embeddings, read_face_image
+from backbones import flip_fused_embeddings, prepared_face
 from backbones.trained import SavedBackbone
 from facedata.packing import PACKABLE_SAID, PACKABLE_SUFFIXES
-from facedata.photos import Preparation
+from facedata.photos import Preparation, stretch_warning
 from utils.atomic import atomic_save
 from utils.errors import DataError, located
 from utils.progress import progress
 
 GALLERY_SUFFIX = ".gallery.npz"
-_KEYS = {"names", "features", "model", "photos"}
+_KEYS = {"names", "features", "model", "photos", "preparation"}
+_KEYS_BEFORE_PREPARATION = _KEYS - {"preparation"}
 
 
 def gallery_file(folder: str | os.PathLike) -> Path:
@@ -82,12 +85,16 @@ def model_digest(saved: SavedBackbone) -> str:
     return _digest([str(weights), _stamp(weights), saved.network, repr(sorted(saved.options.items()))])
 
 
-def photos_digest(people: Sequence[tuple[str, Sequence[str]]], preparation: Preparation) -> str:
-    """What the templates depend on besides the model: how photos are prepared, and each photo's
-    ``person/file``, size and modification time."""
-    parts = [preparation.describe()]
-    if preparation.landmarks_file is not None:
-        parts.append(_stamp(preparation.landmarks_file))
+def preparation_stamp(preparation: Preparation) -> str:
+    """How the photos are prepared, as a rebuild names it (with the landmarks file's size and time)."""
+    landmarks = "" if preparation.landmarks_file is None else f" ({_stamp(preparation.landmarks_file)})"
+    return preparation.describe() + landmarks
+
+
+def photos_digest(people: Sequence[tuple[str, Sequence[str]]]) -> str:
+    """What the templates depend on besides the model and the preparation: each photo's ``person/file``, size
+    and modification time."""
+    parts = []
     for name, photos in people:
         parts += [f"{name}/{os.path.basename(photo)}={_stamp(photo)}" for photo in photos]
     return _digest(parts)
@@ -99,22 +106,29 @@ class PersonGallery:
     features: np.ndarray  # float32 (people, D), unit rows
     model: str            # model_digest of the model that built it
     photos: str           # photos_digest of the photos it was built from
+    preparation: str      # preparation_stamp of how they were prepared ("" in a file that predates it)
 
 
 def build_gallery(model: nn.Module, people: Sequence[tuple[str, Sequence[str]]], preparation: Preparation,
                   model_stamp: str, photos_stamp: str, batch_size: int = 64,
-                  stream: TextIO | None = None) -> PersonGallery:
-    """Embed every photo (flip-fused, unit length) and average each person's into their template."""
+                  stream: TextIO | None = None) -> tuple[PersonGallery, str | None]:
+    """Embed every photo (flip-fused, unit length) and average each person's into their template; with it, the
+    one warning line for the photos ``resize`` stretched out of their aspect ratio (None when none was)."""
     paths = [photo for _, photos in people for photo in photos]
     owner = np.repeat(np.arange(len(people)), [len(photos) for _, photos in people])
     batches = [paths[start:start + batch_size] for start in range(0, len(paths), batch_size)]
-    chunks = [flip_fused_embeddings(model, torch.stack([read_face_image(path, preparation) for path in batch]))
-              for batch in progress(batches, len(batches), "embedding gallery photos", stream)]
+    chunks, stretched = [], []
+    for batch in progress(batches, len(batches), "embedding gallery photos", stream):
+        faces = [prepared_face(path, preparation) for path in batch]
+        stretched += [(path, size) for path, (_, size) in zip(batch, faces) if size is not None]
+        chunks.append(flip_fused_embeddings(model, torch.stack([image for image, _ in faces])))
     embeddings = torch.cat(chunks).double().numpy()
     sums = np.zeros((len(people), embeddings.shape[1]))
     np.add.at(sums, owner, embeddings)
     features = sums / np.maximum(np.linalg.norm(sums, axis=1, keepdims=True), 1e-12)
-    return PersonGallery([name for name, _ in people], features.astype(np.float32), model_stamp, photos_stamp)
+    gallery = PersonGallery([name for name, _ in people], features.astype(np.float32), model_stamp, photos_stamp,
+                            preparation_stamp(preparation))
+    return gallery, stretch_warning(stretched, len(paths))
 
 
 def save_gallery(gallery: PersonGallery, path: Path) -> None:
@@ -123,7 +137,8 @@ def save_gallery(gallery: PersonGallery, path: Path) -> None:
         np.savez(handle, **arrays)
 
     atomic_save({"names": np.array(gallery.names, dtype=str), "features": gallery.features,
-                 "model": np.array(gallery.model), "photos": np.array(gallery.photos)}, path, write=write)
+                 "model": np.array(gallery.model), "photos": np.array(gallery.photos),
+                 "preparation": np.array(gallery.preparation)}, path, write=write)
 
 
 def load_gallery(path: Path) -> PersonGallery:
@@ -133,17 +148,18 @@ def load_gallery(path: Path) -> PersonGallery:
         with open(path, "rb") as f:
             data = f.read()
         with np.load(io.BytesIO(data), allow_pickle=False) as arrays:
-            if set(arrays.files) != _KEYS:
+            if set(arrays.files) not in (_KEYS, _KEYS_BEFORE_PREPARATION):
                 raise ValueError(f"it holds {sorted(arrays.files)}, not {sorted(_KEYS)}")
             names, features = arrays["names"], arrays["features"]
             model, photos = str(arrays["model"][()]), str(arrays["photos"][()])
+            preparation = str(arrays["preparation"][()]) if "preparation" in arrays.files else ""
     except (OSError, ValueError, EOFError, zipfile.BadZipFile) as error:
         raise DataError(f"gallery file {path} cannot be read ({str(error).splitlines()[0] or type(error).__name__}); "
                         f"{fix}") from None
     if names.ndim != 1 or names.dtype.kind != "U" or features.dtype != np.float32 or features.ndim != 2 \
             or len(features) != len(names) or not np.isfinite(features).all():
         raise DataError(f"gallery file {path} is damaged (its names and features do not fit together); {fix}")
-    return PersonGallery(names.tolist(), features, model, photos)
+    return PersonGallery(names.tolist(), features, model, photos, preparation)
 
 
 def top_matches(features: np.ndarray, queries: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:

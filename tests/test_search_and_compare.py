@@ -148,6 +148,36 @@ def test_the_gallery_file_is_reused_and_rebuilt_when_a_photo_or_the_model_change
                                reference_templates(plain, gallery), atol=1e-5)
 
 
+def test_the_gallery_is_prepared_as_model_json_records_and_a_rebuild_says_the_preparation_changed(
+        runs, photos, tmp_path, capsys):
+    """A model whose photos were packed with --crop; gallery photos 140x112, each a 112x112 face between two
+    14-pixel bands of noise: cropped, they are the square photos whose templates reference_templates computes."""
+    verified, _ = runs
+    model = tmp_path / "cropped_model"
+    shutil.copytree(verified, model)
+    info = json.loads((model / "model.json").read_text())
+    (model / "model.json").write_text(json.dumps({**info, "photo_preparation": "crop"}))
+    gallery = tmp_path / "gallery"
+    rng = np.random.default_rng(0)
+    for person in PEOPLE:
+        (gallery / person).mkdir(parents=True)
+        for square in sorted((photos / "gallery" / person).glob("*.png")):
+            face = np.asarray(Image.open(square))
+            bands = [rng.integers(0, 256, (112, 14, 3), dtype=np.uint8) for _ in range(2)]
+            Image.fromarray(np.concatenate([bands[0], face, bands[1]], axis=1)).save(gallery / person / square.name)
+    query = photos / "queries" / "p3.png"
+    _, err = searched(capsys, model, gallery, [query])
+    assert f"photos prepared with --crop, as {model / 'model.json'} records" in err and "not square" not in err
+    np.testing.assert_allclose(np.load(gallery_file(gallery), allow_pickle=False)["features"],
+                               reference_templates(verified, photos / "gallery"), atol=1e-5)
+
+    _, err = searched(capsys, model, gallery, [query], "--resize")
+    assert (f"gallery: the photos' preparation (now resize to 112x112, was crop to 112x112) changed since "
+            f"{gallery_file(gallery)} was built; building it again") in err.splitlines()
+    stretched = [line for line in err.splitlines() if "not square" in line]
+    assert len(stretched) == 1 and stretched[0].startswith("warning: 30 of 30 photos are not square"), err
+
+
 @pytest.mark.parametrize("damage", [lambda data: data[: len(data) // 2], lambda data: b"not a gallery" + data[13:],
                                     lambda data: data[:200] + bytes([data[200] ^ 0xFF]) + data[201:]])
 def test_a_damaged_gallery_file_is_refused_in_one_line_until_rebuilt(runs, photos, tmp_path, capsys, damage):

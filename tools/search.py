@@ -6,10 +6,12 @@
 The gallery is a folder with one sub-folder of photos per person (named after them). The first search
 embeds every photo and keeps each person's template (their photos' embeddings averaged) in a file beside
 the folder, ``photos.gallery.npz``; later searches reuse it while the model and the photos are unchanged
-(by each file's size and modification time) and build it again when either changed (--rebuild forces
-it). Photos, gallery and queries alike, are prepared as every tool prepares them (--resize, the default,
---crop, --pad or --landmarks: the option the training records were packed with; a landmarks file names
-gallery photos relative to the gallery folder and queries as given here).
+(by each file's size and modification time) and the photos' preparation are unchanged, and build it
+again, saying which of them changed, when one did (--rebuild forces it). Photos, gallery and queries
+alike, are prepared as every tool prepares them (--resize, --crop, --pad or --landmarks): by default as
+the training photos were (model.json records the option tools.pack_rec packed them with; --resize when
+it records none), as tools.inference does; a landmarks file names gallery photos relative to the gallery
+folder and queries as given here.
 
 For each query: the --top most similar people with their cosine similarity, then a verdict per
 threshold recorded in the model's model.json (by training or eval.verification, see tools.inference):
@@ -27,9 +29,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from backbones import flip_fused_embeddings, read_face_image
+from backbones import flip_fused_embeddings, prepared_face
 from backbones.trained import SavedBackbone, add_backbone_arguments, load_backbone_from_args
-from dataset import add_preparation_arguments, preparation_from_args
+from dataset import Preparation, add_preparation_arguments, preparation_following, stretch_warning
 from eval.gallery import (
     PersonGallery,
     build_gallery,
@@ -38,6 +40,7 @@ from eval.gallery import (
     load_gallery,
     model_digest,
     photos_digest,
+    preparation_stamp,
     save_gallery,
     top_matches,
 )
@@ -59,26 +62,32 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def current_gallery(args: argparse.Namespace, model: torch.nn.Module, saved: SavedBackbone) -> PersonGallery:
-    """The gallery file when it was built from this model and these photos; else built now and saved."""
+def current_gallery(args: argparse.Namespace, model: torch.nn.Module, saved: SavedBackbone,
+                    preparation: Preparation) -> PersonGallery:
+    """The gallery file when it was built from this model and these photos prepared this way; else built now
+    and saved."""
     people = gallery_people(args.gallery)
-    preparation = preparation_from_args(args, args.gallery)
-    model_stamp, photos_stamp = model_digest(saved), photos_digest(people, preparation)
+    model_stamp, photos_stamp, prepared = model_digest(saved), photos_digest(people), preparation_stamp(preparation)
     path = gallery_file(args.gallery)
     if path.exists() and not args.rebuild:
         gallery = load_gallery(path)
-        if (gallery.model, gallery.photos) == (model_stamp, photos_stamp):
+        if (gallery.model, gallery.photos, gallery.preparation) == (model_stamp, photos_stamp, prepared):
             print(f"gallery: {len(gallery.names)} people from {path}", file=sys.stderr)
             return gallery
-        changed = " and ".join(what for what, same in [("the model", gallery.model == model_stamp),
-                                                        ("the photos", gallery.photos == photos_stamp)] if not same)
+        was = f", was {gallery.preparation}" if gallery.preparation else ""
+        changed = " and ".join(what for what, same in [
+            ("the model", gallery.model == model_stamp), ("the photos", gallery.photos == photos_stamp),
+            (f"the photos' preparation (now {prepared}{was})", gallery.preparation == prepared)] if not same)
         print(f"gallery: {changed} changed since {path} was built; building it again", file=sys.stderr)
     if not os.access(path.parent, os.W_OK):
         raise ConfigError(f"the gallery file {path} goes beside --gallery {args.gallery}, but folder {path.parent} is "
                           "not writable; copy the gallery to a folder you can write to")
     start = time.perf_counter()
-    gallery = build_gallery(model, people, preparation, model_stamp, photos_stamp, args.batch_size, sys.stderr)
+    gallery, stretched = build_gallery(model, people, preparation, model_stamp, photos_stamp, args.batch_size,
+                                       sys.stderr)
     save_gallery(gallery, path)
+    if stretched:
+        print(stretched, file=sys.stderr)
     photos = sum(len(photos) for _, photos in people)
     print(f"gallery: {len(people)} people ({photos} photos) embedded in {time.perf_counter() - start:.1f} s, "
           f"saved to {path}", file=sys.stderr)
@@ -117,11 +126,18 @@ def main(argv: list[str] | None = None) -> int:
         for value, option in [(args.top, "--top"), (args.batch_size, "--batch-size")]:
             if value < 1:
                 raise ConfigError(f"{option} {value} is not a positive number; pass {option} 1 or more")
-        # Queries are read first: a photo that cannot be read is reported before a long gallery build.
-        query_preparation = preparation_from_args(args)
-        images = torch.stack([read_face_image(path, query_preparation) for path in args.queries])
         model, saved = load_backbone_from_args(args)
-        gallery = current_gallery(args, model, saved)
+        recorded, where = saved.photo_preparation, str(saved.info_path)
+        # Queries are read before the gallery: a photo that cannot be read is reported before a long build.
+        query_preparation, said = preparation_following(args, recorded, where)
+        if said:
+            print(said, file=sys.stderr)
+        faces = [prepared_face(path, query_preparation) for path in args.queries]
+        if warning := stretch_warning([(str(path), size) for path, (_, size) in zip(args.queries, faces) if size],
+                                      len(faces)):
+            print(warning, file=sys.stderr)
+        images = torch.stack([image for image, _ in faces])
+        gallery = current_gallery(args, model, saved, preparation_following(args, recorded, where, args.gallery)[0])
         report(args.queries, flip_fused_embeddings(model, images).numpy(), gallery, args.top, saved)
     return 0
 
