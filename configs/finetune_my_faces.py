@@ -22,7 +22,8 @@ margin_scale = 32.0
 optimizer = "adamw"
 lr = 0.002                         # the new class centres' lr
 backbone_lr_mult = 0.1             # the trained backbone moves 10x slower than the new centres
-freeze_backbone_steps = 20         # the new centres first settle on the trained features, the backbone untouched
+freeze_backbone_steps = 18         # about an epoch here: the new centres first settle on the trained features, the
+                                   # backbone untouched
 warmup_epoch = 0
 weight_decay = 0.05
 batch_size = 32                    # records: 64 photos per step
