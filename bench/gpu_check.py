@@ -27,6 +27,9 @@ Rows:
 - decode and overlap: bench.decode_overlap, GPU decoding time per batch and how much of it the step hides.
 - bench_pfc: PartialFC fp16 at 1M and 4M classes, sample rate 1.0 and 0.1: ms per step and peak memory
   as ratios to a dense nn.Linear + margin + cross-entropy where that fits.
+- pfc step: bench_pfc --step at 1M classes, sample rate 1.0 and 0.1: the centre step with its SGD update
+  against its floor (the three GEMMs and torch's fused SGD pass over every centre) and against arcface_torch's
+  PartialFC_V2 + SGD, and where the sampled step's CUDA time goes (torch.profiler), largest first.
 - memory plan: the --dry-run memory plan of r50 and of vit_b (checkpointed) at 128 x 2 views in fp16
   against a real step (bench/step_memory.py): the total planned / the peak allocated, and plan/peak per item.
 - gpu decode vs cpu decode: GPU-decoded batches against CPU-decoded ones (tests/test_loader.py's GPU tests).
@@ -61,7 +64,7 @@ PEAK = re.compile(r"peak GPU memory ([\d.]+) GiB")
 STEPS_PER_EPOCH = re.compile(r"(\d+) steps per epoch")
 BUDGETS = {"check_pfc": 45, "data": 30, "train 2 views": 40, "train 1 view": 30, "train dali": 40,
            "torchrun resume": 50, "host syncs": 20, "memory growth": 30, "pfc precision": 15, "decode": 20,
-           "bench_pfc": 40, "memory plan": 40, "gpu decode": 30}  # 430 s in all on one H200
+           "bench_pfc": 40, "pfc step": 20, "memory plan": 40, "gpu decode": 30}  # 450 s in all on one H200
 LIMIT_SLACK = 15  # seconds of --limit beyond the budgets: between checks, and stopping one that overran
 STOP_GRACE = 5  # seconds a command stopped at its budget's end has to exit, after SIGTERM and after SIGKILL
 TINY_SLACK = 4  # a loaded CPU is slower than an H200
@@ -280,6 +283,21 @@ def pfc_precision(run: Runner) -> Rows:
         yield f"PartialFC {dtype} vs float32", errors, True
 
 
+def pfc_step(run: Runner) -> Rows:
+    run.budget("pfc step")
+    command = ["-m", "bench.bench_pfc", "--step", "--rounds", "1" if run.tiny else "3", "--classes",
+               "2000" if run.tiny else "1000000", *device_args(run)]
+    status, out = run.sh([sys.executable, *command])
+    cells = [line.split() for line in out.splitlines() if re.match(r"\s*\d+\s+[\d.]+\s+[\d.]+\s", line)]
+    shares = [line.split(maxsplit=2) for line in out.splitlines() if re.match(r"\s+[\d.]+%\s+\d+\s", line)]
+    if status or not cells:
+        yield failed("pfc step", status, out)
+        return
+    for classes, rate, ms, _, floor, _, arcface in cells:
+        yield f"pfc step C={classes} rate {rate}", f"{ms} ms, {floor} the floor, {arcface} arcface_torch's", True
+    yield "pfc step at rate 0.1: largest shares", ", ".join(f"{name} {share}" for share, _, name in shares[:4]), True
+
+
 def bench_pfc(run: Runner) -> Rows:
     run.budget("bench_pfc")
     classes = ["10000"] if run.tiny else ["1000000", "4000000"]
@@ -357,6 +375,7 @@ def checks(run: Runner, work: Path) -> dict[str, Callable[[], Rows]]:
         "decode": lambda: one_line(run, "decode", "gpu decode per batch, overlap with the step",
                                    ["-m", "bench.decode_overlap", "--rec", str(pairs), *decode]),
         "bench_pfc": lambda: bench_pfc(run),
+        "pfc step": lambda: pfc_step(run),
         "memory plan": lambda: memory_plan(run),
         "gpu decode": lambda: gpu_decode(run),
     }

@@ -183,7 +183,11 @@ def profile(step: Callable[[], None], device: torch.device) -> list[tuple[str, f
             step()
         if device.type == "cuda":
             torch.cuda.synchronize()
-    attribute = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    # older torch calls the device time self_cuda_time_total
+    attribute = "self_cpu_time_total"
+    if device.type == "cuda":
+        attribute = next(name for name in ("self_device_time_total", "self_cuda_time_total")
+                         if hasattr(recorded.key_averages()[0], name))
     events = [event for event in recorded.key_averages() if getattr(event, attribute) > 0]
     total = sum(getattr(event, attribute) for event in events)
     events.sort(key=lambda event: getattr(event, attribute), reverse=True)
