@@ -165,13 +165,19 @@ def test_a_checkpoint_json_with_a_field_not_as_written_is_one_error_naming_the_f
                                  f"beside it with --set resume={tmp_path}/checkpoint-<step>, or start a new run")
 
 
-@pytest.mark.parametrize("content", [b"", b"{", json.dumps({**POINTERS, "crc32c": 1}).encode()])
+@pytest.mark.parametrize("content", [b"", b"{", json.dumps({**POINTERS, "crc32c": 1}).encode(), b"[1]",
+                                     b"[" * 100_000 + b"]" * 100_000, None])
 def test_a_damaged_checkpoint_json_is_one_error_saying_what_is_wrong(tmp_path, content):
+    """Cut, changed, not an object, nested past the parser's depth, or a folder (None) in its place."""
     pointer = tmp_path / "checkpoint.json"
-    pointer.write_bytes(content)
+    if content is None:
+        pointer.mkdir()
+    else:
+        pointer.write_bytes(content)
     with pytest.raises(CheckpointError) as raised:
         read_pointer(pointer)
-    assert str(raised.value).startswith(f"{pointer} is damaged ({pointer} ")
+    reason = "[Errno 21] Is a directory: " if content is None else f"{pointer} "
+    assert str(raised.value).startswith(f"{pointer} is damaged ({reason}")
     assert str(raised.value).endswith("or start a new run")
 
 
