@@ -40,6 +40,7 @@ from training.state import (
     architecture,
     build_training_state,
     describe_margin,
+    exported_backbone,
     wrap_in_ddp,
 )
 from training.step import StepOutcome, train_step
@@ -424,13 +425,14 @@ def _loop(cfg, state: TrainingState, loader: FaceLoader, counter: StepCounter, c
                 _stop(request, counter, checkpointer)
             with speed.paused():
                 # The last step is always verified, before the last save: model.json records its thresholds.
-                accuracy = (verification.evaluate_now(state.backbone, counter.shown_step) if final
-                            else verification(counter.shown_step, state.backbone))
+                exported = exported_backbone(state)  # the trained backbone, or what a component makes of it (EMA)
+                accuracy = (verification.evaluate_now(exported, counter.shown_step) if final
+                            else verification(counter.shown_step, exported))
                 if accuracy is not None:
                     results = accuracy
                     counter.best_accuracy, counter.verification = verification.highest, verification.operating_points
                     if best:
-                        best.offer(counter.shown_step, accuracy, state.backbone, verification.operating_points)
+                        best.offer(counter.shown_step, accuracy, exported, verification.operating_points)
                 if checkpointer.after_step(counter, final) and cfg.save_artifacts and cfg.using_wandb:
                     checkpointer.wait_for_save()  # the artifact is the published backbone.pth
                     if is_main():

@@ -31,10 +31,10 @@ from checkpoint.background import BackgroundSave, HostStaging
 from checkpoint.legacy import restore_legacy
 from checkpoint.pointer import POINTER_NAME
 from checkpoint.restored import Restored
-from checkpoint.rng import set_rng_state
 from checkpoint.run_config import WHERE_KEYS, write_run_config
 from dataset import FaceLoader
-from training.state import CENTRES_GROUP, StepCounter, TrainingState, group_lrs
+from training.components import rank_components
+from training.state import CENTRES_GROUP, StepCounter, TrainingState, exported_backbone, group_lrs
 from utils.distributed import agreed, checkpoint_group, world
 from utils.lr_scheduler import jump_to_step
 
@@ -114,8 +114,8 @@ class Checkpointer:
         counter.resume(saved)
         if saved["steps_per_epoch"] == counter.steps_per_epoch and restored.rank_state is not None:
             counter.global_step = saved["global_step"]
-            self.loader.load_state_dict(restored.rank_state["loader"])
-            set_rng_state(restored.rank_state["rng"])
+            for component in rank_components(self.loader):
+                component.load_state_dict(restored.rank_state)
         elif saved["global_step"]:  # step 0 (arcface_torch's 2021 layout) is step 0 however an epoch is cut
             self.renumbering = self._renumber(restored, counter)
         self._follow_schedule_changes(restored.config, counter)
@@ -134,7 +134,9 @@ class Checkpointer:
         counter.global_step = round(saved["global_step"] * counter.steps_per_epoch / saved["steps_per_epoch"])
         counter.shown_offset = shown - counter.global_step
         jump_to_step(self.state.scheduler, counter.global_step)
-        self.loader.load_state_dict(restored.first_rank_state["loader"])
+        for component in rank_components(self.loader):
+            if component.rank_0_stands_in:
+                component.load_state_dict(restored.first_rank_state)
         log.warning("resuming a run of %d process(es) and %d steps per epoch with %d and %d: step %d becomes step "
                     "%d of the LR schedule; the log and TensorBoard go on counting from step %d; the data order of "
                     "this epoch differs from the original run", restored.world_size, saved["steps_per_epoch"],
@@ -180,10 +182,11 @@ class Checkpointer:
         self.wait_for_save()
         step, level = counter.global_step, self._save_log_level(counter, final)
         if not self.save_all_states:
-            agreed(lambda: save_backbone(self.state.backbone, self.output, self.architecture, counter.verification))
+            agreed(lambda: save_backbone(exported_backbone(self.state), self.output, self.architecture,
+                                         counter.verification))
         else:
             sharded = _sharded()
-            staged = sharded.stage_state(self.state, counter.saved(), self.loader.state_dict(), self.architecture,
+            staged = sharded.stage_state(self.state, counter.saved(), self.loader, self.architecture,
                                          self.config, self._staging.copy if self._staging else None)
             if self._staging:
                 self._in_flight = (BackgroundSave(lambda: sharded.write_state(self.output, staged, self._group),

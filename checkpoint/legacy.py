@@ -7,7 +7,8 @@ from pathlib import Path
 
 import torch
 
-from checkpoint.restored import Restored, check_architecture, optimizer_index
+from checkpoint.restored import Restored, check_architecture
+from training.components import optimizer_index
 from training.state import TrainingState
 from utils.distributed import rank, world
 from utils.errors import CheckpointError

@@ -5,9 +5,6 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-from torch import nn
-
 from utils.errors import CheckpointError
 
 # What the weights are shaped by: a checkpoint must agree on each (the photos' preparation, also in the
@@ -38,14 +35,3 @@ def check_architecture(saved: Mapping, architecture: Mapping, where: Path) -> No
     if differences:
         raise CheckpointError(f"{where} was written for another model ({'; '.join(differences)}); resume with the "
                               "config that wrote it, or start a new output folder")
-
-
-def optimizer_index(optimizer: torch.optim.Optimizer, param: nn.Parameter) -> int:
-    """The number optimizer.state_dict() gives `param` (parameters counted in group order)."""
-    params = [p for group in optimizer.param_groups for p in group["params"]]
-    return next(i for i, p in enumerate(params) if p is param)
-
-
-def is_centre_rows(value, rows: int, embedding_size: int) -> bool:
-    """Whether an optimizer state entry is shaped like `rows` class centres (momentum, Adam's moments)."""
-    return torch.is_tensor(value) and tuple(value.shape) == (rows, embedding_size)

@@ -53,19 +53,20 @@ from checkpoint.pointer import (
     read_pointer,
     write_pointer,
 )
-from checkpoint.restored import Restored, check_architecture, is_centre_rows, optimizer_index
-from checkpoint.rng import rng_state
+from checkpoint.restored import Restored, check_architecture
 from checkpoint.safe_dcp import SHARD_FILE, MetadataError, SafeReader, TensorsOnlyPlanner, read_metadata
-from checkpoint.state_file import STATE_NAME, StateFieldError, check_state
-from partial_fc import PartialFC
-from training.state import TrainingState
+from checkpoint.state_file import STATE_NAME, check_state
+from training.components import Component, rank_components
+from training.fields import StateFieldError
+from training.state import TrainingState, exported_backbone
 from utils.atomic import atomic_save, fsync_dir, os_error_behind, write_bytes
-from utils.compat import DCP_ALONE_WARNING, SHARDED_TENSOR_WARNING, dcp_group, row_block, row_block_rows
+from utils.compat import DCP_ALONE_WARNING, SHARDED_TENSOR_WARNING, dcp_group
 from utils.distributed import agreed, gather_objects, is_initialized, is_main, raise_first, rank, world
 from utils.errors import CheckpointError
 from utils.torch_files import load_torch_file
 
 METADATA_NAME = ".metadata"
+RUN_RECORD = {"model", "config", "world_size", "progress"}  # state.json's run entries that are no component's
 EXPORTED = (BACKBONE_NAME, MODEL_INFO_NAME)  # linked into the run folder once published
 _DAMAGED = "it is damaged or incomplete"
 
@@ -80,52 +81,55 @@ class Staged:
     changes (with `host_copy`, the tensors are copies the training no longer touches)."""
 
     step: int
-    tensors: dict                  # for DCP: centre shards and the optimizer's tensors
-    rank_state: dict               # this rank's loader position and random streams
+    tensors: dict                  # for DCP: every component's tensor keys (centre rows as blocks)
+    rank_state: dict               # this rank's own components (loader position, random streams)
     architecture: dict
-    backbone: dict | None = None   # rank 0: the backbone's state_dict, CPU tensors
+    backbone: dict | None = None   # rank 0: the exported backbone's state_dict, CPU tensors
     run: dict = field(default_factory=dict)  # rank 0: everything else, as JSON
 
 
-def stage_state(state: TrainingState, progress: Mapping, loader_state: Mapping, architecture: Mapping,
-                config: Mapping, host_copy: Callable[[str, torch.Tensor], torch.Tensor] | None = None) -> Staged:
-    """The content of a save of `state` now. `host_copy(name, tensor)` copies each tensor to host memory
-    (for a save written while training goes on); without it the save refers to the live tensors."""
+def stage_state(state: TrainingState, progress: Mapping, loader, architecture: Mapping, config: Mapping,
+                host_copy: Callable[[str, torch.Tensor], torch.Tensor] | None = None) -> Staged:
+    """The content of a save of `state` (its components) and of `loader`'s position (a Stateful) now.
+    `host_copy(name, tensor)` copies each tensor to host memory (for a save written while training goes on);
+    without it the save refers to the live tensors."""
     copy = host_copy or (lambda _, tensor: tensor.detach())
-    pfc = state.pfc
-    centres_at = optimizer_index(state.optimizer, pfc.weight)
-    optimizer_state: dict[str, dict] = {}
-    values: dict[str, dict] = {}  # the optimizer's non-tensor state (none in torch's SGD and AdamW): JSON
-    for index, per_param in state.optimizer.state_dict()["state"].items():
-        for name, value in per_param.items():
-            if not torch.is_tensor(value):
-                values.setdefault(str(index), {})[name] = value
-                continue
-            value = copy(f"optimizer.{index}.{name}", value)
-            optimizer_state.setdefault(str(index), {})[name] = \
-                _shard(pfc, value) if index == centres_at and _is_rows(value, pfc) else value
+    tensors: dict = {}
+    run: dict = {}
+    for component in state.components:
+        for key, value in component.state_dict().items():
+            if key in component.tensor_keys:
+                tensors[key] = _staged_tensors(component, (key,), value, copy)
+            else:
+                run[key] = value
+    rank_state: dict = {}
+    for component in rank_components(loader):
+        rank_state.update(component.state_dict())
     # Folders are named, and checkpoint.json counts, by the shown step (the log's): it never runs backwards,
     # where the schedule's step restarts lower on a resume with more steps per epoch.
     staged = Staged(step=progress["global_step"] + progress.get("shown_offset", 0), architecture=dict(architecture),
-                    tensors={"centres": _shard(pfc, copy("centres", pfc.weight)), "optimizer": optimizer_state},
-                    rank_state={"rng": rng_state(), "loader": dict(loader_state)})
+                    tensors=tensors, rank_state=rank_state)
     if is_main():
         # Rank 0's backbone: DDP keeps the weights equal on every rank, but each rank's BatchNorm
         # statistics follow its own batches; the exported backbone.pth is rank 0's.
         staged.backbone = {key: copy(f"backbone.{key}", value).cpu() for key, value in
-                           state.backbone.state_dict().items()}
+                           exported_backbone(state).state_dict().items()}
         staged.run = {"model": dict(architecture), "config": dict(config), "world_size": world(),
-                      "progress": dict(progress), "param_groups": state.optimizer.state_dict()["param_groups"],
-                      "scheduler": state.scheduler.state_dict(), "grad_scaler": state.scaler.state_dict(),
-                      "optimizer_values": values, "margin": {"family": type(pfc.margin_loss).__name__,
-                                                              **pfc.margin_state_dict()}}
+                      "progress": dict(progress), **run}
     return staged
 
 
-def save_state(output: str | Path, state: TrainingState, progress: Mapping, loader_state: Mapping,
-               architecture: Mapping, config: Mapping) -> Path:
+def _staged_tensors(component: Component, path: tuple[str, ...], value, copy: Callable):
+    """A component's tensors under `path`, each copied and then written as the component says (shard)."""
+    if torch.is_tensor(value):
+        return component.shard(path, copy(".".join(path), value))
+    return {name: _staged_tensors(component, (*path, str(name)), item, copy) for name, item in value.items()}
+
+
+def save_state(output: str | Path, state: TrainingState, progress: Mapping, loader, architecture: Mapping,
+               config: Mapping) -> Path:
     """Write `state` and publish it now (write_state of stage_state). Collective; returns the folder."""
-    return write_state(output, stage_state(state, progress, loader_state, architecture, config))
+    return write_state(output, stage_state(state, progress, loader, architecture, config))
 
 
 def write_state(output: str | Path, staged: Staged, group=None) -> Path:
@@ -236,18 +240,6 @@ def _export(folder: Path, output: Path) -> None:
     fsync_dir(output)
 
 
-def _shard(pfc: PartialFC, rows: torch.Tensor) -> torch.Tensor:
-    """`rows` (this rank's, shaped like the centres) as a block of the (num_classes * K, ...) matrix (K
-    sub-centres per class, class-major) at this rank's first class, for DCP. DTensor cannot say this: its
-    uneven shards follow torch.chunk, not arcface_torch's split that PartialFC uses."""
-    k = pfc.num_subcenters
-    return row_block(rows, pfc.num_classes * k, pfc.class_start * k)
-
-
-def _is_rows(value, pfc: PartialFC) -> bool:
-    return is_centre_rows(value, *pfc.weight.shape)
-
-
 # --- loading --------------------------------------------------------------------------------------
 
 @dataclass
@@ -257,7 +249,7 @@ class Verified:
     folder: Path
     shards: dict[str, dict[str, int]]   # shard file -> size and crc32c from the manifest
     content: dict                       # state.json
-    optimizer_tensors: dict[str, tuple]  # {fqn: (shape, dtype)} of the optimizer's saved tensors
+    tensors: dict[str, tuple]           # {fqn: (shape, dtype)} of every tensor DCP holds
 
 
 def checkpoint_folder(source: Path) -> Path:
@@ -291,9 +283,8 @@ def verify_folder(folder: Path) -> Verified:
     if not stored <= set(shards):
         raise damaged(folder, f"{folder / METADATA_NAME} names {sorted(stored - set(shards))[0]}, which the manifest "
                               "does not list")
-    tensors = {fqn: (tuple(md.size), md.properties.dtype) for fqn, md in metadata.state_dict_metadata.items()
-               if fqn.startswith("optimizer.")}
-    return Verified(folder=folder, shards=shards, content=content, optimizer_tensors=tensors)
+    tensors = {fqn: (tuple(md.size), md.properties.dtype) for fqn, md in metadata.state_dict_metadata.items()}
+    return Verified(folder=folder, shards=shards, content=content, tensors=tensors)
 
 
 def verify_shards(verified: Verified) -> None:
@@ -326,7 +317,9 @@ def restore_state(source: Path, architecture: Mapping, state: TrainingState) -> 
     rank stops every rank with the same CheckpointError."""
     verified = agreed(lambda: _checked(source, architecture))
     verify_shards(verified)
-    template = _template(state, verified.optimizer_tensors)
+    template: dict = {}
+    for component in state.components:
+        template.update(component.template(verified.tensors))
     try:
         with _quiet_when_alone():
             dcp.load(template, storage_reader=SafeReader(verified.folder), planner=TensorsOnlyPlanner(),
@@ -356,49 +349,24 @@ def _checked(source: Path, architecture: Mapping) -> Verified:
 
 
 def _apply(verified: Verified, loaded: dict, state: TrainingState) -> Restored:
-    """Put the loaded tensors and state.json's values in place."""
+    """Put the backbone, then every component, in place: each gets its keys of state.json's run record and
+    the tensors DCP loaded for it."""
     run, ranks = verified.content["run"], verified.content["ranks"]
     backbone = load_torch_file(verified.folder / BACKBONE_NAME,
                                lambda reason: damaged(verified.folder, f"{BACKBONE_NAME}: {reason}"))
     state.backbone.load_state_dict(backbone, strict=True)
-    optimizer_state = {int(index): {name: row_block_rows(value) for name, value in values.items()}
-                       for index, values in loaded["optimizer"].items()}
-    for index, values in run.get("optimizer_values", {}).items():
-        optimizer_state.setdefault(int(index), {}).update(values)
-    state.optimizer.load_state_dict({"state": optimizer_state, "param_groups": run["param_groups"]})
-    state.scheduler.load_state_dict(run["scheduler"])
-    state.scaler.load_state_dict(run["grad_scaler"])
-    _restore_margin(run.get("margin"), state.pfc)
+    for component in state.components:
+        saved = {key: run[key] for key in component.keys if key not in component.tensor_keys and key in run}
+        saved.update({key: loaded[key] for key in component.tensor_keys if key in loaded})
+        component.load_state_dict(saved)
+    held = {fqn.split(".", 1)[0] for fqn in verified.tensors} | set(run) - RUN_RECORD
+    unused = sorted(held - {key for component in state.components for key in component.keys})
+    if unused and is_main():
+        log.warning("checkpoint %s also holds %s, which no part of this run's training state loads (its config "
+                    "leaves that part out, e.g. ema_decay=0): not restored", verified.folder, ", ".join(unused))
     same_world = run["world_size"] == world() == len(ranks)
     return Restored(progress=run["progress"], world_size=run["world_size"], config=run["config"],
                     rank_state=ranks[rank()] if same_world else None, first_rank_state=ranks[0])
-
-
-def _template(state: TrainingState, optimizer_tensors: Mapping[str, tuple]) -> dict:
-    """Where the loaded tensors go: this rank's centres in place, the optimizer's into new tensors of the
-    saved shapes (this rank's rows of the centre-shaped ones)."""
-    pfc = state.pfc
-    centres_at = optimizer_index(state.optimizer, pfc.weight)
-    optimizer_state: dict[str, dict] = {}
-    for fqn, (shape, dtype) in optimizer_tensors.items():
-        _, index, name = fqn.split(".", 2)
-        if index == str(centres_at) and shape == (pfc.num_classes * pfc.num_subcenters, *pfc.weight.shape[1:]):
-            value = _shard(pfc, torch.empty(pfc.weight.shape, dtype=dtype))
-        else:
-            value = torch.empty(shape, dtype=dtype)
-        optimizer_state.setdefault(index, {})[name] = value
-    return {"centres": _shard(pfc, pfc.weight), "optimizer": optimizer_state}
-
-
-def _restore_margin(saved: Mapping | None, pfc: PartialFC) -> None:
-    """The margin family's state (EMAs, the draw position) as saved, bit for bit; a checkpoint of another
-    family (or of a version without margin families) leaves this family's state at its start, and says so."""
-    family = type(pfc.margin_loss).__name__
-    if saved is not None and saved.get("family") == family:
-        pfc.load_margin_state_dict(saved)
-    elif pfc.margin_state.numel():
-        log.warning("the checkpoint holds no state of the %s margin (it was trained with %s): its state starts "
-                    "afresh", family, (saved or {}).get("family", "an earlier version"))
 
 
 def read_whole(folder: Path) -> tuple[dict, dict]:

@@ -27,8 +27,9 @@ from checkpoint.sharded import restore_state, save_state, stage_state
 from losses import CombinedMarginLoss
 from partial_fc import PartialFC
 from tests.distributed_helpers import run_world
+from training.components import SavedPosition
 from training.memory_plan import memory_plan
-from training.state import build_training_state
+from training.state import build_components, build_training_state
 from training.step import train_step
 from utils.atomic import atomic_save
 from utils.config import load_config
@@ -48,8 +49,11 @@ def make_model(optimizer_name: str, seed: int = 0) -> SimpleNamespace:
     groups = [{"params": list(backbone.parameters())}, {"params": [pfc.weight]}]
     optimizer = (torch.optim.SGD(groups, lr=0.1, momentum=0.9) if optimizer_name == "sgd"
                  else torch.optim.AdamW(groups, lr=0.1))
-    return SimpleNamespace(backbone=backbone, pfc=pfc, optimizer=optimizer, scheduler=build_scheduler(optimizer, 2, 20),
-                           scaler=torch.amp.GradScaler("cpu", enabled=False))
+    model = SimpleNamespace(backbone=backbone, pfc=pfc, optimizer=optimizer,
+                            scheduler=build_scheduler(optimizer, 2, 20),
+                            scaler=torch.amp.GradScaler("cpu", enabled=False))
+    model.components = build_components(model, {})
+    return model
 
 
 def take_steps(model: SimpleNamespace, steps: int = 2) -> None:
@@ -78,7 +82,7 @@ PROGRESS = {"global_step": 2, "steps_per_epoch": 10, "nonfinite_total": 0}
 def save_in_world(rank: int, world_size: int, folder: str, optimizer_name: str) -> dict:
     model = make_model(optimizer_name, seed=1)
     take_steps(model)
-    save_state(folder, model, PROGRESS, {"skipped": rank}, INFO, {"lr": 0.1})
+    save_state(folder, model, PROGRESS, SavedPosition({"skipped": rank}), INFO, {"lr": 0.1})
     return {"centres": centre_state(model), "backbone": {k: v.clone() for k, v in model.backbone.state_dict().items()}}
 
 
@@ -176,10 +180,10 @@ def test_another_model_is_refused_with_the_difference(written_by_four):
 def test_a_new_save_switches_atomically_and_removes_the_old_folder(tmp_path):
     model = make_model("sgd")
     take_steps(model)
-    save_state(tmp_path, model, {"global_step": 2}, {}, INFO, {})
+    save_state(tmp_path, model, {"global_step": 2}, SavedPosition({}), INFO, {})
     (tmp_path / ".tmp-checkpoint-000000003").mkdir()  # a save that a killed run left half-written
     take_steps(model)
-    save_state(tmp_path, model, {"global_step": 4}, {}, INFO, {})
+    save_state(tmp_path, model, {"global_step": 4}, SavedPosition({}), INFO, {})
     assert sorted(p.name for p in tmp_path.iterdir()) == ["backbone.pth", "checkpoint-000000004", POINTER_NAME,
                                                           "model.json"]
     assert json.loads((tmp_path / POINTER_NAME).read_text())["global_step"] == 4
@@ -295,7 +299,7 @@ def test_a_pointer_that_leaves_the_run_folder_or_lacks_a_field_is_one_line(tmp_p
     """A copy of a good checkpoint waits where `../elsewhere` points: it must not be followed."""
     run = tmp_path / "run"
     model = make_model("sgd")
-    save_state(run, model, PROGRESS, {"skipped": 0}, INFO, {})
+    save_state(run, model, PROGRESS, SavedPosition({"skipped": 0}), INFO, {})
     (tmp_path / "elsewhere").mkdir()
     shutil.copytree(run / "checkpoint-000000002", tmp_path / "elsewhere" / "checkpoint-000000002")
     _rewrite_pointer(run / POINTER_NAME, **changes)
@@ -316,7 +320,7 @@ def test_the_memory_plan_counts_the_async_staging_copy():
     images = torch.randint(0, 256, (2, 1, 3, 112, 112), dtype=torch.uint8)
     train_step(state, [(images, torch.tensor([1, 7]))], cfg)
     staging = HostStaging()
-    stage_state(state, {"global_step": 1}, {}, {}, {}, staging.copy)
+    stage_state(state, {"global_step": 1}, SavedPosition({}), {}, {}, staging.copy)
     staged = sum(t.numel() * t.element_size() for t in staging._buffers.values())
     assert memory_plan(cfg, 10, 1)["host_checkpoint_staging"] == staged
     assert memory_plan(load_config(ROOT / "configs" / "synthetic_pair.py", ["async_save=False"]), 10, 1)[

@@ -25,6 +25,7 @@ from losses import CombinedMarginLoss
 from partial_fc import PartialFC
 from tests.run_helpers import run_here
 from tests.test_checkpoint import INFO, make_model, take_steps
+from training.components import SavedPosition
 from training.state import TrainingState, build_optimizer
 from training.step import _back_off, train_step
 from utils import device as device_module
@@ -226,8 +227,8 @@ def test_an_async_saves_writer_thread_takes_the_process_gpu_and_no_cuda_stream(m
     available, so DCP takes its GPU path: a CUDA stream asked for here, without a driver, would raise."""
     model = make_model("sgd")
     take_steps(model)
-    staged = stage_state(model, {"global_step": 2, "steps_per_epoch": 10, "nonfinite_total": 0}, {"skipped": 0}, INFO,
-                         {}, HostStaging().copy)
+    staged = stage_state(model, {"global_step": 2, "steps_per_epoch": 10, "nonfinite_total": 0},
+                         SavedPosition({"skipped": 0}), INFO, {}, HostStaging().copy)
     calls = _record_set_device(monkeypatch)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     folder = BackgroundSave(lambda: write_state(tmp_path, staged), torch.device("cuda", 3)).wait()

@@ -32,6 +32,8 @@ from partial_fc import PartialFC, initial_centres
 from tests.distributed_helpers import run_world
 from tests.test_partial_fc import assert_float64_close
 from tools.check_pfc import make_backbone
+from training.components import SavedPosition
+from training.state import build_components
 from utils import distributed
 from utils.lr_scheduler import build_scheduler
 
@@ -238,8 +240,11 @@ def _toy_state(margin, seed: int) -> SimpleNamespace:
     pfc = PartialFC(margin, EMBEDDING, 7, seed=seed, num_subcenters=2)
     optimizer = torch.optim.SGD([{"params": list(backbone.parameters())}, {"params": [pfc.weight]}], lr=0.1,
                                 momentum=0.9)
-    return SimpleNamespace(backbone=backbone, pfc=pfc, optimizer=optimizer, scheduler=build_scheduler(optimizer, 0, 10),
-                           scaler=torch.amp.GradScaler("cpu", enabled=False))
+    model = SimpleNamespace(backbone=backbone, pfc=pfc, optimizer=optimizer,
+                            scheduler=build_scheduler(optimizer, 0, 10),
+                            scaler=torch.amp.GradScaler("cpu", enabled=False))
+    model.components = build_components(model, {})
+    return model
 
 
 def _save_state_in_world(folder: str) -> dict:
@@ -251,8 +256,8 @@ def _save_state_in_world(folder: str) -> dict:
         loss, _ = model.pfc(model.backbone(torch.randn(4, IN_FEATURES, generator=gen)), torch.tensor([0, 3, 5, 6]))
         loss.backward()
         model.optimizer.step()
-    save_state(folder, model, {"global_step": 2, "steps_per_epoch": 10, "nonfinite_total": 0}, {"skipped": 0},
-               CHECKPOINT_INFO, {})
+    save_state(folder, model, {"global_step": 2, "steps_per_epoch": 10, "nonfinite_total": 0},
+               SavedPosition({"skipped": 0}), CHECKPOINT_INFO, {})
     centres = distributed.gather_objects(model.pfc.weight.detach().clone())
     return {"state": model.pfc.margin_state.clone(), "step": model.pfc.margin_step,
             "centres": None if centres is None else torch.cat(centres)}

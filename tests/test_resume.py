@@ -32,6 +32,8 @@ from tests.run_helpers import (
     scalars,
 )
 from tools import make_synthetic
+from training.components import SavedPosition
+from training.state import build_components
 from utils.lr_scheduler import build_scheduler
 from utils.metrics import open_metrics
 
@@ -109,8 +111,10 @@ def test_grad_scaler_state_round_trips_through_a_checkpoint(tmp_path, device):
         backbone, pfc = torch.nn.Linear(3, 4).to(device), PartialFC(CombinedMarginLoss(), 4, 5).to(device)
         optimizer = torch.optim.SGD([{"params": backbone.parameters()}, {"params": pfc.parameters()}], lr=0.1)
         scaler = torch.amp.GradScaler(device, init_scale=2.0 ** 8, growth_interval=2)
-        return SimpleNamespace(backbone=backbone, pfc=pfc, optimizer=optimizer,
-                               scheduler=build_scheduler(optimizer, 0, 100), scaler=scaler)
+        model = SimpleNamespace(backbone=backbone, pfc=pfc, optimizer=optimizer,
+                                scheduler=build_scheduler(optimizer, 0, 100), scaler=scaler)
+        model.components = build_components(model, {})
+        return model
 
     def step(model, overflow: bool):
         loss = model.backbone(torch.ones(2, 3, device=device)).square().sum() + model.pfc.weight.sum()
@@ -126,8 +130,8 @@ def test_grad_scaler_state_round_trips_through_a_checkpoint(tmp_path, device):
         step(original, overflow)
     scaler = original.scaler
     assert scaler.state_dict()["scale"] == 2.0 ** 9 and scaler.state_dict()["_growth_tracker"] == 1
-    save_state(tmp_path, original, {"global_step": 6, "steps_per_epoch": 10, "nonfinite_total": 0}, {"skipped": 0},
-               {}, {})
+    save_state(tmp_path, original, {"global_step": 6, "steps_per_epoch": 10, "nonfinite_total": 0},
+               SavedPosition({"skipped": 0}), {}, {})
 
     restored = make()
     restore_state(tmp_path / POINTER_NAME, {}, restored)

@@ -38,10 +38,10 @@ import torch
 
 from checkpoint.arcface import MARKERS, MODEL_FILE, V2_FILE, marker_for, rank_files, read_layout, restore_arcface
 from checkpoint.pointer import POINTER_NAME
-from checkpoint.restored import is_centre_rows
 from checkpoint.run_dir import LOCK_NAME, lock_run_dir
 from checkpoint.sharded import checkpoint_folder, read_whole, save_state
 from partial_fc import class_range
+from training.components import SavedPosition, is_centre_rows
 from training.state import StepCounter, architecture, build_training_state
 from utils.atomic import atomic_save
 from utils.cli import exit_on_user_error
@@ -228,7 +228,7 @@ def to_pairface(src: Path, dst: Path, cfg, stream: TextIO | None = None) -> list
     shapes = architecture(cfg, num_classes)
     restored = restore_arcface(marker, shapes, state, stream)
     jump_to_step(state.scheduler, saved.global_step)
-    save_state(dst, state, saved.saved(), restored.first_rank_state["loader"], shapes,
+    save_state(dst, state, saved.saved(), SavedPosition(restored.first_rank_state["loader"]), shapes,
                {**vars(cfg), "output": str(dst)})  # backbone.pth and model.json with it
     return [f"wrote {dst}: a pairface run at global step {saved.global_step} (epoch {saved.epoch}, "
             f"{saved.steps_per_epoch} steps per epoch counted for one process) from arcface_torch's {layout.kind} "

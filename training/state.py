@@ -1,8 +1,9 @@
 """The training state: everything an optimizer step changes, built from a configuration alone.
 
 `TrainingState` holds the backbone (and its DistributedDataParallel wrapper), the class centres
-(`PartialFC`), one optimizer over both, the LR schedule and the grad scaler; `StepCounter` says where
-the run stands. Both are what a checkpoint saves and a resume puts back.
+(`PartialFC`), one optimizer over both, the LR schedule and the grad scaler, and the components a checkpoint
+saves them through (training/components.py, registered in `COMPONENTS`); `StepCounter` says where the run
+stands. Both are what a checkpoint saves and a resume puts back.
 """
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from torch.nn.parallel import DistributedDataParallel
 from backbones import get_model
 from losses import AdaFaceMargin, CombinedMarginLoss, CurricularMargin, ElasticMargin
 from partial_fc import PartialFC
+from training.components import Centres, Component, GradScale, MarginState, Optimizer, Schedule
 from training.optimizer import RowSparseAdamW, RowSparseSGD
 from utils.compat import ddp_without_buffer_sync
 from utils.distributed import world
@@ -36,6 +38,17 @@ class TrainingState:
     scaler: torch.amp.GradScaler
     precision: torch.dtype | None  # the autocast type of the step (float16, bfloat16), None for float32
     bn_buffers: list[torch.Tensor] = field(default_factory=list)  # room to keep BatchNorm statistics in
+    components: list[Component] = field(default_factory=list)  # what a checkpoint saves: build_components
+
+    def __post_init__(self) -> None:
+        if not self.components:  # built by hand (a test, a tool): the components every run has
+            self.components = build_components(self, {})
+
+    def after_step(self) -> None:
+        """An optimizer step was taken: the components that follow the weights (an EMA) follow it."""
+        for component in self.components:
+            component.after_step()
+
 
     def autocast(self, device_type: str) -> contextlib.AbstractContextManager:
         if self.precision is None:
@@ -52,6 +65,32 @@ class TrainingState:
 
     def restore_bn_buffers(self) -> None:
         _copy_all(list(self.backbone.buffers()), self.bn_buffers)
+
+
+# The training state's components, in the order a resume loads them (after the backbone): a new piece of
+# training state is its component class and its line here.
+COMPONENTS: tuple[type[Component], ...] = (
+    Centres,
+    Optimizer,
+    Schedule,
+    GradScale,
+    MarginState,
+)
+
+
+def exported_backbone(state: TrainingState) -> nn.Module:
+    """The backbone that backbone.pth and verification use: the trained one unless a component (an EMA) says
+    otherwise."""
+    backbone = state.backbone
+    for component in state.components:
+        backbone = component.exported(backbone)
+    return backbone
+
+
+def build_components(state, config: Mapping) -> list[Component]:
+    """The components of `state` (a TrainingState, or anything with its networks, optimizer, schedule and
+    scaler) that `config` asks for."""
+    return [component for cls in COMPONENTS if (component := cls.build(state, config)) is not None]
 
 
 @dataclass
@@ -188,8 +227,10 @@ def build_training_state(cfg: SimpleNamespace, num_classes: int, device: torch.d
     optimizer = build_optimizer(cfg, backbone, pfc)
     scheduler = build_scheduler(optimizer, steps_per_epoch * cfg.warmup_epoch, steps_per_epoch * cfg.num_epoch)
     scaler = torch.amp.GradScaler(device.type, enabled=cfg.fp16, growth_interval=100)
-    return TrainingState(backbone=backbone, ddp_backbone=backbone, pfc=pfc, optimizer=optimizer,
-                         scheduler=scheduler, scaler=scaler, precision=precision(cfg))
+    state = TrainingState(backbone=backbone, ddp_backbone=backbone, pfc=pfc, optimizer=optimizer,
+                          scheduler=scheduler, scaler=scaler, precision=precision(cfg))
+    state.components = build_components(state, vars(cfg))
+    return state
 
 
 def wrap_in_ddp(state: TrainingState, device: torch.device) -> None:

@@ -63,6 +63,7 @@ def train_step(state: TrainingState, micro_batches, cfg: SimpleNamespace) -> tup
         state.scaler.update()
         state.optimizer.zero_grad(set_to_none=True)
         state.scheduler.step()
+        state.after_step()
     return losses, outcome
 
 
