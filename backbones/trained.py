@@ -62,6 +62,26 @@ def record_verification(saved: SavedBackbone, verification: Mapping) -> Path | N
     return info_path
 
 
+def forget_verification(saved: SavedBackbone, names: Sequence[str]) -> Path | None:
+    """Take the sets `names` out of the model.json beside `saved`'s weights (their thresholds no longer judge
+    pairs); the file written, or None when the weights have no model.json."""
+    info_path = saved.weights.parent / MODEL_INFO_NAME
+    if not info_path.is_file():
+        return None
+    info = {key: value for key, value in json.loads(info_path.read_text()).items() if key != "verification"}
+    _write_model_info(info_path, model_info(info, {name: point for name, point in saved.verification.items()
+                                                   if name not in names}))
+    return info_path
+
+
+def far_words(point: Mapping) -> str:
+    """``FAR 0.0125``, or ``FAR < 1/20`` for a threshold that no different-person pair passed (of the 20 the set
+    held): 0 would claim more than so few pairs can show. Points recorded before the count was kept say 0."""
+    if point["far"] == 0 and point.get("different"):
+        return f"FAR < 1/{point['different']}"
+    return f"FAR {point['far']:.4g}"
+
+
 def model_info(architecture: Mapping, verification: Mapping | None) -> dict:
     """model.json's content: the architecture, and the last verification's operating points if any."""
     return {**architecture, **({"verification": dict(verification)} if verification else {})}

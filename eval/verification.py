@@ -27,7 +27,7 @@ import torch
 from PIL import Image
 from torch import nn
 
-from backbones.trained import record_verification
+from backbones.trained import far_words, forget_verification, record_verification
 from dataset import held_out, read_preparation
 from eval.cli import EvaluatedNetwork, add_network_arguments, check_positive, open_network, output_prefix
 from eval.embedding import embed_images
@@ -211,14 +211,15 @@ def operating_point(fused: np.ndarray, issame: Sequence[bool]) -> dict[str, floa
     """The threshold one comparison is judged by, chosen on the whole set as Accuracy-Flip chooses it on each
     fold (the first of the distance thresholds with the most pairs right): ``{"threshold"}``, the cosine
     similarity above which a pair is the same person (squared distance < t is cosine > 1 - t/2 for unit
-    embeddings), ``"far"`` and ``"accuracy"`` on the set at that threshold, and ``"pairs"``. ``fused``:
+    embeddings), ``"far"`` and ``"accuracy"`` on the set at that threshold, ``"pairs"`` and ``"different"``
+    (the different-person pairs the FAR was counted on). ``fused``:
     unit embeddings, pairs ``(2i, 2i+1)``."""
     issame = np.asarray(issame, dtype=bool)
     dist = np.sum(np.square(fused[0::2] - fused[1::2]), axis=1)
     true_accepts, false_accepts, _, num_different = _confusion(dist, issame, ACCURACY_THRESHOLDS)
     best = int(np.argmax(true_accepts - false_accepts))
     return {"threshold": float(1.0 - ACCURACY_THRESHOLDS[best] / 2), "pairs": int(issame.size),
-            "far": float(_rate(false_accepts, num_different)[best]),
+            "different": int(num_different), "far": float(_rate(false_accepts, num_different)[best]),
             "accuracy": float((true_accepts[best] + num_different - false_accepts[best]) / issame.size)}
 
 
@@ -276,7 +277,11 @@ def _labels(path: Path, issame: Sequence[bool]) -> np.ndarray:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     add_network_arguments(parser)
-    parser.add_argument("--bins", nargs="+", required=True, type=Path, help=".bin verification sets to evaluate")
+    parser.add_argument("--bins", nargs="+", type=Path, help=".bin verification sets to evaluate")
+    parser.add_argument("--forget", nargs="+", metavar="NAME", default=[],
+                        help="take these sets' recorded thresholds out of the model's model.json (a set is named by "
+                             "its file name without .bin, as model.json lists it), so that tools.inference and "
+                             "tools.search no longer judge pairs by them")
     parser.add_argument("--batch-size", type=int, default=64,
                         help="images per forward pass (memory only: the scores do not depend on it)")
     parser.add_argument("--nfolds", type=int, default=10,
@@ -285,15 +290,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     with exit_on_user_error():
+        if not args.bins and not args.forget:
+            raise ConfigError("no verification set given; pass --bins SET.bin ... to evaluate (or --forget NAME to "
+                              "take a recorded set's threshold out of model.json)")
         check_positive(args.batch_size, "--batch-size")
         check_positive(args.nfolds, "--nfolds")
-        names = _set_names(args.bins)
         network = open_network(args)
+        if args.forget:
+            print(forget(network, args.forget))
+        if not args.bins:
+            return 0
+        names = _set_names(args.bins)
         prefix = output_prefix(network.path)
-        curves, operating_points = {}, {}
+        curves, operating_points, unfit = {}, {}, []
         for path, name in zip(args.bins, names):
             data_set = load_bin(path)
-            if note := preparation_note(path, network):
+            note = preparation_note(path, network)
+            if note:
                 print(note, file=sys.stderr if note.startswith("warning") else sys.stdout)
             labels = _labels(path, data_set[1])
             acc1, std1, acc2, std2, xnorm, embeddings_list = test(data_set, network.module, args.batch_size,
@@ -311,7 +324,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                 caveat = (f" (at 0 false accepts: {different} different-person pairs cannot measure a FAR below "
                           f"{1 / different:.1g})" if target_far * different < 1 else "")
                 print(f"[{name}]TAR@FAR={target_far:g}: {tar:1.5f}{caveat}")
-            operating_points[name] = {**operating_point(fused, data_set[1]), **kept_out(path)}
+            if note and note.startswith("warning"):  # prepared unlike the training photos: no threshold to judge by
+                unfit.append(name)
+            else:
+                operating_points[name] = {**operating_point(fused, data_set[1]), **kept_out(path)}
             scores_path = f"{prefix}_{name}_scores.npy"
             np.save(scores_path, scores)
             print(f"[{name}]scores (cosine, one per pair, in .bin order): {scores_path}")
@@ -320,7 +336,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         plot_path = f"{prefix}_verification_roc.png"
         save_roc_plot(curves, plot_path, title=f"ROC of {network.path.name}")
         print(f"ROC plot: {plot_path}")
-        print(record_operating_points(network, operating_points))
+        if unfit:
+            print(f"threshold: none recorded for {', '.join(unfit)}: its photos were prepared unlike the training "
+                  "photos (the warning above), so its threshold would misjudge pairs")
+        if operating_points:
+            print(record_operating_points(network, operating_points))
     return 0
 
 
@@ -345,11 +365,26 @@ def preparation_note(path: Path, network: EvaluatedNetwork) -> str | None:
             f"tools.make_bin --{trained}")
 
 
+def forget(network: EvaluatedNetwork, names: Sequence[str]) -> str:
+    """Take the sets `names` out of the model's model.json; the line that says so. A name not recorded is an
+    error naming the ones that are."""
+    if network.saved is None:
+        raise ConfigError("--forget changes a model.json, and an --onnx model has none; pass the run folder with "
+                          "--model")
+    unknown = [name for name in names if name not in network.saved.verification]
+    if unknown:
+        recorded = ", ".join(network.saved.verification) or "none"
+        raise ConfigError(f"--forget {unknown[0]}: {network.saved.info_path} records no set of that name (recorded: "
+                          f"{recorded}); pass one of those")
+    where = forget_verification(network.saved, names)
+    return f"forgot the threshold of {', '.join(names)} in {where}"
+
+
 def record_operating_points(network: EvaluatedNetwork, operating_points: dict[str, dict]) -> str:
     """Record this evaluation's thresholds in the model.json beside PyTorch weights, for tools.inference's
     verdicts; the line that says what happened."""
     name, point = next(iter(operating_points.items()))
-    summary = (f"same person above cosine similarity {point['threshold']:.4f} (FAR {point['far']:.4g} on {name})")
+    summary = (f"same person above cosine similarity {point['threshold']:.4f} ({far_words(point)} on {name})")
     if network.saved is None:
         return f"threshold: {summary}; not recorded for an --onnx model"
     where = record_verification(network.saved, {name: {**point, "by": "eval.verification"}

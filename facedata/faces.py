@@ -12,7 +12,8 @@ from torch.utils.data import Dataset
 
 from facedata.augment import SampleRandom, assemble, coins
 from facedata.dali_aug import ViewAugment, dali_augment, draw_augments
-from facedata.images import BadImageError, decode, image_io, is_jpeg, split_views
+from facedata.images import decode, image_io, is_jpeg, split_views
+from facedata.recordio import BadRecordError
 from facedata.sources import FolderSource, RecSource, Source, SyntheticSource
 from facedata.view_sources import VIEW_SOURCES
 from utils.errors import DataError
@@ -96,12 +97,12 @@ class FaceDataset(Dataset):
             candidate = (index + attempt) % len(self)
             try:
                 return make(candidate, epoch), skipped
-            except BadImageError as err:
+            except BadRecordError as err:  # the next indexed record is read from its own offset: a resync
                 if not self.skip_bad_records:
                     raise
                 skipped += 1
                 self.skipped += 1
-                log.warning("skipping a bad record: %s (%d skipped so far in process %d)", err, self.skipped,
+                log.warning("skipping a bad record: %s (%d skipped so far in process %d)", err.problem, self.skipped,
                             os.getpid())
         raise DataError(f"every sample of the dataset failed to decode (the last: {self.source.describe(index)}); "
                         "check that the dataset path points at the right files")

@@ -5,6 +5,7 @@ from collections.abc import Callable
 
 import torch
 
+from facedata.recordio import BadRecordError
 from utils.errors import DataError
 from utils.image import IMAGE_SIZE
 
@@ -19,8 +20,8 @@ def image_io():
     return torchvision.io
 
 
-class BadImageError(DataError):
-    """A payload that no decoder accepts (the one per-record problem ``skip_bad_records`` may skip)."""
+class BadImageError(BadRecordError):
+    """A payload that no decoder accepts (a per-record problem ``skip_bad_records`` may skip)."""
 
 
 def decode(payload: bytes, where: Callable[[], str]) -> torch.Tensor:
@@ -29,7 +30,7 @@ def decode(payload: bytes, where: Callable[[], str]) -> torch.Tensor:
     ``where()`` describes the record for error messages (only called when there is an error).
     """
     if not payload:
-        raise BadImageError(f"{where()} holds no image bytes; re-pack the dataset or pass skip_bad_records=True")
+        raise BadImageError(f"{where()} holds no image bytes", "re-pack the dataset or pass skip_bad_records=True")
     data = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
     io = image_io()
     try:
@@ -40,8 +41,8 @@ def decode(payload: bytes, where: Callable[[], str]) -> torch.Tensor:
             return torch.ops.image.decode_jpeg(data, io.ImageReadMode.RGB.value, False)
         return io.decode_image(data, mode=io.ImageReadMode.RGB)
     except RuntimeError as err:
-        raise BadImageError(f"{where()} is not a decodable image ({str(err).splitlines()[0]}); re-pack the dataset "
-                            "or pass skip_bad_records=True to skip such records") from None
+        raise BadImageError(f"{where()} is not a decodable image ({str(err).splitlines()[0]})",
+                            "re-pack the dataset or pass skip_bad_records=True to skip such records") from None
 
 
 def is_jpeg(payload: bytes) -> bool:

@@ -21,6 +21,17 @@ from utils.errors import DataError
 
 MAGIC = 0xCED7230A
 _MAGIC_BYTES = struct.pack("<I", MAGIC)
+SKIP_FIX = "set skip_bad_records = True to skip such records"
+
+
+class BadRecordError(DataError):
+    """One record that cannot be used while the file around it is sound (damaged bytes, an image no decoder
+    takes): the per-record problem ``skip_bad_records`` skips. ``problem`` is the sentence without its fix, for
+    the line that says a record was skipped (that line must not advise the option already set)."""
+
+    def __init__(self, problem: str, fix: str) -> None:
+        super().__init__(f"{problem}; {fix}")
+        self.problem = problem
 _LENGTH_MASK = (1 << 29) - 1
 _IR_FORMAT = "<IfQQ"
 _IR_SIZE = struct.calcsize(_IR_FORMAT)
@@ -231,13 +242,18 @@ class RecordReader:
             need(pos + 8)
             magic, lrec = struct.unpack_from("<II", buf, pos)
             if magic != MAGIC:
-                raise DataError(f"{self.rec_path}: record key {key} at offset {offset + pos} does not start with the "
-                                f"RecordIO magic (found 0x{magic:08X}); the .idx does not match this .rec, "
-                                "use the .idx written with it or re-pack")
+                if pos == 0 and not self._neighbours_start_records(key):
+                    raise DataError(f"{self.rec_path}: record key {key} at offset {offset} does not start with the "
+                                    f"RecordIO magic (found 0x{magic:08X}), nor do the records beside it; the .idx "
+                                    "does not match this .rec: use the .idx written with it or re-pack")
+                raise BadRecordError(f"{self.rec_path}: record key {key} is damaged (no RecordIO magic at offset "
+                                     f"{offset + pos}, found 0x{magic:08X}, though the records beside it start where "
+                                     "the .idx says)", f"copy the .rec again or re-pack it, or {SKIP_FIX}")
             cflag, length = lrec >> 29, lrec & _LENGTH_MASK
             if cflag not in ((0, 1) if not parts else (2, 3)):
-                raise DataError(f"{self.rec_path}: record key {key} has a broken multi-part chain (part flag "
-                                f"{cflag} at offset {offset + pos}); the file is corrupt, re-pack it")
+                raise BadRecordError(f"{self.rec_path}: record key {key} is damaged (a broken multi-part chain: part "
+                                     f"flag {cflag} at offset {offset + pos})",
+                                     f"copy the .rec again or re-pack it, or {SKIP_FIX}")
             if first_part_only:
                 return bytes(buf[pos + 8:pos + 8 + length])
             need(pos + 8 + length)
@@ -245,6 +261,13 @@ class RecordReader:
             pos += 8 + length + (-length % 4)
             if cflag in (0, 3):
                 return _MAGIC_BYTES.join(parts)
+
+    def _neighbours_start_records(self, key: int) -> bool:
+        """Whether a record indexed next to ``key`` starts with the magic where the .idx puts it: then the .idx
+        matches the .rec, and a record without its magic is damaged, not misplaced."""
+        pos = self._require(key)
+        return any(os.pread(self._descriptor(), 4, int(self._offsets[other])) == _MAGIC_BYTES
+                   for other in (pos - 1, pos + 1) if 0 <= other < len(self._keys))
 
     def __getstate__(self) -> dict:
         state = self.__dict__.copy()

@@ -243,6 +243,46 @@ def test_undecodable_image_is_skipped_counted_and_logged(tmp_path, caplog):
     assert torch.equal(ds[0][0], clean[0][0]) and ds.skipped == 1
 
 
+def write_rec_with_zeroed_span(tmp_path, first_key: int) -> tuple[str, int]:
+    """The pairs fixture (an identity table: no header is read before its image) with zeros from the middle of
+    record `first_key`'s image through the header of the next one (a damaged disk block): (folder, next key)."""
+    (tmp_path / "train.idx").write_bytes(open(os.path.join(FIXTURES, "pairs.idx"), "rb").read())
+    offsets = dict(tuple(map(int, line.split("\t"))) for line in (tmp_path / "train.idx").read_text().splitlines())
+    following = min(key for key in offsets if offsets[key] > offsets[first_key])
+    data = bytearray(open(PAIRS, "rb").read())
+    start = (offsets[first_key] + offsets[following]) // 2
+    data[start:offsets[following] + 40] = bytes(offsets[following] + 40 - start)
+    (tmp_path / "train.rec").write_bytes(bytes(data))
+    return str(tmp_path), following
+
+
+def test_a_record_with_a_damaged_header_is_skipped_and_the_rec_not_the_idx_is_blamed(tmp_path, caplog):
+    path, second = write_rec_with_zeroed_span(tmp_path, 3)
+    clean = build_dataset(PAIRS, num_views=2, flip=False)
+    with pytest.raises(DataError) as info:
+        build_dataset(path, num_views=2, flip=False)[second - 1]
+    assert str(info.value) == (
+        f"{path}/train.rec: record key {second} is damaged (no RecordIO magic at offset "
+        f"{int(dict(line.split() for line in open(path + '/train.idx'))[str(second)])}, found 0x00000000, though "
+        "the records beside it start where the .idx says); copy the .rec again or re-pack it, or set "
+        "skip_bad_records = True to skip such records")
+    skipping = build_dataset(path, num_views=2, skip_bad_records=True, flip=False)
+    with caplog.at_level(logging.WARNING):
+        views, label = skipping[2]  # key 3 (its image half zeros), then key 4 (no header): both skipped
+    assert skipping.skipped == 2 and torch.equal(views, clean[second][0]) and int(label) == int(clean[second][1])
+    assert "skip_bad_records" not in caplog.text and f"record key {second} is damaged" in caplog.text
+
+
+def test_an_idx_that_does_not_match_its_rec_is_blamed(tmp_path):
+    lines = open(os.path.join(FIXTURES, "flat.idx")).read().splitlines()
+    (tmp_path / "train.idx").write_text("".join(f"{key}\t{int(offset) + 4}\n" for key, offset in
+                                                (line.split("\t") for line in lines)))
+    (tmp_path / "train.rec").write_bytes(open(FLAT, "rb").read())
+    with pytest.raises(DataError, match=r"does not start with the RecordIO magic .*nor do the records beside it; "
+                                        r"the \.idx does not match this \.rec"):
+        build_dataset(str(tmp_path), skip_bad_records=True, flip=False)[2]
+
+
 def test_missing_idx_and_missing_path(tmp_path):
     (tmp_path / "train.rec").write_bytes(open(FLAT, "rb").read())
     with pytest.raises(DataError, match=r"train\.idx not found"):

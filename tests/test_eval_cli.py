@@ -459,12 +459,28 @@ def test_evaluation_compares_the_sets_preparation_with_the_models_and_keeps_othe
     # What tools.make_bin leaves beside a set of --pad photos, none of whose people trained the model.
     (tmp_path / "noise.bin.preparation.json").write_text('{"photo_preparation": "pad", "people_in_training": 0}')
     assert verification.main(["--model", str(folder), "--bins", str(held_out), "--batch-size", "8"]) == 0
-    warnings = [line for line in capsys.readouterr().err.splitlines() if line.startswith("warning")]
+    captured = capsys.readouterr()
+    warnings = [line for line in captured.err.splitlines() if line.startswith("warning")]
     assert warnings == [f"warning: {held_out} holds photos prepared with --pad, but {folder / 'model.json'} records "
                         "--crop for the training photos, so its scores understate the model; make it again with "
                         "tools.make_bin --crop"]
+    # A threshold from photos prepared unlike the training photos would misjudge pairs: none is recorded.
+    assert ("threshold: none recorded for noise: its photos were prepared unlike the training photos (the warning "
+            "above), so its threshold would misjudge pairs") in captured.out.splitlines()
+    assert json.loads((folder / "model.json").read_text())["verification"] == {"faces_val": earlier}
+    (tmp_path / "noise.bin.preparation.json").write_text('{"photo_preparation": "crop", "people_in_training": 0}')
+    assert verification.main(["--model", str(folder), "--bins", str(held_out), "--batch-size", "8"]) == 0
     recorded = json.loads((folder / "model.json").read_text())["verification"]
     assert recorded["faces_val"] == earlier and recorded["noise"]["held_out"] is True
+    assert recorded["noise"]["different"] == 10  # the FAR's denominator: the set's different-person pairs
+    capsys.readouterr()
+    assert verification.main(["--model", str(folder), "--forget", "noise"]) == 0
+    assert capsys.readouterr().out == f"forgot the threshold of noise in {folder / 'model.json'}\n"
+    assert json.loads((folder / "model.json").read_text())["verification"] == {"faces_val": earlier}
+    with pytest.raises(SystemExit):
+        verification.main(["--model", str(folder), "--forget", "lfw"])
+    assert assert_one_sentence(capsys.readouterr().err) == (
+        f"--forget lfw: {folder / 'model.json'} records no set of that name (recorded: faces_val); pass one of those")
 
 
 def test_a_missing_bin_names_the_option_it_came_from(run, tmp_path, capsys):
@@ -472,3 +488,4 @@ def test_a_missing_bin_names_the_option_it_came_from(run, tmp_path, capsys):
         verification.main(["--model", str(run), "--bins", str(tmp_path / "nope.bin")])
     assert assert_one_sentence(capsys.readouterr().err) == (
         f"verification set {tmp_path / 'nope.bin'} does not exist; check the path given to --bins")
+

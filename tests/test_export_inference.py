@@ -333,6 +333,12 @@ def test_inference_judges_a_pair_by_the_threshold_recorded_with_the_model(r18_we
         assert inference.main(["--model", str(run), str(a), str(b)]) == 0
         assert (f"{verdict} at threshold {threshold:.4f} (FAR 0.0125 on faces_val, 80 pairs; training, step 40)"
                 in capsys.readouterr().out.splitlines())
+    # No different-person pair of 30 passed the threshold: that shows a FAR below 1/30, not a FAR of 0.
+    point = {"threshold": similarity - 1e-3, "far": 0.0, "accuracy": 0.9, "pairs": 60, "different": 30, "by": "x"}
+    (run / "model.json").write_text(json.dumps({**info, "verification": {"faces_val": point}}))
+    assert inference.main(["--model", str(run), str(a), str(b)]) == 0
+    assert (f"same person at threshold {similarity - 1e-3:.4f} (FAR < 1/30 on faces_val, 60 pairs; x)"
+            in capsys.readouterr().out.splitlines())
 
 
 def test_inference_cli_turns_user_errors_into_one_line(r18_weights, tmp_path, capsys):

@@ -28,6 +28,7 @@ import numpy as np
 import torch
 
 from backbones import flip_fused_embeddings, read_face_image
+from backbones.trained import far_words
 from dataset import add_preparation_arguments, preparation_following
 from eval.cli import EvaluatedNetwork, add_network_arguments, open_network
 from utils.cli import exit_on_user_error
@@ -75,7 +76,7 @@ def verdicts(similarity: float, network: EvaluatedNetwork) -> list[str]:
     lines, said = [], {}
     for name, point in saved.verification.items():
         said[name] = "same person" if similarity > point["threshold"] else "different people"
-        lines.append(f"{said[name]} at threshold {point['threshold']:.4f} (FAR {point['far']:.4g} on {name}, "
+        lines.append(f"{said[name]} at threshold {point['threshold']:.4f} ({far_words(point)} on {name}, "
                      f"{point['pairs']} pairs; {point['by']})")
     if len(lines) > 1:
         name, why = verdict_set(saved.verification)

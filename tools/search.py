@@ -30,7 +30,7 @@ import numpy as np
 import torch
 
 from backbones import flip_fused_embeddings, prepared_face
-from backbones.trained import SavedBackbone, add_backbone_arguments, load_backbone_from_args
+from backbones.trained import SavedBackbone, add_backbone_arguments, far_words, load_backbone_from_args
 from dataset import Preparation, add_preparation_arguments, preparation_following, stretch_warning
 from eval.gallery import (
     PersonGallery,
@@ -102,7 +102,7 @@ def verdicts(name: str, similarity: float, saved: SavedBackbone) -> list[str]:
     lines = []
     for set_name, point in saved.verification.items():
         verdict = f"known person {name}" if similarity > point["threshold"] else "not in the gallery"
-        lines.append(f"{verdict} at threshold {point['threshold']:.4f} (FAR {point['far']:.4g} on {set_name}, "
+        lines.append(f"{verdict} at threshold {point['threshold']:.4f} ({far_words(point)} on {set_name}, "
                      f"{point['pairs']} pairs; {point['by']})")
     return lines
 
