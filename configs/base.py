@@ -84,6 +84,9 @@ backbone_lr_mult: float = 1.0     # fine-tuning: the backbone's lr is this times
 freeze_backbone_steps: int = 0    # fine-tuning: the first this many optimizer steps train the class centres alone;
                                   # the backbone runs in eval mode without gradients, so its weights AND its BatchNorm
                                   # statistics stay exactly as loaded (new centres first settle on good features)
+ema_decay: float = 0.0            # an exponential moving average of the backbone's weights at this decay (e.g. 0.999,
+                                  # warmed up as (1 + n) / (10 + n) over the first steps): backbone.pth and verification
+                                  # then use the averaged weights, saved and resumed with the rest; 0: off
 num_epoch: int = 20               # passes over the data
 warmup_epoch: int = 0             # linear warmup from 0 to lr, then polynomial (power 2) decay to 0 at the end;
                                   # negative (arcface_torch's 3millions.py: -1): no warmup, and its PolyScheduler

@@ -20,6 +20,7 @@ from backbones import get_model
 from losses import AdaFaceMargin, CombinedMarginLoss, CurricularMargin, ElasticMargin
 from partial_fc import PartialFC
 from training.components import Centres, Component, GradScale, MarginState, Optimizer, Schedule
+from training.ema import BackboneEMA
 from training.optimizer import RowSparseAdamW, RowSparseSGD
 from utils.compat import ddp_without_buffer_sync
 from utils.distributed import world
@@ -75,6 +76,7 @@ COMPONENTS: tuple[type[Component], ...] = (
     Schedule,
     GradScale,
     MarginState,
+    BackboneEMA,
 )
 
 
