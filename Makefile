@@ -62,7 +62,9 @@ COMPAT_TESTS := \
 	tests/test_backbones.py::test_builds_on_the_meta_device_for_the_memory_plan \
 	tests/test_memory_plan.py::test_the_dry_run_says_whether_it_fits_and_the_largest_batch_and_fewest_processes_that_do \
 	tests/test_export_inference.py::test_export_of_mbf_matches_pytorch_in_onnxruntime
-COMPAT_CHECKS_2.11.0 :=
+# The device check's CPU rehearsal (every row for real at tiny shapes, ~3-8 minutes) under the GPU machine's
+# torch: PY=python is that venv's (the script would otherwise take .venv's).
+COMPAT_CHECKS_2.11.0 := PY=python bash bench/gpu_check.sh --tiny
 
 $(COMPAT_VENV)/.installed: requirements.txt
 	test -x $(COMPAT_PY) || python3 -m venv $(COMPAT_VENV)

@@ -127,6 +127,14 @@ def measure(implementation: str, num_classes: int, device: torch.device, steps: 
     return dict(seconds=seconds, peak_above=peak_above, tflops=gemm_flop / seconds / 1e12)
 
 
+def table_row(num_classes: int, implementation: str, result: dict, dense: dict) -> str:
+    """One line of the table (bench/gpu_check.py parses it): time and peak above the weights, each also as a
+    ratio to the dense reference's."""
+    return (f"{num_classes:>9} {implementation:>8} {result['seconds'] * 1e3:>10.1f} "
+            f"{result['seconds'] / dense['seconds']:>7.2f} {result['peak_above'] / 2**20:>12.1f} "
+            f"{result['peak_above'] / max(dense['peak_above'], 1):>9.2f} {result['tflops']:>8.3f}")
+
+
 def run_in_subprocess(implementation: str, num_classes: int, args) -> dict:
     command = [sys.executable, "-m", "bench.bench_pfc", "--worker", implementation, str(num_classes),
                "--device", args.device, "--threads", str(args.threads), "--rounds", str(args.rounds)]
@@ -182,8 +190,7 @@ def main() -> None:
         results = {impl: run_in_subprocess(impl, num_classes, args) for impl in IMPLEMENTATIONS}
         dense = results["dense"]
         for impl, r in results.items():
-            print(f"{num_classes:>9} {impl:>8} {r['seconds'] * 1e3:>10.1f} {r['seconds'] / dense['seconds']:>7.2f} "
-                  f"{r['peak_above'] / 2**20:>12.1f} {r['peak_above'] / dense['peak_above']:>9.2f} {r['tflops']:>8.3f}")
+            print(table_row(num_classes, impl, r, dense))
         sys.stdout.flush()
 
 

@@ -17,8 +17,10 @@ Rows:
   ratio is the cost of the second view.
 - train 2 views, dali: the same with `dali=True` (nvJPEG decoding on the GPU, on its own thread and stream).
 - torchrun resume: torchrun with one process (NCCL world of 1: DDP's absence aside, the collectives,
-  barriers and DCP shards of a multi-GPU run), fp16, sample_rate 0.1, deterministic, a checkpoint every
-  3 steps: 6 + 6 steps resumed against 12 uninterrupted, compared tensor for tensor, the CUDA RNG included.
+  barriers and DCP shards of a multi-GPU run), the tests' tiny network, fp16, sample_rate 0.1,
+  deterministic, a checkpoint every 4 steps: 4 + 4 steps resumed against 8 uninterrupted, compared tensor
+  for tensor, the CUDA RNG included: "bitwise equal" or the first tensor that differs, and the seconds of
+  each phase.
 - host syncs per step: bench.host_syncs, the operations that make the host wait and what CUDA's sync
   debug mode reports, with their source lines, at sample_rate 1.0, 0.1 and 0.
 - memory growth: bench.memory_growth, reserved GPU memory before and after 100 more steps of r50 fp16
@@ -62,9 +64,13 @@ ROOT = Path(__file__).resolve().parent.parent
 SPEED = re.compile(r"Speed ([\d.]+) samples/sec ([\d.]+) images/sec   Loss ([\d.]+)")
 PEAK = re.compile(r"peak GPU memory ([\d.]+) GiB")
 STEPS_PER_EPOCH = re.compile(r"(\d+) steps per epoch")
-BUDGETS = {"check_pfc": 45, "data": 30, "train 2 views": 40, "train 1 view": 30, "train dali": 40,
-           "torchrun resume": 50, "host syncs": 20, "memory growth": 30, "pfc precision": 15, "decode": 20,
-           "bench_pfc": 40, "pfc step": 20, "memory plan": 40, "gpu decode": 30}  # 450 s in all on one H200
+# 450 s in all on one H200. The first H200 run (docs/gpu.md) took 24 s for the data; the resume row had 50 s
+# and did not finish, so it has 70 s now, taken from rows whose work is a few seconds of GPU time after
+# start-up (memory growth: 100 r50 steps, ~6 s; dali and check_pfc). The last line prints every check's
+# seconds against its budget, so the next run on a GPU sets these from measurements.
+BUDGETS = {"check_pfc": 40, "data": 30, "train 2 views": 40, "train 1 view": 30, "train dali": 35,
+           "torchrun resume": 70, "host syncs": 20, "memory growth": 20, "pfc precision": 15, "decode": 20,
+           "bench_pfc": 40, "pfc step": 20, "memory plan": 40, "gpu decode": 30}
 LIMIT_SLACK = 15  # seconds of --limit beyond the budgets: between checks, and stopping one that overran
 STOP_GRACE = 5  # seconds a command stopped at its budget's end has to exit, after SIGTERM and after SIGKILL
 TINY_SLACK = 4  # a loaded CPU is slower than an H200
@@ -145,6 +151,38 @@ def failed(name: str, status: int, out: str) -> Row:
     return name, f"FAILED (exit {status}): {reason}", False
 
 
+class NothingToParse(ValueError):
+    """A command that succeeded printed no line its row's parser knows: its output format changed, so the
+    row has no result (never a pass)."""
+
+
+def parsed(name: str, status: int, out: str, parse: Callable[[str], list[Row]]) -> Rows:
+    """The rows `parse` reads from a command's output; one FAILED row when the command failed or when the
+    output holds nothing the parser recognises (it names what it looked for and the output's last line)."""
+    if status:
+        yield failed(name, status, out)
+        return
+    try:
+        yield from parse(out)
+    except NothingToParse as missing:
+        yield name, f"FAILED: found nothing to parse: no {missing} in the output (last line: {last_line(out)})", False
+
+
+def matches(pattern: str, out: str, what: str) -> list[re.Match]:
+    found = [match for line in out.splitlines() if (match := re.match(pattern, line))]
+    if not found:
+        raise NothingToParse(what)
+    return found
+
+
+def parse_check_pfc(rate: str) -> Callable[[str], list[Row]]:
+    def parse(out: str) -> list[Row]:
+        verdict = matches(r"(PASS|FAIL): worst (\S+)", out, "'PASS: worst ...' or 'FAIL: worst ...' line")[-1]
+        return [(f"check_pfc sample_rate {rate}", f"{verdict[1]} (worst relative error {verdict[2]})",
+                 verdict[1] == "PASS")]
+    return parse
+
+
 def check_pfc(run: Runner) -> Rows:
     run.budget("check_pfc")
     for rate in ("1.0", "0.1"):
@@ -152,11 +190,7 @@ def check_pfc(run: Runner) -> Rows:
         classes = "1001" if run.tiny else "100003"
         status, out = run.sh([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1",
                               "-m", "tools.check_pfc", "--views", "2", "--classes", classes, "--sample-rate", rate])
-        verdict = re.search(r"(PASS|FAIL): worst (\S+)", out)
-        if status or not verdict:
-            yield failed(name, status, out)
-        else:
-            yield name, f"{verdict[1]} (worst relative error {verdict[2]})", verdict[1] == "PASS"
+        yield from parsed(name, status, out, parse_check_pfc(rate))
 
 
 def training_shape(tiny: bool) -> tuple[int, int]:
@@ -203,84 +237,122 @@ def train_row(run: Runner, check: str, name: str, data: Path, output: Path, *ext
         command += ["--set", item]
     start = time.monotonic()
     status, out = run.sh(command)
-    if status:
-        yield failed(name, status, out)
-        return
-    speeds = SPEED.findall(out)[-3:]  # the steady state: the first lines include start-up
-    per_epoch = STEPS_PER_EPOCH.search(out)
-    if not speeds or not per_epoch:
-        yield name, f"FAILED: no speed line or no steps per epoch in the log: {last_line(out)}", False
-        return
-    if int(per_epoch[1]) < steps:
-        yield name, f"FAILED: {per_epoch[1]} steps per epoch, fewer than the {steps} measured (an epoch restart " \
-                    "falls inside them); make more records", False
-        return
-    samples = sum(float(s[0]) for s in speeds) / len(speeds)
-    images = sum(float(s[1]) for s in speeds) / len(speeds)
-    peak = PEAK.search(out)
-    yield name, (f"{samples:.0f} samples/s, {images:.0f} images/s, peak {peak[1] if peak else '-'} GiB, "
-                 f"final loss {speeds[-1][2]}, {time.monotonic() - start:.0f} s"), True
+    yield from parsed(name, status, out, parse_train(name, steps, start))
+
+
+def parse_train(name: str, steps: int, start: float) -> Callable[[str], list[Row]]:
+    """train.py's log: the mean speed of its last three log lines (the first ones include start-up), the peak
+    GPU memory (absent on the CPU), the final loss, and the seconds since `start`."""
+    def parse(out: str) -> list[Row]:
+        speeds = [match.groups() for match in matches(rf".*?{SPEED.pattern}", out, "'Speed ... samples/sec' log line")]
+        per_epoch = matches(rf".*?{STEPS_PER_EPOCH.pattern}", out, "'... steps per epoch' log line")[0]
+        if int(per_epoch[1]) < steps:
+            return [(name, f"FAILED: {per_epoch[1]} steps per epoch, fewer than the {steps} measured (an epoch "
+                           "restart falls inside them); make more records", False)]
+        last = speeds[-3:]
+        samples = sum(float(s[0]) for s in last) / len(last)
+        images = sum(float(s[1]) for s in last) / len(last)
+        peak = PEAK.search(out)
+        return [(name, f"{samples:.0f} samples/s, {images:.0f} images/s, peak {peak[1] if peak else '-'} GiB, "
+                       f"final loss {last[-1][2]}, {time.monotonic() - start:.0f} s", True)]
+    return parse
+
+
+RESUME_STEPS = 4  # steps before the stop and after it; the one checkpoint between them is at this step
+RESUME_VERDICT = ("import json, sys\nfrom pathlib import Path\nfrom tests.run_helpers import run_difference\n"
+                  "root = Path(sys.argv[1])\ninfo = json.loads((root / 'whole' / 'model.json').read_text())\n"
+                  "difference = run_difference(root / 'split', root / 'whole', info)\n"
+                  "print('bitwise equal' if difference is None else f'first difference: {difference}')\n")
 
 
 def torchrun_resume(run: Runner, data: Path, folder: Path) -> Rows:
-    """6 + 6 steps resumed against 12 uninterrupted, under torchrun with one process: bitwise or not."""
+    """4 + 4 steps resumed against 8 uninterrupted, under torchrun with one process: bitwise, or the first
+    tensor that differs. The tiny network of the tests (tests/run_helpers.py's QUIET) keeps the three runs to
+    their start-up (torchrun, CUDA, NCCL) and two DCP saves each: the first H200 run spent the 50 s budget on
+    three 12-step runs that saved every 3 steps. The seconds of each phase are printed, for the next budget."""
     run.budget("torchrun resume")
-    name = "torchrun resume (6+6 vs 12 steps)"
-    settings = ["fp16=True", "sample_rate=0.1", "deterministic=True", "save_every_steps=3", "num_epoch=100"]
+    name = f"torchrun resume ({RESUME_STEPS}+{RESUME_STEPS} vs {2 * RESUME_STEPS} steps)"
+    settings = ["fp16=True", "sample_rate=0.1", "deterministic=True", f"save_every_steps={RESUME_STEPS}",
+                "num_epoch=100"]
 
     def torchrun(output: Path, steps: int, resume: bool = False) -> subprocess.Popen:
         return run.start([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1",
                           "train.py", *arguments(data, output, *settings, f"max_steps={steps}", resume=resume)])
 
-    whole, first = torchrun(folder / "whole", 12), torchrun(folder / "split", 6)  # side by side
-    outcomes = [run.finish(whole), run.finish(first)]
+    start = time.monotonic()
+    whole, first = torchrun(folder / "whole", 2 * RESUME_STEPS), torchrun(folder / "split", RESUME_STEPS)
+    outcomes = [run.finish(whole), run.finish(first)]  # side by side
+    side_by_side = time.monotonic()
     if not any(status for status, _ in outcomes):
-        outcomes.append(run.finish(torchrun(folder / "split", 12, resume=True)))
+        outcomes.append(run.finish(torchrun(folder / "split", 2 * RESUME_STEPS, resume=True)))
+    resumed = time.monotonic()
     if any(status for status, _ in outcomes):
         yield failed(name, *next(o for o in outcomes if o[0]))
         return
-    script = ("import json, sys\nfrom pathlib import Path\nfrom tests.run_helpers import assert_same_run\n"
-              "root = Path(sys.argv[1])\ninfo = json.loads((root / 'whole' / 'model.json').read_text())\n"
-              "assert_same_run(root / 'split', root / 'whole', info)\nprint('bitwise equal')\n")
-    status, out = run.sh([sys.executable, "-c", script, str(folder)])
-    rng = "the CUDA RNG" if not run.tiny else "the CPU RNG (no CUDA here)"
-    yield (name, f"bitwise equal, {rng} included", True) if status == 0 else (name, f"DIFFERS: {last_line(out)}",
-                                                                            False)
+    status, out = run.sh([sys.executable, "-c", RESUME_VERDICT, str(folder)])
+    seconds = (f"{side_by_side - start:.0f} s side by side, {resumed - side_by_side:.0f} s resumed, "
+               f"{time.monotonic() - resumed:.0f} s compared")
+    yield from parsed(name, status, out, parse_resume(name, "the CPU RNG (no CUDA here)" if run.tiny else
+                                                      "the CUDA RNG", seconds))
+
+
+def parse_resume(name: str, rng: str, seconds: str) -> Callable[[str], list[Row]]:
+    def parse(out: str) -> list[Row]:
+        verdict = matches(r"(bitwise equal|first difference: .*)", out, "'bitwise equal' or 'first difference' line")
+        equal = verdict[-1][0] == "bitwise equal"
+        return [(name, f"bitwise equal, {rng} included ({seconds})" if equal else
+                 f"DIFFERS, {verdict[-1][0]} ({seconds})", equal)]
+    return parse
 
 
 def host_syncs(run: Runner) -> Rows:
     run.budget("host syncs")
     status, out = run.sh([sys.executable, "-m", "bench.host_syncs", *device_args(run), "--sample-rates", "1.0", "0.1",
                           "0"])
-    lines = [line.split(maxsplit=3) for line in out.splitlines() if re.match(r"\s*[\d.]+\s+[\d.]+\s", line)]
-    if status or not lines:
-        yield failed("host syncs per step", status, out)
-        return
-    for rate, operations, cuda, where in lines:
-        yield f"host syncs per step, sample_rate {rate}", f"{operations} counted, {cuda} from CUDA: {where}", True
+    yield from parsed("host syncs per step", status, out, parse_host_syncs)
+
+
+def parse_host_syncs(out: str) -> list[Row]:
+    lines = [match[0].split(maxsplit=3) for match in matches(r"\s*[\d.]+\s+[\d.]+\s+\S+\s+.*", out,
+                                                             "'sample_rate ops/step cuda/step where' table row")]
+    return [(f"host syncs per step, sample_rate {rate}", f"{operations} counted, {cuda} from CUDA: {where}", True)
+            for rate, operations, cuda, where in lines]
 
 
 def device_args(run: Runner) -> list[str]:
     return [] if run.tiny else ["--device", "cuda"]
 
 
-def one_line(run: Runner, check: str, name: str, command: list[str]) -> Rows:
-    """A check whose whole result is the last line its command prints."""
+def one_line(run: Runner, check: str, name: str, command: list[str], pattern: str, what: str) -> Rows:
+    """A check whose whole result is the last line its command prints that matches `pattern`."""
     run.budget(check)
     status, out = run.sh([sys.executable, *command])
-    yield failed(name, status, out) if status else (name, last_line(out), True)
+    yield from parsed(name, status, out, parse_one_line(name, pattern, what))
+
+
+def parse_one_line(name: str, pattern: str, what: str) -> Callable[[str], list[Row]]:
+    return lambda out: [(name, matches(pattern, out, what)[-1][0].strip(), True)]
+
+
+# The one-line checks' result lines (bench/memory_growth.py's and bench/decode_overlap.py's last print).
+MEMORY_GROWTH_LINE = r"(reserved|resident) \d+ MiB after \d+ steps, \d+ MiB after \d+ more: .*"
+DECODE_LINE = r"decode [\d.]+ ms/batch of .* step [\d.]+ ms, loop [\d.]+ ms/batch: .*"
+PYTEST_LINE = r"=* ?\d+ (passed|skipped).*"
 
 
 def pfc_precision(run: Runner) -> Rows:
     run.budget("pfc precision")
     status, out = run.sh([sys.executable, "-m", "bench.pfc_precision", *device_args(run),
                           "--classes", "1000" if run.tiny else "100000"])
-    lines = [line.split(maxsplit=1) for line in out.splitlines() if re.match(r"\s*b?float16\s", line)]
-    if status or not lines:
-        yield failed("PartialFC vs float32", status, out)
-        return
-    for dtype, errors in lines:
-        yield f"PartialFC {dtype} vs float32", errors, True
+    yield from parsed("PartialFC vs float32", status, out, parse_pfc_precision)
+
+
+def parse_pfc_precision(out: str) -> list[Row]:
+    """bench.pfc_precision's lines, one per margin family and dtype: 'family dtype  loss e  dX e  dW e'."""
+    lines = matches(r"\s*(\w+)\s+(b?float16)\s+(loss \S+\s+dX \S+\s+dW \S+)", out,
+                    "'FAMILY float16|bfloat16  loss .. dX .. dW ..' line")
+    return [(f"PartialFC {family} {dtype} vs float32", errors, True) for family, dtype, errors in
+            (line.groups() for line in lines)]
 
 
 def pfc_step(run: Runner) -> Rows:
@@ -288,14 +360,18 @@ def pfc_step(run: Runner) -> Rows:
     command = ["-m", "bench.bench_pfc", "--step", "--rounds", "1" if run.tiny else "3", "--classes",
                "2000" if run.tiny else "1000000", *device_args(run)]
     status, out = run.sh([sys.executable, *command])
-    cells = [line.split() for line in out.splitlines() if re.match(r"\s*\d+\s+[\d.]+\s+[\d.]+\s", line)]
+    yield from parsed("pfc step", status, out, parse_pfc_step)
+
+
+def parse_pfc_step(out: str) -> list[Row]:
+    """bench_pfc --step: a row per (classes, rate) cell, then the profile's largest shares."""
+    cells = [match[0].split() for match in matches(r"\s*\d+\s+[\d.]+\s+[\d.]+\s.*", out,
+                                                   "'CLASSES RATE MS ...' table row")]
     shares = [line.split(maxsplit=2) for line in out.splitlines() if re.match(r"\s+[\d.]+%\s+\d+\s", line)]
-    if status or not cells:
-        yield failed("pfc step", status, out)
-        return
-    for classes, rate, ms, _, floor, _, arcface in cells:
-        yield f"pfc step C={classes} rate {rate}", f"{ms} ms, {floor} the floor, {arcface} arcface_torch's", True
-    yield "pfc step at rate 0.1: largest shares", ", ".join(f"{name} {share}" for share, _, name in shares[:4]), True
+    rows = [(f"pfc step C={classes} rate {rate}", f"{ms} ms, {floor} the floor, {arcface} arcface_torch's", True)
+            for classes, rate, ms, _, floor, _, arcface in cells]
+    return rows + [("pfc step at rate 0.1: largest shares",
+                    ", ".join(f"{name} {share}" for share, _, name in shares[:4]), True)]
 
 
 def bench_pfc(run: Runner) -> Rows:
@@ -303,12 +379,13 @@ def bench_pfc(run: Runner) -> Rows:
     classes = ["10000"] if run.tiny else ["1000000", "4000000"]
     device = [] if run.tiny else ["--device", "cuda", "--fp16"]
     status, out = run.sh([sys.executable, "-m", "bench.bench_pfc", "--classes", *classes, *device])
-    lines = [line for line in out.splitlines() if re.match(r"\s*\d+\s+(dense|pfc)", line)]
-    if status or not lines:
-        yield failed("bench_pfc", status, out)
-        return
-    for line in lines:
-        yield f"bench_pfc {' '.join(line.split()[:2])}", " ".join(line.split()[2:]), True
+    yield from parsed("bench_pfc", status, out, parse_bench_pfc)
+
+
+def parse_bench_pfc(out: str) -> list[Row]:
+    lines = [match[0].split() for match in matches(r"\s*\d+\s+(dense|pfc)\s.*", out,
+                                                   "'CLASSES dense|pfc ...' table row")]
+    return [(f"bench_pfc {' '.join(line[:2])}", " ".join(line[2:]), True) for line in lines]
 
 
 # bench.step_memory's configurations: the memory plan of each against a real step (one process).
@@ -332,13 +409,18 @@ def memory_plan(run: Runner) -> Rows:
     for case in ([] if run.tiny else MEMORY_PLAN_CASES.values()):
         command += ["--case", case]
     status, out = run.sh(command)
-    results = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
-    if status or not results:
-        yield failed("memory plan", status, out)
-        return
     names = ["tiny r18 on the CPU"] if run.tiny else list(MEMORY_PLAN_CASES)
-    for name, result in zip(names, results, strict=True):
-        yield f"memory plan {name}", ratios(result), True
+    yield from parsed("memory plan", status, out, parse_memory_plan(names))
+
+
+def parse_memory_plan(names: list[str]) -> Callable[[str], list[Row]]:
+    """bench.step_memory --json: one JSON line per case, in the order of `names`."""
+    def parse(out: str) -> list[Row]:
+        results = [json.loads(match[0]) for match in matches(r"\{.*\}$", out, "JSON line of a measured case")]
+        if len(results) != len(names):
+            return [("memory plan", f"FAILED: {len(results)} JSON lines for {len(names)} cases", False)]
+        return [(f"memory plan {name}", ratios(result), True) for name, result in zip(names, results, strict=True)]
+    return parse
 
 
 def gpu_decode(run: Runner) -> Rows:
@@ -349,7 +431,7 @@ def gpu_decode(run: Runner) -> Rows:
     run.budget("gpu decode")
     status, out = run.sh([sys.executable, "-m", "pytest", "-q", "tests/test_loader.py", "-k", "gpu", "-p",
                           "no:cacheprovider", "-p", "no:randomly"])
-    yield failed(name, status, out) if status else (name, last_line(out), True)
+    yield from parsed(name, status, out, parse_one_line(name, PYTEST_LINE, "pytest summary line"))
 
 
 def checks(run: Runner, work: Path) -> dict[str, Callable[[], Rows]]:
@@ -369,11 +451,12 @@ def checks(run: Runner, work: Path) -> dict[str, Callable[[], Rows]]:
                                         "num_views=2", "dali=True"),
         "torchrun resume": lambda: torchrun_resume(run, pairs, work / "resume"),
         "host syncs": lambda: host_syncs(run),
-        "memory growth": lambda: one_line(run, "memory growth", "memory growth",
-                                          ["-m", "bench.memory_growth", *memory]),
+        "memory growth": lambda: one_line(run, "memory growth", "memory growth", ["-m", "bench.memory_growth", *memory],
+                                          MEMORY_GROWTH_LINE, "'... MiB after N steps, ... MiB after N more' line"),
         "pfc precision": lambda: pfc_precision(run),
         "decode": lambda: one_line(run, "decode", "gpu decode per batch, overlap with the step",
-                                   ["-m", "bench.decode_overlap", "--rec", str(pairs), *decode]),
+                                   ["-m", "bench.decode_overlap", "--rec", str(pairs), *decode], DECODE_LINE,
+                                   "'decode ... ms/batch ..., step ... ms, loop ... ms/batch' line"),
         "bench_pfc": lambda: bench_pfc(run),
         "pfc step": lambda: pfc_step(run),
         "memory plan": lambda: memory_plan(run),
@@ -388,7 +471,7 @@ def print_row(name: str, result: str) -> None:
 def run_checks(run: Runner, work: Path, limit: float, only: set[str]) -> list[str]:
     """Every check in order, its rows printed as they come; the names of the rows that failed or did not run."""
     end = time.monotonic() + limit
-    bad = []
+    bad, seconds = [], []
     for check, rows in checks(run, work).items():
         if only and check not in only:
             print_row(check, "not run (not selected)")
@@ -397,10 +480,14 @@ def run_checks(run: Runner, work: Path, limit: float, only: set[str]) -> list[st
             print_row(check, "not run (time)")
             bad.append(check)
             continue
+        start = time.monotonic()
         for name, result, passed in rows():
             print_row(name, result)
             if not passed:
                 bad.append(name)
+        seconds.append(f"{check} {time.monotonic() - start:.0f}/{BUDGETS[check] * budget_scale(run.tiny)}")
+    if seconds:
+        print(f"seconds per check, of its budget: {', '.join(seconds)}", flush=True)
     return bad
 
 
