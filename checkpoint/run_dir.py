@@ -34,6 +34,8 @@ def resolve_resume(output: str, resume: bool | str,
     this run (with those overrides too), for the refusal to start over a run.
     """
     held = _run_files(Path(output))
+    if held and (owner := lock_holder(output)) is not None:  # said first: --resume would be refused for it too
+        raise RunDirError(_in_use(output, owner))
     if resume == AUTO:
         return find_resume_source(output) if held else None
     if resume is True:
@@ -138,6 +140,28 @@ def _run_files(folder: Path) -> list[str]:
     return entries if saved else []
 
 
+def _in_use(output: str, owner: str) -> str:
+    return (f"output folder {output} is in use by another training process ({owner}); wait for it to finish or "
+            "choose another folder with --set output=<folder>")
+
+
+def lock_holder(output: str) -> str | None:
+    """Who holds `output`'s lock (its lock file's line) while a training process holds it, else None. Only
+    tried (a shared lock, let go at once): taking it is lock_run_dir's."""
+    try:
+        with open(Path(output) / LOCK_NAME) as handle:
+            try:
+                fcntl.flock(handle, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            except BlockingIOError:
+                return handle.read().strip() or "unknown"
+            except OSError:  # a filesystem without file locks: lock_run_dir says so
+                return None
+            fcntl.flock(handle, fcntl.LOCK_UN)
+            return None
+    except OSError:  # no lock file: never held
+        return None
+
+
 def lock_run_dir(output: str, torchrun_run: str | None = None) -> IO:
     """Create `output` and hold its lock for as long as the returned file stays open.
 
@@ -158,8 +182,7 @@ def lock_run_dir(output: str, torchrun_run: str | None = None) -> IO:
         handle.seek(0)
         owner = handle.read().strip() or "unknown"
         handle.close()
-        raise RunDirError(f"output folder {output} is in use by another training process ({owner}); wait for it "
-                          "to finish or choose another folder with --set output=<folder>") from None
+        raise RunDirError(_in_use(output, owner)) from None
     except OSError as error:  # e.g. a network filesystem without file locks
         handle.close()
         raise RunDirError(f"cannot lock output folder {output} ({error.strerror or error}); the run folder needs a "

@@ -58,6 +58,7 @@ class InsightfaceWriter:
     """
 
     def __init__(self, out_dir: str, prefix: str = "train") -> None:
+        self._made_folder = None if os.path.isdir(out_dir) else out_dir
         os.makedirs(out_dir, exist_ok=True)
         self.rec_path = os.path.join(out_dir, f"{prefix}.rec")
         self.idx_path = os.path.join(out_dir, f"{prefix}.idx")
@@ -99,10 +100,13 @@ class InsightfaceWriter:
         if exc_type is None:
             self.close()
             return
-        # A half-written dataset would load as a smaller, valid-looking one: leave nothing behind.
+        # A half-written dataset would load as a smaller, valid-looking one: leave nothing behind, not even the
+        # folder made for it (an empty one would hold up the next try's --output).
         self._writer.close()
         os.remove(self.rec_path)
         os.remove(self.idx_path)
+        if self._made_folder is not None and not os.listdir(self._made_folder):
+            os.rmdir(self._made_folder)
 
 
 def check_output(out_dir: str, names: Sequence[str], overwrite: bool) -> None:

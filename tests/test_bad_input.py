@@ -133,8 +133,9 @@ def _hold_the_lock(folder: str, held, release) -> None:
 
 def test_an_output_folder_held_by_a_live_run(data, run):
     """Another process holds the folder's lock (as a live training run does, through the same lock): a start
-    there is refused with its pid and host, changes nothing (the lock file still names the holder), and once
-    the holder is gone the same start resumes."""
+    there, with --resume or without, is refused with its pid and host (without, not by advice to pass --resume,
+    which would be refused next), changes nothing (the lock file still names the holder), and once the holder is
+    gone the same start resumes."""
     context = multiprocessing.get_context("fork")
     held, release = context.Event(), context.Event()
     holder = context.Process(target=_hold_the_lock, args=(str(run), held, release))
@@ -142,11 +143,12 @@ def test_an_output_folder_held_by_a_live_run(data, run):
     try:
         assert held.wait(60), "the holder never took the lock"
         before = file_states(run)
-        status, stderr = run_here(data, run, "max_steps=4", resume=True)
-        assert status == 1
-        assert only_line(stderr) == (
-            f"error: output folder {run} is in use by another training process (pid {holder.pid} on "
-            f"{socket.gethostname()}); wait for it to finish or choose another folder with --set output=<folder>")
+        for resume in (True, False):
+            status, stderr = run_here(data, run, "max_steps=4", resume=resume)
+            assert status == 1
+            assert only_line(stderr) == (
+                f"error: output folder {run} is in use by another training process (pid {holder.pid} on "
+                f"{socket.gethostname()}); wait for it to finish or choose another folder with --set output=<folder>")
         assert_nothing_lost(before, run)
         assert (run / ".lock").read_text() == f"pid {holder.pid} on {socket.gethostname()}\n"
     finally:

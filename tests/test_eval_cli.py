@@ -26,8 +26,10 @@ from PIL import Image
 
 from backbones import get_model
 from eval import ijb, verification
+from eval.gallery import gallery_file
 from eval.onnx_model import OnnxBackbone
 from tests.test_ijb import FACES, PAIRS, upstream_template_features, upstream_template_scores, write_ijb
+from tests.test_pack_tools import assert_stopped_by_ctrl_c, ctrl_c_once_it_says
 from tests.test_verification import VERIFY_BIN, VERIFY_NP_BIN, reference_evaluate
 from tools import export_onnx
 
@@ -489,3 +491,31 @@ def test_a_missing_bin_names_the_option_it_came_from(run, tmp_path, capsys):
     assert assert_one_sentence(capsys.readouterr().err) == (
         f"verification set {tmp_path / 'nope.bin'} does not exist; check the path given to --bins")
 
+
+def test_ctrl_c_stops_verification_and_search_in_one_line(run, tmp_path):
+    """A real SIGINT to the command's process group, as a terminal sends it, while it embeds: 100 pairs and 100
+    gallery photos, one image a batch, so that the command is far from done when its first tenth is said."""
+    rng = np.random.default_rng(0)
+    faces = [rng.integers(0, 256, (112, 112, 3), dtype=np.uint8) for _ in range(40)]
+    encoded = []
+    for face in faces:
+        buffer = io.BytesIO()
+        Image.fromarray(face).save(buffer, format="PNG", compress_level=0)
+        encoded.append(buffer.getvalue())
+    big = tmp_path / "big.bin"
+    big.write_bytes(pickle.dumps(([encoded[i % 40] for i in range(200)], [i % 2 == 0 for i in range(100)]),
+                                 protocol=4))
+    status, output = ctrl_c_once_it_says(["-m", "eval.verification", "--model", str(run), "--bins", str(big),
+                                          "--batch-size", "1"], tmp_path / "verification.out",
+                                         "[big] embedding original images: 10%")
+    assert_stopped_by_ctrl_c(status, output)
+    assert not list(run.glob("*big*"))  # no scores, no plot
+    gallery = tmp_path / "gallery"
+    for index in range(100):
+        (gallery / f"p{index // 10:02d}").mkdir(parents=True, exist_ok=True)
+        Image.fromarray(faces[index % 40]).save(gallery / f"p{index // 10:02d}" / f"{index}.png", compress_level=0)
+    status, output = ctrl_c_once_it_says(["-m", "tools.search", "--model", str(run), "--gallery", str(gallery),
+                                          str(gallery / "p00" / "0.png"), "--batch-size", "1"],
+                                         tmp_path / "search.out", "embedding gallery photos: 10%")
+    assert_stopped_by_ctrl_c(status, output)
+    assert not gallery_file(gallery).exists()

@@ -4,6 +4,10 @@ from __future__ import annotations
 import json
 import os
 import pickle
+import signal
+import sys
+import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -13,6 +17,7 @@ from torchvision.io import decode_jpeg
 
 from facedata.faces import build_dataset
 from facedata.recordio import RecordReader, unpack
+from tests.run_helpers import start_command
 from tools import make_synthetic, pack_rec
 
 # (size, PIL mode, file suffix) per image: mixed sizes, grayscale, alpha and palette images.
@@ -210,3 +215,38 @@ def test_pack_records_its_preparation_beside_the_records_and_lists_folders_witho
     assert "2 identities (classes 0..1), crop to 112x112" in out
     assert json.loads((tmp_path / "data" / "train.rec.preparation.json").read_text()) == {
         "photo_preparation": "crop", "landmarks_file": None, "written_by": "tools.pack_rec", "people": ["anna", "bo"]}
+
+
+def ctrl_c_once_it_says(arguments: list[str], console: Path, text: str) -> tuple[int, str]:
+    """`python ARGUMENTS` in a process group of its own, as a terminal's foreground job; Ctrl-C (SIGINT to the
+    whole group, its worker processes too) once its output shows `text`: (exit status, its output)."""
+    command = start_command([sys.executable, *arguments], own_group=True, output=console)
+    deadline = time.monotonic() + 300
+    while text not in console.read_text():
+        assert command.poll() is None and time.monotonic() < deadline, console.read_text()
+        time.sleep(0.01)
+    os.killpg(command.pid, signal.SIGINT)
+    return command.wait(120), console.read_text()
+
+
+def assert_stopped_by_ctrl_c(status: int, output: str) -> None:
+    assert status == 130 and "Traceback" not in output and "KeyboardInterrupt" not in output, output[-3000:]
+    assert output.splitlines()[-1] == "stopped by Ctrl-C" and output.count("stopped by Ctrl-C") == 1, output[-3000:]
+
+
+def test_ctrl_c_stops_pack_rec_and_make_synthetic_in_one_line_leaving_no_output_folder(tmp_path):
+    photos = tmp_path / "photos"
+    rng = np.random.default_rng(0)
+    for person in range(40):
+        (photos / f"p{person:02d}").mkdir(parents=True)
+        Image.fromarray(rng.integers(0, 256, (112, 112, 3), dtype=np.uint8)).save(photos / f"p{person:02d}" / "0.png")
+    packed = tmp_path / "packed"
+    assert_stopped_by_ctrl_c(*ctrl_c_once_it_says(
+        ["-m", "tools.pack_rec", str(photos), str(packed), "--workers", "2"], tmp_path / "pack.out",
+        "packing identities: 10%"))
+    assert not packed.exists()
+    drawn = tmp_path / "synthetic"
+    assert_stopped_by_ctrl_c(*ctrl_c_once_it_says(
+        ["-m", "tools.make_synthetic", "--output", str(drawn), "--identities", "400", "--images-per-identity", "2",
+         "--workers", "2"], tmp_path / "synthetic.out", "drawing identities: 10%"))
+    assert not drawn.exists()

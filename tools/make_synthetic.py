@@ -14,12 +14,14 @@ import os
 import pickle
 import sys
 import time
+from functools import partial
 from multiprocessing import Pool
 
 import numpy as np
 
 from dataset import InsightfaceWriter, check_output, encode, identity_records, verification_pairs
-from utils.cli import exit_on_user_error
+from utils.atomic import atomic_save
+from utils.cli import exit_on_user_error, ignore_ctrl_c
 from utils.errors import ConfigError
 from utils.progress import progress
 
@@ -57,17 +59,17 @@ def main(argv: list[str] | None = None) -> int:
     with exit_on_user_error():
         check_args(args)
         check_output(args.output, ["train.rec", "train.idx", VAL_NAME], args.overwrite)
-    start = time.time()
-    jobs = [(identity, args.images_per_identity, args.views, args.seed, args.quality)
-            for identity in range(args.identities)]
-    with InsightfaceWriter(args.output) as writer, Pool(max(1, args.workers)) as pool:
-        drawn = pool.imap(identity_records, jobs, chunksize=8)
-        for records in progress(drawn, len(jobs), "drawing identities", sys.stderr):
-            writer.write_identity(records)
-    val_identities = np.arange(args.identities, args.identities + args.val_identities)
-    faces, issame = verification_pairs(val_identities, args.val_pairs, args.seed)
-    with open(os.path.join(args.output, VAL_NAME), "wb") as f:
-        pickle.dump(([encode(face, quality=args.quality) for face in faces], issame), f, protocol=4)
+        start = time.time()
+        jobs = [(identity, args.images_per_identity, args.views, args.seed, args.quality)
+                for identity in range(args.identities)]
+        with InsightfaceWriter(args.output) as writer, Pool(max(1, args.workers), ignore_ctrl_c) as pool:
+            drawn = pool.imap(identity_records, jobs, chunksize=8)
+            for records in progress(drawn, len(jobs), "drawing identities", sys.stderr):
+                writer.write_identity(records)
+        val_identities = np.arange(args.identities, args.identities + args.val_identities)
+        faces, issame = verification_pairs(val_identities, args.val_pairs, args.seed)
+        val_set = ([encode(face, quality=args.quality) for face in faces], issame)
+        atomic_save(val_set, os.path.join(args.output, VAL_NAME), write=partial(pickle.dump, protocol=4))
     print(f"{args.output}: {writer.num_records} records of {args.views} view(s) for {args.identities} identities, "
           f"{VAL_NAME} with {args.val_pairs} pairs of {args.val_identities} held-out identities "
           f"({time.time() - start:.1f} s)")

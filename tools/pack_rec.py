@@ -35,7 +35,7 @@ from dataset import (
     stretch_warning,
     write_preparation,
 )
-from utils.cli import exit_on_user_error
+from utils.cli import exit_on_user_error, ignore_ctrl_c
 from utils.errors import ConfigError, DataError
 from utils.progress import progress
 
@@ -71,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
         encode_one = partial(pack_identity, views=args.views, preparation=preparation, image_format=args.format,
                              quality=args.quality)
         stretched = []
-        with InsightfaceWriter(args.output) as writer, Pool(max(1, args.workers)) as pool:
+        with InsightfaceWriter(args.output) as writer, Pool(max(1, args.workers), ignore_ctrl_c) as pool:
             packed = pool.imap(encode_one, [paths for _, paths in kept], chunksize=4)
             for records, identity_stretched in progress(packed, len(kept), "packing identities", sys.stderr):
                 writer.write_identity(records)
