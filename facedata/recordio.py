@@ -31,7 +31,10 @@ class BadRecordError(DataError):
 
     def __init__(self, problem: str, fix: str) -> None:
         super().__init__(f"{problem}; {fix}")
-        self.problem = problem
+        self.problem, self.fix = problem, fix
+
+    def __reduce__(self):  # from a loader worker to the training process, both parts intact
+        return type(self), (self.problem, self.fix)
 _LENGTH_MASK = (1 << 29) - 1
 _IR_FORMAT = "<IfQQ"
 _IR_SIZE = struct.calcsize(_IR_FORMAT)
