@@ -4,13 +4,16 @@
     python -m eval.compare output/a output/b output/c --plot runs.png
 
 Each argument is a run folder train.py wrote. From its model.json: the network (and its options) and
-the number of classes; from its training.log: the last global step, images/s (the median over the
-logged speed lines) and, per verification set, the last and the best Accuracy-Flip (a resumed run's
-log repeats steps: the latest line of a step counts, as TensorBoard shows it); from the
+the number of classes; from its training.log: the margin family, the config keys whose values differ between
+the runs (the last start's config line: a resume may change some), the last global step, images/s (the median
+over the logged speed lines) and, per verification set, the last and the best Accuracy-Flip, each with its
+folds' spread (a resumed run's log repeats steps: the latest line of a step counts, as TensorBoard shows it);
+from checkpoint.json: the step of the last checkpoint saved (what --resume continues from); from the
 ``backbone_<target>_tar.json`` files eval.ijb writes beside the weights: TAR at FAR 1e-4 and 1e-5 on
 each IJB target. A set or target a run did not measure shows "-". The plot draws one panel per
 verification set, Accuracy-Flip over global steps, one line per run (a run that did not measure the
-set is named in its legend as such).
+set is named in its legend as such). Without --plot it goes to runs_compared.png here, or to the first free
+runs_compared-<n>.png beside it when that file exists: an earlier plot is never overwritten unless named.
 """
 from __future__ import annotations
 
@@ -25,13 +28,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from backbones.trained import BACKBONE_NAME, MODEL_INFO_NAME
+from checkpoint.pointer import POINTER_NAME, read_pointer
 from eval.table import boxed_table
 from utils.cli import exit_on_user_error
 from utils.errors import ConfigError, DataError, located
 
 LOG_NAME = "training.log"
 IJB_FARS = ("0.0001", "1e-05")
-_ACCURACY = re.compile(r"\[([^\]\s]+)\]\[(\d+)\]Accuracy-Flip: ([\d.]+)")
+_ACCURACY = re.compile(r"\[([^\]\s]+)\]\[(\d+)\]Accuracy-Flip: ([\d.]+)\+-([\d.]+)")
+_CONFIG = re.compile(r"^Training: .*?-config: (.*)$", re.MULTILINE)
+_CONFIG_ITEM = re.compile(r", (?=[a-z_0-9]+=)")  # between two key=value items (values may hold ", ")
+_ALWAYS_DIFFERENT = ("output",)  # every run has its own folder: not a difference worth a column
+DEFAULT_PLOT = Path("runs_compared.png")
 _SPEED = re.compile(r"Speed [\d.]+ samples/sec ([\d.]+) images/sec .*Global Step: (\d+)")
 _FINISHED = re.compile(r"training finished at global step (\d+)")
 _TAR_FILE = re.compile(r"^" + re.escape(os.path.splitext(BACKBONE_NAME)[0]) + r"_(\w+)_tar\.json$")
@@ -45,7 +53,10 @@ class RunSummary:
     steps: int | None
     images_per_second: float | None
     accuracy: dict[str, dict[int, float]] = field(default_factory=dict)  # set -> step -> Accuracy-Flip
+    spread: dict[str, dict[int, float]] = field(default_factory=dict)    # set -> step -> the folds' std
     tar: dict[str, dict[str, float]] = field(default_factory=dict)       # IJB target -> FAR -> TAR
+    config: dict[str, str] = field(default_factory=dict)                 # key -> value as the log wrote it
+    saved_step: int | None = None                                        # of the last checkpoint saved
 
 
 def _read_model_info(folder: Path) -> tuple[str, int | None]:
@@ -94,14 +105,39 @@ def read_run(folder: str | os.PathLike) -> RunSummary:
         raise DataError(f"run folder {folder} has no readable {LOG_NAME} ({error.strerror}); pass a folder "
                         "train.py wrote") from None
     accuracy: dict[str, dict[int, float]] = {}
-    for name, step, value in _ACCURACY.findall(log):
+    spread: dict[str, dict[int, float]] = {}
+    for name, step, value, std in _ACCURACY.findall(log):
         accuracy.setdefault(name, {})[int(step)] = float(value)
+        spread.setdefault(name, {})[int(step)] = float(std)
+    configs = _CONFIG.findall(log)
+    config = dict(item.split("=", 1) for item in _CONFIG_ITEM.split(configs[-1])) if configs else {}
     speeds = [float(images) for images, _ in _SPEED.findall(log)]
     steps = [int(step) for _, step in _SPEED.findall(log)] + [int(step) for step in _FINISHED.findall(log)]
     steps += [step for curve in accuracy.values() for step in curve]
     return RunSummary(name=str(folder), network=network, classes=classes, steps=max(steps) if steps else None,
                       images_per_second=statistics.median(speeds) if speeds else None, accuracy=accuracy,
-                      tar=_read_tar_tables(folder))
+                      spread=spread, tar=_read_tar_tables(folder), config=config, saved_step=_saved_step(folder))
+
+
+def _saved_step(folder: Path) -> int | None:
+    """The global step of the checkpoint checkpoint.json points at (checked as --resume checks it), if any."""
+    pointer = folder / POINTER_NAME
+    return read_pointer(pointer)["global_step"] if pointer.is_file() else None
+
+
+def _margin(config: dict[str, str]) -> str:
+    family = config.get("margin_family", "'combined'").strip("'")
+    if family in ("combined", "subcenter"):
+        return f"{family} {config.get('margin_list', '')} s={config.get('margin_scale', '?')}"
+    return f"{family} s={config.get('margin_scale', '?')}"
+
+
+def differing_keys(runs: Sequence[RunSummary]) -> list[str]:
+    """The config keys whose values are not the same in every run (a run without a config line counts as
+    different), sorted; the margin's own keys are left to the margin column."""
+    keys = sorted({key for run in runs for key in run.config} - set(_ALWAYS_DIFFERENT)
+                  - {"margin_family", "margin_list", "margin_scale"})
+    return [key for key in keys if len({run.config.get(key) for run in runs}) > 1]
 
 
 def _cell(value: float | int | None, text: str = "{}") -> str:
@@ -113,16 +149,23 @@ def comparison_table(runs: Sequence[RunSummary]) -> str:
     IJB target and FAR any run has."""
     sets = sorted({name for run in runs for name in run.accuracy})
     targets = sorted({target for run in runs for target in run.tar})
-    header = ["run", "network", "classes", "steps"]
+    differing = differing_keys(runs)
+    header = ["run", "network", "margin", "differs", "classes", "steps", "saved"]
     header += [f"{name} {kind}" for name in sets for kind in ("last", "best")]
     header += [f"{target} TAR@FAR={float(far):g}" for target in targets for far in IJB_FARS]
     header.append("images/s")
     body = []
     for run in runs:
-        row = [run.name, run.network, _cell(run.classes), _cell(run.steps)]
+        differs = ", ".join(f"{key}={run.config.get(key, '-')}" for key in differing) or "-"
+        row = [run.name, run.network, _margin(run.config) if run.config else "-", differs, _cell(run.classes),
+               _cell(run.steps), _cell(run.saved_step)]
         for name in sets:
-            curve = run.accuracy.get(name)
-            row += ([f"{curve[max(curve)]:.5f}", f"{max(curve.values()):.5f}"] if curve else ["-", "-"])
+            curve, spread = run.accuracy.get(name), run.spread.get(name, {})
+            if curve:
+                last, best = max(curve), max(curve, key=lambda step: (curve[step], -step))
+                row += [f"{curve[last]:.5f}+-{spread[last]:.5f}", f"{curve[best]:.5f}+-{spread[best]:.5f}"]
+            else:
+                row += ["-", "-"]
         for target in targets:
             row += [_cell(run.tar.get(target, {}).get(far), "{:.4f}") for far in IJB_FARS]
         row.append(_cell(run.images_per_second, "{:.1f}"))
@@ -159,20 +202,32 @@ def save_curves(runs: Sequence[RunSummary], path: str | os.PathLike) -> None:
     plt.close(fig)
 
 
+def free_plot_path(default: Path) -> Path:
+    """``default``, or the first ``<stem>-<n>.png`` beside it that does not exist yet."""
+    path, number = default, 1
+    while path.exists():
+        number += 1
+        path = default.with_name(f"{default.stem}-{number}{default.suffix}")
+    return path
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("runs", nargs="+", metavar="RUN", help="run folders train.py wrote")
-    parser.add_argument("--plot", type=Path, default=Path("runs_compared.png"),
-                        help="where to write the PNG of verification curves (default: runs_compared.png here)")
+    parser.add_argument("--plot", type=Path,
+                        help=f"where to write the PNG of verification curves, replacing a file there (default: "
+                             f"{DEFAULT_PLOT} here, or {DEFAULT_PLOT.stem}-<n>.png when that exists)")
     args = parser.parse_args(argv)
     with exit_on_user_error():
-        if not args.plot.parent.is_dir():
-            raise ConfigError(f"--plot {args.plot} is in a folder that does not exist; create {args.plot.parent} "
+        plot = args.plot or free_plot_path(DEFAULT_PLOT)
+        if not plot.parent.is_dir():
+            raise ConfigError(f"--plot {plot} is in a folder that does not exist; create {plot.parent} "
                             "first or choose another path")
         runs = [read_run(folder) for folder in args.runs]
         print(comparison_table(runs))
-        save_curves(runs, args.plot)
-        print(f"verification curves: {args.plot}")
+        save_curves(runs, plot)
+        kept = f" ({DEFAULT_PLOT} was there already: kept)" if plot != DEFAULT_PLOT and args.plot is None else ""
+        print(f"verification curves: {plot}{kept}")
     return 0
 
 

@@ -222,8 +222,8 @@ def test_compare_tables_both_runs_with_dashes_for_what_one_did_not_measure(runs,
     assert compare.main([str(verified), str(plain), "--plot", str(plot)]) == 0
     lines = capsys.readouterr().out.splitlines()
     header = [cell.strip() for cell in lines[1].strip("|").split("|")]
-    assert header == ["run", "network", "classes", "steps", "synthetic_val last", "synthetic_val best",
-                      "IJBC TAR@FAR=0.0001", "IJBC TAR@FAR=1e-05", "images/s"]
+    assert header == ["run", "network", "margin", "differs", "classes", "steps", "saved", "synthetic_val last",
+                      "synthetic_val best", "IJBC TAR@FAR=0.0001", "IJBC TAR@FAR=1e-05", "images/s"]
     rows = {cells[0]: dict(zip(header, cells)) for cells in
             ([cell.strip() for cell in line.strip("|").split("|")] for line in lines[3:5])}
     curve = scalars(verified, "synthetic_val")
@@ -231,16 +231,39 @@ def test_compare_tables_both_runs_with_dashes_for_what_one_did_not_measure(runs,
     tar = json.loads((verified / "backbone_ijbc_tar.json").read_text())["tar_at_far"]
     speeds = {run: [float(v) for v in re.findall(r"([\d.]+) images/sec", (run / "training.log").read_text())]
               for run in runs}
+    log = (verified / "training.log").read_text()
+    spread = dict(re.findall(r"\[synthetic_val\]\[(\d+)\]Accuracy-Flip: [\d.]+\+-([\d.]+)", log))
+    spread = {int(step): std for step, std in spread.items()}
+    best = min(step for step in curve if curve[step] == max(curve.values()))
+    # configs/synthetic_pair.py (CosFace at s=32: verbose 150, num_epoch 6, one val set) and the two runs' --set
+    margin = "combined (1.0, 0.0, 0.35) s=32.0"
     assert rows[str(verified)] == {
-        "run": str(verified), "network": "r18 (width_mult=0.0625)", "classes": "20", "steps": "80",
-        "synthetic_val last": f"{curve[80]:.5f}", "synthetic_val best": f"{max(curve.values()):.5f}",
+        "run": str(verified), "network": "r18 (width_mult=0.0625)", "margin": margin,
+        "differs": "num_epoch=16, val_targets=('synthetic_val',), verbose=40", "classes": "20", "steps": "80",
+        "saved": str(json.loads((verified / "checkpoint.json").read_text())["global_step"]),
+        "synthetic_val last": f"{curve[80]:.5f}+-{spread[80]}",
+        "synthetic_val best": f"{curve[best]:.5f}+-{spread[best]}",
         "IJBC TAR@FAR=0.0001": f"{tar['0.0001']:.4f}", "IJBC TAR@FAR=1e-05": f"{tar['1e-05']:.4f}",
         "images/s": f"{statistics.median(speeds[verified]):.1f}"}
     assert rows[str(plain)] == {
-        "run": str(plain), "network": "r18 (width_mult=0.0625)", "classes": "20", "steps": "20",
+        "run": str(plain), "network": "r18 (width_mult=0.0625)", "margin": margin,
+        "differs": "num_epoch=4, val_targets=(), verbose=150", "classes": "20", "steps": "20",
+        "saved": str(json.loads((plain / "checkpoint.json").read_text())["global_step"]),
         "synthetic_val last": "-", "synthetic_val best": "-", "IJBC TAR@FAR=0.0001": "-", "IJBC TAR@FAR=1e-05": "-",
         "images/s": f"{statistics.median(speeds[plain]):.1f}"}
     assert_visible_curve(plot)
+
+
+def test_compare_without_plot_never_overwrites_an_earlier_plot(runs, tmp_path, capsys, monkeypatch):
+    verified, plain = runs
+    monkeypatch.chdir(tmp_path)
+    assert compare.main([str(verified), str(plain)]) == 0
+    first = (tmp_path / "runs_compared.png").read_bytes()
+    assert compare.main([str(verified)]) == 0
+    assert (tmp_path / "runs_compared.png").read_bytes() == first
+    assert_visible_curve(tmp_path / "runs_compared-2.png")
+    assert capsys.readouterr().out.splitlines()[-1] == (
+        "verification curves: runs_compared-2.png (runs_compared.png was there already: kept)")
 
 
 def test_compare_errors_are_one_sentence(runs, tmp_path, capsys):
