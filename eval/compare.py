@@ -28,12 +28,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from backbones.trained import BACKBONE_NAME, MODEL_INFO_NAME
-from checkpoint.pointer import POINTER_NAME, read_pointer
 from eval.table import boxed_table
 from utils.cli import exit_on_user_error
 from utils.errors import ConfigError, DataError, located
 
 LOG_NAME = "training.log"
+POINTER_NAME = "checkpoint.json"  # the checkpoint package's pointer to the last save (a layer above eval's)
 IJB_FARS = ("0.0001", "1e-05")
 _ACCURACY = re.compile(r"\[([^\]\s]+)\]\[(\d+)\]Accuracy-Flip: ([\d.]+)\+-([\d.]+)")
 _CONFIG = re.compile(r"^Training: .*?-config: (.*)$", re.MULTILINE)
@@ -120,9 +120,20 @@ def read_run(folder: str | os.PathLike) -> RunSummary:
 
 
 def _saved_step(folder: Path) -> int | None:
-    """The global step of the checkpoint checkpoint.json points at (checked as --resume checks it), if any."""
+    """The global step of the checkpoint checkpoint.json points at, if there is one."""
     pointer = folder / POINTER_NAME
-    return read_pointer(pointer)["global_step"] if pointer.is_file() else None
+    if not pointer.is_file():
+        return None
+    try:
+        step = json.loads(pointer.read_text())["global_step"]
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as error:
+        step, reason = None, f"{type(error).__name__}: {error}"
+    else:
+        reason = f"its global_step is {step!r}"
+    if not isinstance(step, int) or isinstance(step, bool):
+        raise DataError(f"{pointer} does not say which step was saved ({reason}); pass a run folder train.py wrote, "
+                        "or move the damaged checkpoint.json away")
+    return step
 
 
 def _margin(config: dict[str, str]) -> str:

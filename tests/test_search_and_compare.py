@@ -269,8 +269,12 @@ def test_compare_without_plot_never_overwrites_an_earlier_plot(runs, tmp_path, c
 def test_compare_errors_are_one_sentence(runs, tmp_path, capsys):
     verified, _ = runs
     (tmp_path / "empty").mkdir()
+    damaged = tmp_path / "damaged"
+    shutil.copytree(verified, damaged)
+    (damaged / "checkpoint.json").write_text('{"global_step": "80"')
     for argv, message in [([str(tmp_path / "empty")], "holds no model.json"),
                           ([str(tmp_path / "nope")], "does not exist"),
+                          ([str(damaged), "--plot", str(tmp_path / "x.png")], "does not say which step was saved"),
                           ([str(verified), "--plot", str(tmp_path / "no" / "x.png")], "folder that does not exist")]:
         with pytest.raises(SystemExit):
             compare.main(argv)
