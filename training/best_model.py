@@ -64,11 +64,11 @@ class BestModel:
         return accuracy, step
 
     def offer(self, step: int, accuracies: Mapping[str, float], backbone: nn.Module,
-              operating_points: Mapping[str, dict]) -> bool:
-        """Keep ``backbone`` when its accuracy on the set beats the best so far; whether it did."""
+              operating_points: Mapping[str, dict]) -> None:
+        """Keep ``backbone`` when its accuracy on the set beats the best so far."""
         accuracy = accuracies.get(self.set_name)
         if accuracy is None or accuracy <= self.accuracy:
-            return False
+            return
         folder = self._write(step, accuracy, backbone, operating_points)
         for superseded in self._folders():  # what keep_best asks for; the link no longer points there
             if superseded != folder:
@@ -77,7 +77,6 @@ class BestModel:
         self.accuracy, self.step = accuracy, step
         log.info("best %s Accuracy-Flip %.5f at global step %d (%s): kept in %s", self.set_name, accuracy, step, was,
                  self.link)
-        return True
 
     def _write(self, step: int, accuracy: float, backbone: nn.Module, operating_points: Mapping[str, dict]) -> Path:
         """The model written whole into best-step<step>, then ``best`` pointed at it in one rename."""
