@@ -35,7 +35,7 @@ test: lint
 # The suite 3 times in 3 random orders on two workers (not part of `make test`): every test that failed in any
 # run, with the seeds that replay it (`pytest -p randomly --randomly-seed=N`).
 test-flaky: $(EDITABLE)
-	$(PY) -m tests.flaky
+	$(PY) -m dev.flaky
 
 # The compatibility tier (docs/testing.md): `make test-compat TORCH=2.4.1` makes .venv-torch-2.4.1 with that
 # torch, its torchvision (0.(minor + 15).patch: 2.4.1 -> 0.19.1, 2.11.0 -> 0.26.0; or TORCHVISION=) and the other
@@ -77,7 +77,7 @@ test-compat: $(COMPAT_VENV)/.installed
 
 # Mutation testing (minutes per module, not part of `make test`): per module, mutants, killed, survived.
 mutants: $(EDITABLE)
-	$(PY) -m tests.mutants $(MODULES)
+	$(PY) -m dev.mutants $(MODULES)
 
 demo: $(EDITABLE)
 	$(PY) -m tools.demo

@@ -3,7 +3,7 @@ pytest-xdist workers, then every test that failed in any run, with the seeds tha
 when one did. Not part of `make test` (three runs of the suite).
 
     make test-flaky                               # 3 runs, fresh seeds
-    python -m tests.flaky --runs 5 tests/test_x.py   # other counts or files
+    python -m dev.flaky --runs 5 tests/test_x.py  # other counts or files
 """
 from __future__ import annotations
 
