@@ -2,7 +2,7 @@
 
     torchrun --nproc_per_node=8 train.py configs/webface4m_r100_adaface.py
 
-The margin reads each image's feature norm against EMAs of the global batch's norm statistics (README:
+The margin reads each image's feature norm against EMAs of the global batch's norm statistics (docs/training.md:
 margin families). The paper's own schedule is 26 epochs of step decay at a global batch of 512; this
 recipe keeps arcface_torch's (polynomial decay, 20 epochs, 8 x 128 images) so that it compares with
 arcface_torch's wf4m_r100 run, which differs from it in the margin alone.

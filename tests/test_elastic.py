@@ -42,7 +42,7 @@ class Node:
                    f"--rdzv-id={job.run_id}", "--rdzv-conf=last_call_timeout=10,keep_alive_interval=1,"
                    "keep_alive_max_attempt=3", "train.py",
                    *arguments(job.data, job.output, *OVERRIDES, f"max_steps={job.max_steps}")]
-        # A node that joins a run again needs torchrun's per-round store (see the README, "Elastic runs").
+        # A node that joins a run again needs torchrun's per-round store (docs/operations.md, "Elastic runs").
         self.process = start_command(command, env={"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}, output=self.log)
 
     def output(self) -> str:

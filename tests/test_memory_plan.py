@@ -204,7 +204,7 @@ def test_the_dry_run_says_whether_it_fits_and_the_largest_batch_and_fewest_proce
         assert planned(128, fewest) <= available and all(planned(128, p) > available for p in range(1, fewest))
         status, out, _ = dry_run(capsys, *settings, "--device-memory", f"{available}B")
         assert f"\n{verdict}" in out and f"the largest batch_size that fits on 8 process(es) is {largest}" in out
-        assert f"batch_size 128 fits from {fewest} processes on" in out  # either way, as the README says
+        assert f"batch_size 128 fits from {fewest} processes on" in out  # either way, as docs/operations.md says
     assert fewest > 8
 
 
