@@ -27,8 +27,15 @@ import torch
 from backbones.trained import BACKBONE_NAME
 from checkpoint.checkpointer import Checkpointer, Renumbering, last_good
 from checkpoint.restored import Restored
-from checkpoint.run_config import RUN_CONFIG_NAME, ResumeCommand, resumed_overrides
-from checkpoint.run_dir import AUTO, continues_torchrun_run, lock_run_dir, resolve_resume
+from checkpoint.run_dir import (
+    AUTO,
+    RUN_CONFIG_NAME,
+    ResumeCommand,
+    continues_torchrun_run,
+    lock_run_dir,
+    resolve_resume,
+    resumed_overrides,
+)
 from dataset import FaceLoader, build_dataset, build_loader, classes_in_header, recorded_preparation
 from eval.callback import VerificationCallback, check_keep_best, check_val_targets
 from training.best_model import BestModel

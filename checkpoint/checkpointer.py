@@ -5,36 +5,39 @@ A run folder holds:
   resumable exactly on the same world size and on any other;
 - `backbone.pth` and `model.json` (backbones/trained.py): the plain backbone state_dict, as
   arcface_torch saves it, the network it belongs to and its last verification's operating points;
-- `config.json` (checkpoint/run_config.py): the config file and the `--set` overrides the run was
+- `config.json` (checkpoint/run_dir.py): the config file and the `--set` overrides the run was
   started (or last resumed) with, so that `--resume` keeps what was said without it being said again.
 
-A run also resumes from a folder arcface_torch wrote (checkpoint/arcface.py), from an earlier
-version's `checkpoint.pt` (checkpoint/legacy.py) or from a bare backbone .pth, on any world size.
+A run also resumes from a folder arcface_torch wrote, from an earlier version's `checkpoint.pt` or from a
+bare backbone .pth, on any world size: checkpoint/sources.py has one importer per kind.
 
 Every file is written atomically (utils/atomic.py): a crash at any moment costs no earlier save.
 With `async_save`, a save copies the state to host memory and a background thread writes it
-(checkpoint/background.py): the step waits for the copy only.
+(HostStaging, BackgroundSave below): the step waits for the copy only. The host buffers are kept from one
+save to the next (the memory plan counts them as `checkpoint_staging`); at most one save is in flight, so
+one set of buffers serves every save.
 """
 from __future__ import annotations
 
 import json
 import logging
 import os
-from collections.abc import Mapping, Sequence
+import threading
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from backbones import load_backbone
+import torch
+
 from backbones.trained import BACKBONE_NAME, save_backbone
-from checkpoint.arcface import restore_arcface
-from checkpoint.background import BackgroundSave, HostStaging
-from checkpoint.legacy import restore_legacy
 from checkpoint.pointer import POINTER_NAME
 from checkpoint.restored import Restored
-from checkpoint.run_config import WHERE_KEYS, write_run_config
+from checkpoint.run_dir import WHERE_KEYS, write_run_config
+from checkpoint.sources import Source
 from dataset import FaceLoader
 from training.components import rank_components
 from training.state import CENTRES_GROUP, StepCounter, TrainingState, exported_backbone, group_lrs
+from utils.device import use_device_in_this_thread
 from utils.distributed import agreed, checkpoint_group, world
 from utils.lr_scheduler import jump_to_step
 
@@ -97,19 +100,12 @@ class Checkpointer:
         self._logged_save_at: int | None = None  # the step of the last save logged at info level
         self.renumbering: Renumbering | None = None  # how resume() renumbered the saved step, if it did
 
-    def resume(self, source: tuple[str, Path], counter: StepCounter) -> Restored | None:
-        """Load `source` ((kind, file) from find_resume_source) into the run and `counter`; what was
-        restored (None for a bare backbone)."""
-        kind, path = source
-        if kind == "backbone":
-            self._start_from_backbone(path)
+    def resume(self, source: Source, counter: StepCounter) -> Restored | None:
+        """Load `source` (from find_resume_source) into the run and `counter`; what was restored (None for a
+        bare backbone)."""
+        restored = source.importer.restore(source.path, self.architecture, self.state)
+        if restored is None:
             return None
-        if kind == "checkpoint" and path.is_dir() and not (path.parent / POINTER_NAME).is_file():
-            log.warning("%s holds no %s: resuming from %s, its newest complete checkpoint folder, once every file "
-                        "matches its checksum", path.parent, POINTER_NAME, path)
-        restorers = {"legacy": restore_legacy, "arcface_torch": restore_arcface}
-        restore = _sharded().restore_state if kind == "checkpoint" else restorers[kind]
-        restored = restore(path, self.architecture, self.state)
         saved = restored.progress
         counter.resume(saved)
         if saved["steps_per_epoch"] == counter.steps_per_epoch and restored.rank_state is not None:
@@ -119,8 +115,8 @@ class Checkpointer:
         elif saved["global_step"]:  # step 0 (arcface_torch's 2021 layout) is step 0 however an epoch is cut
             self.renumbering = self._renumber(restored, counter)
         self._follow_schedule_changes(restored.config, counter)
-        log.info("resumed from %s at global step %d (epoch %d), lr %.6f", path, counter.shown_step, counter.epoch,
-                 self.state.optimizer.param_groups[CENTRES_GROUP]["lr"])
+        log.info("resumed from %s at global step %d (epoch %d), lr %.6f", source.path, counter.shown_step,
+                 counter.epoch, self.state.optimizer.param_groups[CENTRES_GROUP]["lr"])
         _log_config_changes(restored.config, self.config)
         self.saved_at = counter.global_step
         return restored
@@ -155,14 +151,6 @@ class Checkpointer:
             return
         scheduler.base_lrs = group_lrs(self.config)
         jump_to_step(scheduler, counter.global_step)
-
-    def _start_from_backbone(self, path: Path) -> None:
-        architecture = self.architecture
-        weights = load_backbone(architecture["network"], path, num_features=architecture["embedding_size"],
-                                **architecture["network_kwargs"])
-        self.state.backbone.load_state_dict(weights.state_dict())
-        log.info("initialised the backbone from %s (a bare backbone: class centres, optimizer and schedule "
-                 "start fresh)", path)
 
     def after_step(self, counter: StepCounter, final: bool = False) -> bool:
         """Save if a save is due after this step (`final`: the last step of the run); whether it saved."""
@@ -273,3 +261,46 @@ def _sharded():
     from checkpoint import sharded  # noqa: PLC0415 (a second of imports, only for runs that save or resume)
 
     return sharded
+
+
+class HostStaging:
+    """Host copies of one save's tensors, in buffers reused by every save."""
+
+    def __init__(self) -> None:
+        self._buffers: dict[str, torch.Tensor] = {}
+
+    def copy(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """`tensor`'s values now, in this staging's buffer for `name` (pinned when the tensor is on a GPU)."""
+        buffer = self._buffers.get(name)
+        if buffer is None or buffer.shape != tensor.shape or buffer.dtype != tensor.dtype:
+            buffer = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=tensor.is_cuda)
+            self._buffers[name] = buffer
+        buffer.copy_(tensor.detach())
+        return buffer
+
+
+class BackgroundSave:
+    """`write()` running in a thread with `device` as its current device; wait() returns its result or
+    raises its error."""
+
+    def __init__(self, write: Callable[[], Path], device: torch.device) -> None:
+        self._result: Path | None = None
+        self._error: BaseException | None = None
+        # A daemon: a process that stops on an error does not wait for the write, which leaves the
+        # previous checkpoint published (the write publishes only at its very end).
+        self._thread = threading.Thread(target=self._run, args=(write, device), name="checkpoint-writer",
+                                        daemon=True)
+        self._thread.start()
+
+    def _run(self, write: Callable[[], Path], device: torch.device) -> None:
+        try:
+            use_device_in_this_thread(device)
+            self._result = write()
+        except BaseException as error:  # handed to the training thread, which reports it
+            self._error = error
+
+    def wait(self) -> Path:
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+        return self._result

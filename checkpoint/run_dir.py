@@ -1,32 +1,44 @@
 """The run folder: created for a new run, reopened for a resume, never overwritten by accident,
-and held by one training process at a time; and what a resume starts from."""
+and held by one training process at a time; what a resume starts from; and its `config.json`, the config
+file and the `--set` overrides the run was started (or last resumed) with, so that `--resume` keeps what
+was said without it being said again."""
 from __future__ import annotations
 
 import fcntl
+import json
 import os
 import re
-from collections.abc import Callable
+import shlex
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
 
 from backbones.trained import BACKBONE_NAME
-from checkpoint.arcface import MARKERS, MODEL_FILE, marker_for
-from checkpoint.legacy import LEGACY_FORMAT, LEGACY_NAME, read_legacy
-from checkpoint.manifest import MANIFEST_NAME, IntegrityError, read_checked_json
-from checkpoint.pointer import FOLDER_PREFIX, POINTER_NAME, complete_folders, folder_step
+from checkpoint.arcface import MARKERS, MODEL_FILE
+from checkpoint.manifest import IntegrityError, read_checked_json
+from checkpoint.pointer import FOLDER_PREFIX, POINTER_NAME, complete_folders
+from checkpoint.sources import IMPORTERS, LEGACY_NAME, SavedCheckpoint, Source
 from checkpoint.state_file import STATE_NAME
-from utils.errors import CheckpointError, RunDirError, located
+from utils.atomic import atomic_save, write_bytes
+from utils.config import override_key
+from utils.errors import CheckpointError, ConfigError, RunDirError, located
+from utils.launcher import launch_words
 
 LOCK_NAME = ".lock"
+RUN_CONFIG_NAME = "config.json"
+# Keys that say where a run is, not how it trains: never carried over from an earlier start.
+WHERE_KEYS = ("output", "resume")
 AUTO = "auto"  # resume = "auto": continue the run in the output folder if there is one, else start it
 # What makes a folder a run worth guarding, in the order a resume prefers them: arcface_torch's rank
 # files before its backbone alone (model.pt is all train_v2.py writes by default).
 WEIGHTS_NAMES = (POINTER_NAME, LEGACY_NAME, *MARKERS, BACKBONE_NAME, MODEL_FILE)
+SAVED_CHECKPOINT = SavedCheckpoint()
 
 
 def resolve_resume(output: str, resume: bool | str,
-                   continue_with: Callable[..., str] | None = None) -> tuple[str, Path] | None:
-    """What to start from: None for a fresh run, else (kind, file) from find_resume_source.
+                   continue_with: Callable[..., str] | None = None) -> Source | None:
+    """What to start from: None for a fresh run, else what find_resume_source finds.
 
     A fresh run (or one starting from another folder's weights) needs an empty or missing output
     folder; `resume=True` continues the run already in `output`; `resume="auto"` continues it if
@@ -45,7 +57,7 @@ def resolve_resume(output: str, resume: bool | str,
                                   "(--set output=<folder>)")
         return find_resume_source(output)
     source = find_resume_source(resume) if resume else None
-    same_folder = source is not None and source[1].parent.resolve() == Path(output).resolve()
+    same_folder = source is not None and source.path.parent.resolve() == Path(output).resolve()
     if held and not same_folder:
         raise RunDirError(_held_run_problem(output, held, continue_with))
     return source
@@ -85,37 +97,33 @@ def finished_run(output: Path) -> tuple[int, str, int] | None:
         return None
 
 
-def find_resume_source(location: str | os.PathLike) -> tuple[str, Path]:
-    """(kind, file) to resume from a run folder or a file: kind "checkpoint" (checkpoint.json, or a
-    checkpoint folder), "legacy" (an earlier version's checkpoint.pt), "arcface_torch" (rank 0's file
-    of an arcface_torch save, standing for every rank's) or "backbone" (a bare backbone .pth).
-    CheckpointError if there is none.
+def find_resume_source(location: str | os.PathLike) -> Source:
+    """What to resume from, for a run folder, a checkpoint folder or a file: the first importer
+    (checkpoint/sources.py) that takes it, and the path it stands for. CheckpointError if there is none.
 
-    A run folder holding complete checkpoint folders but no checkpoint.json (it was deleted, or the
-    first save was killed between its rename and the pointer switch) resumes from the newest of them,
-    which the load verifies file by file like any other."""
+    A run folder resumes from its checkpoint.json, else from the first of WEIGHTS_NAMES it holds. One
+    holding complete checkpoint folders but no checkpoint.json (it was deleted, or the first save was
+    killed between its rename and the pointer switch) resumes from the newest of them, which the load
+    verifies file by file like any other."""
     location = Path(location)
-    if location.is_file() and marker_for(location) is not None:  # one rank's file: the save it belongs to
-        return "arcface_torch", marker_for(location)
-    if location.is_dir() and folder_step(location.name) is not None and (location / MANIFEST_NAME).is_file():
-        return "checkpoint", location
-    if location.is_dir():
-        found = [location / name for name in WEIGHTS_NAMES if (location / name).is_file()]
-        complete = complete_folders(location)
-        if complete and (not found or found[0].name != POINTER_NAME):
-            return "checkpoint", complete[0]
-        if not found:
-            raise CheckpointError(f"nothing to resume in {location}: it holds neither {POINTER_NAME} nor "
-                                  f"{BACKBONE_NAME}; start a new run without --resume, or point resume at a checkpoint")
-        location = found[0]
-    elif not location.is_file():
+    if location.is_dir() and SAVED_CHECKPOINT.matches(location) is None:
+        location = _resumed_in_run_folder(location)
+    elif not location.exists():
         raise CheckpointError(f"resume source {located(location)} does not exist; point resume at a run folder, "
                               f"a {POINTER_NAME} or a backbone .pth file")
-    if location.suffix == ".json":
-        return "checkpoint", location
-    if location.name in MARKERS:
-        return "arcface_torch", location
-    return ("legacy" if read_legacy(location).get("format") == LEGACY_FORMAT else "backbone"), location
+    # every file is at least a bare backbone's, so one importer takes it
+    return next(Source(importer, found) for importer in IMPORTERS if (found := importer.matches(location)) is not None)
+
+
+def _resumed_in_run_folder(folder: Path) -> Path:
+    found = [folder / name for name in WEIGHTS_NAMES if (folder / name).is_file()]
+    complete = complete_folders(folder)
+    if complete and (not found or found[0].name != POINTER_NAME):
+        return complete[0]
+    if not found:
+        raise CheckpointError(f"nothing to resume in {folder}: it holds neither {POINTER_NAME} nor "
+                              f"{BACKBONE_NAME}; start a new run without --resume, or point resume at a checkpoint")
+    return found[0]
 
 
 def continues_torchrun_run(output: str, run_id: str | None) -> bool:
@@ -194,3 +202,58 @@ def lock_run_dir(output: str, torchrun_run: str | None = None) -> IO:
     handle.write(f"pid {os.getpid()} on {os.uname().nodename}{run}\n")
     handle.flush()
     return handle
+
+
+def resumed_overrides(output: str, resume: bool | str, said_now: Sequence[str]) -> list[str]:
+    """The `--set` overrides (KEY=VALUE) a resumed run was started or last resumed with (its config.json)
+    whose keys `said_now` does not set again: applied before those, they keep what was said. [] when the
+    run has none (a bare backbone, arcface_torch's folder, an earlier version's run)."""
+    location = Path(output if resume in (True, AUTO) else resume)
+    if location.is_file() and location.name != POINTER_NAME:  # weights to start from, not a run to continue
+        return []
+    path = (location.parent if location.is_file() else location) / RUN_CONFIG_NAME
+    if not path.is_file():
+        return []
+    try:
+        overrides = json.loads(path.read_text())["set"]
+        if not all(isinstance(item, str) for item in overrides):
+            raise TypeError("'set' is not a list of KEY=VALUE strings")
+    except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError) as error:
+        raise ConfigError(f"cannot read {path} ({type(error).__name__}: {error}), which keeps the --set overrides "
+                          "the run was started with; remove it and give them again with --set") from None
+    said = {override_key(item) for item in said_now}
+    return [item for item in overrides if override_key(item) not in said]
+
+
+def kept_overrides(overrides: Sequence[str]) -> list[str]:
+    """The overrides a later resume keeps: the last one of each key, where-keys left out."""
+    last = {override_key(item): item for item in overrides}
+    return [item for key, item in last.items() if key not in WHERE_KEYS]
+
+
+@dataclass(frozen=True)
+class ResumeCommand:
+    """The command line that continues a run: its launcher, `script` and config file, every `--set` given
+    (the last of each key; `output` included, since --resume looks the run up there), then `--resume`."""
+
+    script: str
+    config_file: str
+    overrides: tuple[str, ...] = ()
+
+    def __str__(self) -> str:
+        return self.with_sets()
+
+    def with_sets(self, *extra: str) -> str:
+        """The command with `extra` KEY=VALUE overrides too (each replacing a --set of its key)."""
+        last = {override_key(item): item for item in (*self.overrides, *extra)}
+        sets = [f"--set {shlex.quote(item)}" for key, item in last.items() if key != "resume"]
+        return " ".join([launch_words(), shlex.quote(self.script), shlex.quote(self.config_file), *sets, "--resume"])
+
+
+def write_run_config(output: str, config_file: str, overrides: Sequence[str]) -> None:
+    """Rank 0, once a checkpoint of this start is published (a failed save leaves the old config.json as it
+    was): config.json, written only when it says something new."""
+    content = json.dumps({"config_file": str(config_file), "set": kept_overrides(overrides)}, indent=2).encode()
+    path = Path(output) / RUN_CONFIG_NAME
+    if not path.is_file() or path.read_bytes() != content:
+        atomic_save(content, path, write=write_bytes)

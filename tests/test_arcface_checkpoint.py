@@ -24,6 +24,7 @@ from torch.optim.lr_scheduler import _LRScheduler
 from backbones import get_model
 from checkpoint.arcface import restore_arcface
 from checkpoint.run_dir import find_resume_source, resolve_resume
+from checkpoint.sources import ArcfaceTorchSave, BareBackbone
 from losses import CombinedMarginLoss
 from partial_fc import PartialFC
 from tests.distributed_helpers import run_world
@@ -461,12 +462,12 @@ def test_a_damaged_rank_file_is_refused_through_the_command_line(data, sources, 
 
 def test_arcface_torch_folders_are_resume_sources_and_runs_to_guard(sources, tmp_path):
     v2 = sources.root / "train_v2_sgd"
-    assert find_resume_source(v2) == ("arcface_torch", v2 / "checkpoint_gpu_0.pt")
-    assert find_resume_source(v2 / "checkpoint_gpu_1.pt") == ("arcface_torch", v2 / "checkpoint_gpu_0.pt")
+    assert find_resume_source(v2) == (ArcfaceTorchSave(), v2 / "checkpoint_gpu_0.pt")
+    assert find_resume_source(v2 / "checkpoint_gpu_1.pt") == (ArcfaceTorchSave(), v2 / "checkpoint_gpu_0.pt")
     assert find_resume_source(sources.root / "2021" / "rank_1_softmax_weight_mom.pt") == \
-        ("arcface_torch", sources.root / "2021" / "rank_0_softmax_weight.pt")
+        (ArcfaceTorchSave(), sources.root / "2021" / "rank_0_softmax_weight.pt")
     shutil.copy(v2 / "model.pt", tmp_path)  # train_v2's default (save_all_states False): the backbone alone
-    assert find_resume_source(tmp_path) == ("backbone", tmp_path / "model.pt")
+    assert find_resume_source(tmp_path) == (BareBackbone(), tmp_path / "model.pt")
     with pytest.raises(RunDirError, match="already holds a run"):
         resolve_resume(str(v2), False)
 

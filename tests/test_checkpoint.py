@@ -19,11 +19,11 @@ import crc32c
 import pytest
 import torch
 
-from checkpoint.background import HostStaging
-from checkpoint.legacy import LEGACY_FORMAT, LEGACY_NAME, restore_legacy
+from checkpoint.checkpointer import HostStaging
 from checkpoint.pointer import POINTER_NAME
 from checkpoint.run_dir import find_resume_source
 from checkpoint.sharded import restore_state, save_state, stage_state
+from checkpoint.sources import LEGACY_FORMAT, LEGACY_NAME, BareBackbone, EarlierCheckpoint, SavedCheckpoint
 from losses import CombinedMarginLoss
 from partial_fc import PartialFC
 from tests.distributed_helpers import run_world
@@ -206,7 +206,7 @@ def legacy_checkpoint(path: Path, centres: torch.Tensor, momentum: torch.Tensor,
 
 def _legacy_in_world(rank: int, world_size: int, path: str) -> dict:
     model = make_model("sgd", seed=5)
-    restored = restore_legacy(Path(path), INFO, model)
+    restored = EarlierCheckpoint().restore(Path(path), INFO, model)
     return {"weight": model.pfc.weight.detach().clone(),
             "momentum": model.optimizer.state[model.pfc.weight]["momentum_buffer"].clone(),
             "rank_state": restored.rank_state}
@@ -216,7 +216,7 @@ def test_an_earlier_single_file_checkpoint_still_resumes_on_two_ranks(tmp_path):
     centres = torch.arange(NUM_CLASSES * DIM, dtype=torch.float32).reshape(NUM_CLASSES, DIM)
     path = tmp_path / LEGACY_NAME
     legacy_checkpoint(path, centres, -centres, world_size=2)
-    assert find_resume_source(tmp_path) == ("legacy", path)
+    assert find_resume_source(tmp_path) == (EarlierCheckpoint(), path)
     ranks = run_world(_legacy_in_world, 2, str(path))
     assert torch.equal(torch.cat([r["weight"] for r in ranks]), centres)  # rows 0..3 and 4..6
     assert torch.equal(torch.cat([r["momentum"] for r in ranks]), -centres)
@@ -229,14 +229,14 @@ def test_resume_sources_and_files_that_are_not_checkpoints(tmp_path):
         find_resume_source(tmp_path)
     bare = tmp_path / "model.pt"
     torch.save({"conv1.weight": torch.zeros(1)}, bare)
-    assert find_resume_source(bare) == ("backbone", bare)
+    assert find_resume_source(bare) == (BareBackbone(), bare)
     with pytest.raises(CheckpointError, match="resume source .*absent does not exist"):
         find_resume_source(tmp_path / "absent")
     (tmp_path / "run").mkdir()
     with pytest.raises(CheckpointError, match="nothing to resume in"):
         find_resume_source(tmp_path / "run")
     (tmp_path / "run" / POINTER_NAME).write_text("{}")
-    assert find_resume_source(tmp_path / "run") == ("checkpoint", tmp_path / "run" / POINTER_NAME)
+    assert find_resume_source(tmp_path / "run") == (SavedCheckpoint(), tmp_path / "run" / POINTER_NAME)
     with pytest.raises(CheckpointError, match=f"{tmp_path}/run/{POINTER_NAME} is damaged .*carries no checksum"):
         restore_state(tmp_path / "run" / POINTER_NAME, INFO, make_model("sgd"))
 

@@ -29,6 +29,7 @@ import pytest
 from backbones.trained import BACKBONE_NAME
 from checkpoint.pointer import POINTER_NAME
 from checkpoint.run_dir import find_resume_source
+from checkpoint.sources import SavedCheckpoint
 from tests.kill_injection import KillSelfAt
 from tests.run_helpers import (
     assert_same_run,
@@ -191,7 +192,7 @@ def inspect(output: Path, previous_step: int | None) -> int | None:
     if not (output / POINTER_NAME).exists():
         assert previous_step is None, "a checkpoint disappeared"
         return None
-    assert find_resume_source(output) == ("checkpoint", output / POINTER_NAME)
+    assert find_resume_source(output) == (SavedCheckpoint(), output / POINTER_NAME)
     step = load_run(output)["progress"]["global_step"]
     assert previous_step is None or step >= previous_step
     if (output / BACKBONE_NAME).exists():  # absent only when the kill fell before the first backbone.pth

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from bench import host_syncs
-from checkpoint.background import BackgroundSave, HostStaging
+from checkpoint.checkpointer import BackgroundSave, HostStaging
 from checkpoint.sharded import restore_state, stage_state, write_state
 from facedata.staging import in_background
 from losses import CombinedMarginLoss

@@ -84,7 +84,7 @@ def memory_plan(cfg: SimpleNamespace, num_classes: int | None, world_size: int) 
 
 def _staging_bytes(cfg: SimpleNamespace, plan: dict[str, int | None], backbone_state: int) -> int | None:
     """Host memory (not in the device total) for an async save's copy of the state: the centres, the
-    backbone's state_dict and both optimizer states, held from the first save on (checkpoint/background.py)."""
+    backbone's state_dict and both optimizer states, held from the first save on (checkpoint/checkpointer.py)."""
     if not (cfg.async_save and cfg.save_all_states):
         return 0
     if plan["class_centres"] is None:

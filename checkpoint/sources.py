@@ -1,0 +1,153 @@
+"""What a run resumes from: one importer per kind of saved state, asked in turn which of them a path is.
+
+An importer says whether a path is its kind of save (`matches`) and puts that save into the training state
+(`restore`). A new kind of source is one class here and one entry in IMPORTERS. The run folder's own
+checkpoint comes first; a bare backbone .pth is what any other file is taken for.
+
+Importers carry no state (equal whenever they are the same class), so a source found on rank 0 travels to
+the other ranks as it is.
+"""
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import ClassVar, NamedTuple, Protocol
+
+import torch
+
+from backbones import load_backbone
+from checkpoint.arcface import marker_for, restore_arcface
+from checkpoint.manifest import MANIFEST_NAME
+from checkpoint.pointer import POINTER_NAME, folder_step
+from checkpoint.restored import Restored, check_architecture
+from training.components import optimizer_index
+from training.state import TrainingState
+from utils.distributed import rank, world
+from utils.errors import CheckpointError
+from utils.torch_files import load_torch_file
+
+log = logging.getLogger(__name__)
+
+LEGACY_FORMAT = "pairface-checkpoint-1"
+LEGACY_NAME = "checkpoint.pt"
+
+
+class Importer(Protocol):
+    """One kind of saved state a run can start from."""
+
+    name: ClassVar[str]  # how a log line or a test names the kind
+
+    def matches(self, path: Path) -> Path | None:
+        """The file or folder standing for this kind's save at `path` (a file or folder the user named, or the
+        one a run folder resumes from), or None when `path` is not this kind."""
+
+    def restore(self, path: Path, architecture: Mapping, state: TrainingState) -> Restored | None:
+        """Put the save `matches` found into `state` (on every rank: collective); what it says beyond the
+        state (None: it held the backbone's weights alone, so everything else starts fresh)."""
+
+
+class Source(NamedTuple):
+    importer: Importer
+    path: Path
+
+
+@dataclass(frozen=True)
+class SavedCheckpoint:
+    """pairface's own checkpoint: checkpoint.json, or one checkpoint folder (checkpoint/sharded.py)."""
+
+    name: ClassVar[str] = "checkpoint"
+
+    def matches(self, path: Path) -> Path | None:
+        if path.is_dir():
+            return path if folder_step(path.name) is not None and (path / MANIFEST_NAME).is_file() else None
+        return path if path.suffix == ".json" and path.is_file() else None
+
+    def restore(self, path: Path, architecture: Mapping, state: TrainingState) -> Restored:
+        if path.is_dir() and not (path.parent / POINTER_NAME).is_file():
+            log.warning("%s holds no %s: resuming from %s, its newest complete checkpoint folder, once every file "
+                        "matches its checksum", path.parent, POINTER_NAME, path)
+        # torch.distributed.checkpoint and DTensor behind it take about a second to import, which a start
+        # refused before its steps (and --help) need not pay.
+        from checkpoint.sharded import restore_state  # noqa: PLC0415
+
+        return restore_state(path, architecture, state)
+
+
+@dataclass(frozen=True)
+class ArcfaceTorchSave:
+    """A save of arcface_torch's, found from any one rank's file of it (checkpoint/arcface.py)."""
+
+    name: ClassVar[str] = "arcface_torch"
+
+    def matches(self, path: Path) -> Path | None:
+        return marker_for(path) if path.is_file() else None
+
+    def restore(self, path: Path, architecture: Mapping, state: TrainingState) -> Restored:
+        return restore_arcface(path, architecture, state)
+
+
+@dataclass(frozen=True)
+class EarlierCheckpoint:
+    """`checkpoint.pt`: the single-file checkpoint of earlier pairface versions (every centre gathered on
+    rank 0), still read; a resume from it writes the sharded layout at its first save."""
+
+    name: ClassVar[str] = "legacy"
+
+    def matches(self, path: Path) -> Path | None:
+        return path if path.is_file() and read_legacy(path).get("format") == LEGACY_FORMAT else None
+
+    def restore(self, path: Path, architecture: Mapping, state: TrainingState) -> Restored:
+        """Memory-mapped: each rank touches only its own rows."""
+        checkpoint = read_legacy(path)
+        check_architecture(checkpoint["model"], architecture, path)
+        pfc = state.pfc
+        state.backbone.load_state_dict(checkpoint["backbone"], strict=True)
+        with torch.no_grad():
+            pfc.weight.copy_(pfc.local_rows(checkpoint["class_centres"]))
+        saved = checkpoint["optimizer"]
+        centres_at = optimizer_index(state.optimizer, pfc.weight)
+        optimizer_state = {index: {name: pfc.local_rows(value) if index == centres_at and torch.is_tensor(value)
+                                   and value.shape[0] == pfc.num_classes and value.dim() == 2 else value
+                                   for name, value in per_param.items()}
+                           for index, per_param in saved["state"].items()}
+        state.optimizer.load_state_dict({"state": optimizer_state, "param_groups": saved["param_groups"]})
+        state.scheduler.load_state_dict(checkpoint["scheduler"])
+        state.scaler.load_state_dict(checkpoint["grad_scaler"])
+        same_world = checkpoint["world_size"] == world()
+        return Restored(progress=checkpoint["progress"], world_size=checkpoint["world_size"],
+                        config=checkpoint["config"],
+                        rank_state=checkpoint["per_rank"][rank()] if same_world else None,
+                        first_rank_state=checkpoint["per_rank"][0])
+
+
+@dataclass(frozen=True)
+class BareBackbone:
+    """A backbone's state_dict alone (backbone.pth, arcface_torch's model.pt, or any .pth of its networks'):
+    the backbone starts from it; class centres, optimizer and schedule start fresh."""
+
+    name: ClassVar[str] = "backbone"
+
+    def matches(self, path: Path) -> Path | None:
+        return path if path.is_file() else None
+
+    def restore(self, path: Path, architecture: Mapping, state: TrainingState) -> None:
+        weights = load_backbone(architecture["network"], path, num_features=architecture["embedding_size"],
+                                **architecture["network_kwargs"])
+        state.backbone.load_state_dict(weights.state_dict())
+        log.info("initialised the backbone from %s (a bare backbone: class centres, optimizer and schedule "
+                 "start fresh)", path)
+
+
+IMPORTERS: tuple[Importer, ...] = (SavedCheckpoint(), ArcfaceTorchSave(), EarlierCheckpoint(), BareBackbone())
+
+
+def read_legacy(path: Path) -> dict:
+    obj = load_torch_file(path, lambda reason: CheckpointError(
+        f"cannot read {path} ({reason}); it is damaged or not a checkpoint: resume from another file or start a "
+        "new run"), mmap=True)
+    if not isinstance(obj, dict):
+        raise CheckpointError(f"{path} holds a {type(obj).__name__}, not a checkpoint or a state_dict; resume "
+                              "from a run folder or a backbone .pth file")
+    return obj
