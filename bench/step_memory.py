@@ -33,6 +33,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.profiler import ProfilerActivity, profile, record_function
 
 from dataset import build_dataset, build_loader
+from training.ema import BackboneEMA
 from training.memory_plan import memory_plan
 from training.state import TrainingState, build_training_state, wrap_in_ddp
 from training.step import StepOutcome, train_step
@@ -230,6 +231,8 @@ def measure(cfg: SimpleNamespace, device: torch.device) -> dict[str, int]:
         "backbone_parameters": _nbytes(backbone) + _nbytes(state.backbone.buffers()) + _nbytes(state.bn_buffers),
         "backbone_optimizer_state": sum(optimizer_state.get(p, 0) for p in backbone),
         "ddp_gradient_buckets": _ddp_bucket_bytes(state),
+        "backbone_ema": sum(_nbytes([*c.average.parameters(), *c.average.buffers()]) for c in state.components
+                            if isinstance(c, BackboneEMA)),
         "activations": marks.at(f"forward end {last}") - start,
         "logits_buffer": marks.peak_between(f"forward end {last}", f"softmax end {last}")
         - marks.at(f"forward end {last}"),

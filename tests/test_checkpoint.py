@@ -310,12 +310,14 @@ def test_a_pointer_that_leaves_the_run_folder_or_lacks_a_field_is_one_line(tmp_p
                                  "start a new run")
 
 
-def test_the_memory_plan_counts_the_async_staging_copy():
+@pytest.mark.parametrize("ema", ["ema_decay=0.0", "ema_decay=0.9"])
+def test_the_memory_plan_counts_the_async_staging_copy(ema):
     """`host_checkpoint_staging` is what HostStaging holds after a real step's save: the centres, the backbone's
-    state_dict and the momentum of both (none for arcface_torch's frozen `features.weight`)."""
+    state_dict and the momentum of both (none for arcface_torch's frozen `features.weight`); with the backbone's
+    EMA, its trained parameters too."""
     cfg = load_config(ROOT / "configs" / "synthetic_pair.py", [
         "rec=synthetic", "network=r18", "network_kwargs={'width_mult': 0.0625}", "embedding_size=16",
-        "num_views=1", "batch_size=2", "optimizer=sgd", "momentum=0.9"])
+        "num_views=1", "batch_size=2", "optimizer=sgd", "momentum=0.9", ema])
     state = build_training_state(cfg, 10, torch.device("cpu"), steps_per_epoch=5)
     images = torch.randint(0, 256, (2, 1, 3, 112, 112), dtype=torch.uint8)
     train_step(state, [(images, torch.tensor([1, 7]))], cfg)

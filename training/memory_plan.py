@@ -9,7 +9,8 @@ Items, by how they are counted:
   the loader stages ahead.
 - the network on the meta device: backbone_parameters (with its BatchNorm statistics twice: a skipped
   step puts them back), backbone_gradients, backbone_optimizer_state, ddp_gradient_buckets (DDP's flat
-  copy of the gradients, with more than one process).
+  copy of the gradients, with more than one process), backbone_ema (with ema_decay: the averaged copy of
+  the backbone, its parameters and buffers).
 - traced on fake tensors (training/backbone_trace.py): activations, what the backbone's forward leaves for
   the backward, held while the softmax runs; backbone_backward, the backbone's forward and backward at
   their peak (activations, their gradients, parameter gradients).
@@ -41,7 +42,7 @@ MAX_PROCESSES = 8192
 GIB = 2 ** 30
 
 PERSISTENT = ("class_centres", "centre_optimizer_state", "backbone_parameters", "backbone_optimizer_state",
-              "ddp_gradient_buckets", "batch")
+              "ddp_gradient_buckets", "backbone_ema", "batch")
 MOMENTS = {"at the softmax": ("activations", "logits_buffer"),
            "in the backbone's backward": ("centre_gradient", "backbone_backward")}
 ACCUMULATED = {"at the softmax": ("centre_gradient", "backbone_gradients"),
@@ -72,24 +73,30 @@ def memory_plan(cfg: SimpleNamespace, num_classes: int | None, world_size: int) 
         backbone_parameters=backbone.parameters + 2 * backbone.buffers,
         backbone_optimizer_state=states * backbone.trainable,
         ddp_gradient_buckets=backbone.trainable if world_size > 1 else 0,
+        backbone_ema=backbone.parameters + backbone.buffers if cfg.ema_decay else 0,
         batch=(cfg.gradient_acc + 1) * cfg.batch_size * (cfg.num_views * IMAGE_BYTES + INDEX),
         activations=backbone.held(cfg.batch_size),
         backbone_backward=backbone.peak(cfg.batch_size),
         backbone_gradients=backbone.trainable,
     )
     plan["total"] = _known(plan, PERSISTENT) + max(_known(plan, items) for items in _moments(cfg).values())
-    plan["host_checkpoint_staging"] = _staging_bytes(cfg, plan, backbone.parameters + backbone.buffers)
+    plan["host_checkpoint_staging"] = _staging_bytes(cfg, plan, backbone.parameters + backbone.buffers,
+                                                     backbone.parameters)
     return plan
 
 
-def _staging_bytes(cfg: SimpleNamespace, plan: dict[str, int | None], backbone_state: int) -> int | None:
+def _staging_bytes(cfg: SimpleNamespace, plan: dict[str, int | None], backbone_state: int,
+                   backbone_parameters: int) -> int | None:
     """Host memory (not in the device total) for an async save's copy of the state: the centres, the
-    backbone's state_dict and both optimizer states, held from the first save on (checkpoint/checkpointer.py)."""
+    backbone's state_dict and both optimizer states (with ema_decay, the trained parameters too: backbone.pth
+    holds the averages), held from the first save on (checkpoint/checkpointer.py)."""
     if not (cfg.async_save and cfg.save_all_states):
         return 0
     if plan["class_centres"] is None:
         return None
-    return plan["class_centres"] + plan["centre_optimizer_state"] + backbone_state + plan["backbone_optimizer_state"]
+    trained = backbone_parameters if cfg.ema_decay else 0
+    return (plan["class_centres"] + plan["centre_optimizer_state"] + backbone_state + plan["backbone_optimizer_state"]
+            + trained)
 
 
 def _moments(cfg: SimpleNamespace) -> dict[str, tuple[str, ...]]:
@@ -235,7 +242,7 @@ REMEDIES = {"class_centres": _MORE_PROCESSES, "centre_optimizer_state": _MORE_PR
             "centre_gradient": _SAMPLING, "logits_buffer": _SAMPLING, "activations": _SMALLER_BATCH,
             "backbone_backward": _SMALLER_BATCH, "batch": _SMALLER_BATCH, "backbone_parameters": _SMALLER_NETWORK,
             "backbone_optimizer_state": _SMALLER_NETWORK, "backbone_gradients": _SMALLER_NETWORK,
-            "ddp_gradient_buckets": _SMALLER_NETWORK}
+            "ddp_gradient_buckets": _SMALLER_NETWORK, "backbone_ema": _SMALLER_NETWORK}
 
 
 def dominant_item(plan: dict[str, int | None], cfg: SimpleNamespace) -> str:
