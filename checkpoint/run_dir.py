@@ -14,11 +14,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
 
-from backbones.trained import BACKBONE_NAME
-from checkpoint.arcface import MARKERS, MODEL_FILE
 from checkpoint.manifest import IntegrityError, read_checked_json
-from checkpoint.pointer import FOLDER_PREFIX, POINTER_NAME, complete_folders
-from checkpoint.sources import IMPORTERS, LEGACY_NAME, SavedCheckpoint, Source
+from checkpoint.pointer import FOLDER_PREFIX, POINTER_NAME
+from checkpoint.sources import WEIGHTS_NAMES, Source, find_resume_source
 from checkpoint.state_file import STATE_NAME
 from utils.atomic import atomic_save, write_bytes
 from utils.config import override_key
@@ -30,10 +28,6 @@ RUN_CONFIG_NAME = "config.json"
 # Keys that say where a run is, not how it trains: never carried over from an earlier start.
 WHERE_KEYS = ("output", "resume")
 AUTO = "auto"  # resume = "auto": continue the run in the output folder if there is one, else start it
-# What makes a folder a run worth guarding, in the order a resume prefers them: arcface_torch's rank
-# files before its backbone alone (model.pt is all train_v2.py writes by default).
-WEIGHTS_NAMES = (POINTER_NAME, LEGACY_NAME, *MARKERS, BACKBONE_NAME, MODEL_FILE)
-SAVED_CHECKPOINT = SavedCheckpoint()
 
 
 def resolve_resume(output: str, resume: bool | str,
@@ -95,35 +89,6 @@ def finished_run(output: Path) -> tuple[int, str, int] | None:
         return step + progress.get("shown_offset", 0), key, config[key]
     except (OSError, IntegrityError, KeyError, TypeError, ValueError):
         return None
-
-
-def find_resume_source(location: str | os.PathLike) -> Source:
-    """What to resume from, for a run folder, a checkpoint folder or a file: the first importer
-    (checkpoint/sources.py) that takes it, and the path it stands for. CheckpointError if there is none.
-
-    A run folder resumes from its checkpoint.json, else from the first of WEIGHTS_NAMES it holds. One
-    holding complete checkpoint folders but no checkpoint.json (it was deleted, or the first save was
-    killed between its rename and the pointer switch) resumes from the newest of them, which the load
-    verifies file by file like any other."""
-    location = Path(location)
-    if location.is_dir() and SAVED_CHECKPOINT.matches(location) is None:
-        location = _resumed_in_run_folder(location)
-    elif not location.exists():
-        raise CheckpointError(f"resume source {located(location)} does not exist; point resume at a run folder, "
-                              f"a {POINTER_NAME} or a backbone .pth file")
-    # every file is at least a bare backbone's, so one importer takes it
-    return next(Source(importer, found) for importer in IMPORTERS if (found := importer.matches(location)) is not None)
-
-
-def _resumed_in_run_folder(folder: Path) -> Path:
-    found = [folder / name for name in WEIGHTS_NAMES if (folder / name).is_file()]
-    complete = complete_folders(folder)
-    if complete and (not found or found[0].name != POINTER_NAME):
-        return complete[0]
-    if not found:
-        raise CheckpointError(f"nothing to resume in {folder}: it holds neither {POINTER_NAME} nor "
-                              f"{BACKBONE_NAME}; start a new run without --resume, or point resume at a checkpoint")
-    return found[0]
 
 
 def continues_torchrun_run(output: str, run_id: str | None) -> bool:

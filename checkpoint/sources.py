@@ -1,4 +1,5 @@
-"""What a run resumes from: one importer per kind of saved state, asked in turn which of them a path is.
+"""What a run resumes from (find_resume_source): one importer per kind of saved state, asked in turn which
+of them a path is.
 
 An importer says whether a path is its kind of save (`matches`) and puts that save into the training state
 (`restore`). A new kind of source is one class here and one entry in IMPORTERS. The run folder's own
@@ -10,6 +11,7 @@ the other ranks as it is.
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,20 +20,24 @@ from typing import ClassVar, NamedTuple, Protocol
 import torch
 
 from backbones import load_backbone
-from checkpoint.arcface import marker_for, restore_arcface
+from backbones.trained import BACKBONE_NAME
+from checkpoint.arcface import MARKERS, MODEL_FILE, marker_for, restore_arcface
 from checkpoint.manifest import MANIFEST_NAME
-from checkpoint.pointer import POINTER_NAME, folder_step
+from checkpoint.pointer import POINTER_NAME, complete_folders, folder_step
 from checkpoint.restored import Restored, check_architecture
 from training.components import optimizer_index
 from training.state import TrainingState
 from utils.distributed import rank, world
-from utils.errors import CheckpointError
+from utils.errors import CheckpointError, located
 from utils.torch_files import load_torch_file
 
 log = logging.getLogger(__name__)
 
 LEGACY_FORMAT = "pairface-checkpoint-1"
 LEGACY_NAME = "checkpoint.pt"
+# What makes a folder a run worth guarding, in the order a resume prefers them: arcface_torch's rank
+# files before its backbone alone (model.pt is all train_v2.py writes by default).
+WEIGHTS_NAMES = (POINTER_NAME, LEGACY_NAME, *MARKERS, BACKBONE_NAME, MODEL_FILE)
 
 
 class Importer(Protocol):
@@ -141,6 +147,35 @@ class BareBackbone:
 
 
 IMPORTERS: tuple[Importer, ...] = (SavedCheckpoint(), ArcfaceTorchSave(), EarlierCheckpoint(), BareBackbone())
+
+
+def find_resume_source(location: str | os.PathLike) -> Source:
+    """What to resume from, for a run folder, a checkpoint folder or a file: the first importer
+    that takes it, and the path it stands for. CheckpointError if there is none.
+
+    A run folder resumes from its checkpoint.json, else from the first of WEIGHTS_NAMES it holds. One
+    holding complete checkpoint folders but no checkpoint.json (it was deleted, or the first save was
+    killed between its rename and the pointer switch) resumes from the newest of them, which the load
+    verifies file by file like any other."""
+    location = Path(location)
+    if location.is_dir() and SavedCheckpoint().matches(location) is None:
+        location = _resumed_in_run_folder(location)
+    elif not location.exists():
+        raise CheckpointError(f"resume source {located(location)} does not exist; point resume at a run folder, "
+                              f"a {POINTER_NAME} or a backbone .pth file")
+    # every file is at least a bare backbone's, so one importer takes it
+    return next(Source(importer, found) for importer in IMPORTERS if (found := importer.matches(location)) is not None)
+
+
+def _resumed_in_run_folder(folder: Path) -> Path:
+    found = [folder / name for name in WEIGHTS_NAMES if (folder / name).is_file()]
+    complete = complete_folders(folder)
+    if complete and (not found or found[0].name != POINTER_NAME):
+        return complete[0]
+    if not found:
+        raise CheckpointError(f"nothing to resume in {folder}: it holds neither {POINTER_NAME} nor "
+                              f"{BACKBONE_NAME}; start a new run without --resume, or point resume at a checkpoint")
+    return found[0]
 
 
 def read_legacy(path: Path) -> dict:

@@ -28,8 +28,7 @@ import pytest
 
 from backbones.trained import BACKBONE_NAME
 from checkpoint.pointer import POINTER_NAME
-from checkpoint.run_dir import find_resume_source
-from checkpoint.sources import SavedCheckpoint
+from checkpoint.sources import SavedCheckpoint, find_resume_source
 from tests.kill_injection import KillSelfAt
 from tests.run_helpers import (
     assert_same_run,

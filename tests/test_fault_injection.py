@@ -21,6 +21,7 @@ import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from tests.run_helpers import assert_nothing_lost, file_states, run_cli, run_here
+from tests.test_state_file import MISSING, STATE_FIELDS
 from tests.test_train_errors import only_line
 
 FOLDER = "checkpoint-000000002"
@@ -120,59 +121,6 @@ def test_a_damaged_or_hostile_checkpoint_file_is_one_error_line_and_changes_noth
     assert Path(name).name in line or "checkpoint.json" in line or fault == "forged payload", line
     assert not marker.exists()
     assert_nothing_lost(before, run)
-
-
-MISSING = object()
-# state.json with one field changed, its own checksum and the manifest's recomputed: (what is changed, the value
-# it gets (MISSING: removed), the field the one line names). One case per field a resume reads.
-STATE_FIELDS = [
-    (("run",), [], "run"),
-    (("run", "model"), "r18", "run.model"),
-    (("run", "config"), MISSING, "run.config"),
-    (("run", "config", "lr"), "0.1", "run.config.lr"),
-    (("run", "config", "num_epoch"), 0, "run.config.num_epoch"),
-    (("run", "config", "batch_size"), 2.5, "run.config.batch_size"),
-    (("run", "config", "gradient_acc"), None, "run.config.gradient_acc"),
-    (("run", "config", "warmup_epoch"), "1", "run.config.warmup_epoch"),
-    (("run", "world_size"), 0, "run.world_size"),
-    (("run", "progress", "global_step"), -1, "run.progress.global_step"),
-    (("run", "progress", "epoch"), 1.5, "run.progress.epoch"),
-    (("run", "progress", "steps_per_epoch"), 0, "run.progress.steps_per_epoch"),
-    (("run", "progress", "nonfinite_total"), "0", "run.progress.nonfinite_total"),
-    (("run", "progress", "shown_offset"), None, "run.progress.shown_offset"),
-    (("run", "progress", "best_accuracy"), {"synthetic_val": "high"}, "run.progress.best_accuracy.synthetic_val"),
-    (("run", "progress", "verification"), {"synthetic_val": 0.5}, "run.progress.verification.synthetic_val"),
-    (("run", "param_groups"), [{"params": [0]}], "run.param_groups"),
-    (("run", "param_groups", 0, "params"), [0, 0], "run.param_groups[0].params"),
-    (("run", "param_groups", 1, "params", 0), -1, "run.param_groups[1].params[0]"),
-    (("run", "param_groups", 0, "lr"), float("nan"), "run.param_groups[0].lr"),
-    (("run", "param_groups", 0, "initial_lr"), MISSING, "run.param_groups[0].initial_lr"),
-    (("run", "param_groups", 1, "weight_decay"), -1.0, "run.param_groups[1].weight_decay"),
-    (("run", "param_groups", 0, "momentum"), "0.9", "run.param_groups[0].momentum"),
-    (("run", "scheduler", "optimizer"), "replaced", "run.scheduler.optimizer"),
-    (("run", "scheduler", "base_lrs"), [0.1], "run.scheduler.base_lrs"),
-    (("run", "scheduler", "_last_lr", 1), "x", "run.scheduler._last_lr[1]"),
-    (("run", "scheduler", "last_epoch"), -5, "run.scheduler.last_epoch"),
-    (("run", "scheduler", "_step_count"), 1.5, "run.scheduler._step_count"),
-    (("run", "scheduler", "_is_initial"), 1, "run.scheduler._is_initial"),
-    (("run", "scheduler", "lr_lambdas"), [{"func": "print"}, {}], "run.scheduler.lr_lambdas"),
-    (("run", "grad_scaler"), {"scale": 1.0}, "run.grad_scaler"),
-    (("run", "grad_scaler"), {"scale": 0.0, "growth_factor": 2.0, "backoff_factor": 0.5, "growth_interval": 100,
-                              "_growth_tracker": 0}, "run.grad_scaler.scale"),
-    (("run", "optimizer_values"), {"first": {}}, "run.optimizer_values.first"),
-    (("run", "optimizer_values"), {"0": {"step": "one"}}, "run.optimizer_values.0.step"),
-    (("ranks",), [{}], "ranks"),
-    (("ranks", 1, "loader", "skipped"), -1, "ranks[1].loader.skipped"),
-    (("ranks", 0, "rng"), MISSING, "ranks[0].rng"),
-    (("ranks", 0, "rng", "python", 0), 2, "ranks[0].rng.python"),  # Python 2's, which random.setstate converts
-    (("ranks", 1, "rng", "python", 1, 624), 625, "ranks[1].rng.python"),  # past the 624 words: its ValueError
-    (("ranks", 0, "rng", "python", 1, 0), 2 ** 32, "ranks[0].rng.python"),
-    (("ranks", 1, "rng", "numpy", 1), 700, "ranks[1].rng.numpy"),
-    (("ranks", 0, "rng", "numpy", 0, 5), -1, "ranks[0].rng.numpy"),
-    (("ranks", 0, "rng", "torch", 0), 256, "ranks[0].rng.torch"),
-    (("ranks", 1, "rng", "torch"), [1, 2, 3], "ranks[1].rng.torch"),
-    (("ranks", 0, "rng", "cuda"), ["a"], "ranks[0].rng.cuda"),
-]
 
 
 def forge_state(folder: Path, path: tuple, value) -> None:

@@ -24,7 +24,7 @@ from facedata.staging import in_background
 from losses import CombinedMarginLoss
 from partial_fc import PartialFC
 from tests.run_helpers import run_here
-from tests.test_checkpoint import INFO, make_model, take_steps
+from tests.toy_state import INFO, make_model, take_steps
 from training.components import SavedPosition
 from training.state import TrainingState, build_optimizer
 from training.step import _back_off, train_step

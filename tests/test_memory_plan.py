@@ -23,9 +23,14 @@ import torch
 
 import train
 from bench.step_memory import _recording
+from checkpoint.checkpointer import HostStaging
+from checkpoint.sharded import stage_state
 from tests.forked_commands import ForkedCommand
 from tests.run_helpers import QUIET, ROOT, run_here, start_command
+from training.components import SavedPosition
 from training.memory_plan import fit, memory_plan
+from training.state import build_training_state
+from training.step import train_step
 from utils.config import load_config
 
 CONFIG = "configs/synthetic_pair.py"
@@ -156,8 +161,8 @@ class _Reading(SimpleNamespace):
         return super().__getattribute__(key)
 
 
-# Read for host_checkpoint_staging alone (host memory, not a step's): test_checkpoint.py compares that item
-# with what a real save's staging holds.
+# Read for host_checkpoint_staging alone (host memory, not a step's): compared below with what a real save's
+# staging holds.
 HOST_ONLY = {"async_save", "save_all_states"}
 
 
@@ -269,3 +274,22 @@ def test_the_dry_run_reads_the_class_count_from_the_datas_header_when_the_config
     assert report["memory"]["class_centres"] == 20 * 32 * 4
     status, out, _ = dry_run(capsys, *settings)
     assert f"num_classes = None  # 20, read from {data}/train.rec's header" in out.splitlines()
+
+
+@pytest.mark.parametrize("ema", ["ema_decay=0.0", "ema_decay=0.9"])
+def test_the_memory_plan_counts_the_async_staging_copy(ema):
+    """`host_checkpoint_staging` is what HostStaging holds after a real step's save: the centres, the backbone's
+    state_dict and the momentum of both (none for arcface_torch's frozen `features.weight`); with the backbone's
+    EMA, its trained parameters too."""
+    cfg = load_config(ROOT / "configs" / "synthetic_pair.py", [
+        "rec=synthetic", "network=r18", "network_kwargs={'width_mult': 0.0625}", "embedding_size=16",
+        "num_views=1", "batch_size=2", "optimizer=sgd", "momentum=0.9", ema])
+    state = build_training_state(cfg, 10, torch.device("cpu"), steps_per_epoch=5)
+    images = torch.randint(0, 256, (2, 1, 3, 112, 112), dtype=torch.uint8)
+    train_step(state, [(images, torch.tensor([1, 7]))], cfg)
+    staging = HostStaging()
+    stage_state(state, {"global_step": 1}, SavedPosition({}), {}, {}, staging.copy)
+    staged = sum(t.numel() * t.element_size() for t in staging._buffers.values())
+    assert memory_plan(cfg, 10, 1)["host_checkpoint_staging"] == staged
+    assert memory_plan(load_config(ROOT / "configs" / "synthetic_pair.py", ["async_save=False"]), 10, 1)[
+        "host_checkpoint_staging"] == 0

@@ -23,8 +23,8 @@ from torch.optim.lr_scheduler import _LRScheduler
 
 from backbones import get_model
 from checkpoint.arcface import restore_arcface
-from checkpoint.run_dir import find_resume_source, resolve_resume
-from checkpoint.sources import ArcfaceTorchSave, BareBackbone
+from checkpoint.run_dir import resolve_resume
+from checkpoint.sources import ArcfaceTorchSave, BareBackbone, find_resume_source
 from losses import CombinedMarginLoss
 from partial_fc import PartialFC
 from tests.distributed_helpers import run_world
