@@ -15,7 +15,7 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import ClassVar, NamedTuple, Protocol
+from typing import NamedTuple, Protocol
 
 import torch
 
@@ -43,8 +43,6 @@ WEIGHTS_NAMES = (POINTER_NAME, LEGACY_NAME, *MARKERS, BACKBONE_NAME, MODEL_FILE)
 class Importer(Protocol):
     """One kind of saved state a run can start from."""
 
-    name: ClassVar[str]  # how a log line or a test names the kind
-
     def matches(self, path: Path) -> Path | None:
         """The file or folder standing for this kind's save at `path` (a file or folder the user named, or the
         one a run folder resumes from), or None when `path` is not this kind."""
@@ -62,8 +60,6 @@ class Source(NamedTuple):
 @dataclass(frozen=True)
 class SavedCheckpoint:
     """pairface's own checkpoint: checkpoint.json, or one checkpoint folder (checkpoint/sharded.py)."""
-
-    name: ClassVar[str] = "checkpoint"
 
     def matches(self, path: Path) -> Path | None:
         if path.is_dir():
@@ -85,8 +81,6 @@ class SavedCheckpoint:
 class ArcfaceTorchSave:
     """A save of arcface_torch's, found from any one rank's file of it (checkpoint/arcface.py)."""
 
-    name: ClassVar[str] = "arcface_torch"
-
     def matches(self, path: Path) -> Path | None:
         return marker_for(path) if path.is_file() else None
 
@@ -98,8 +92,6 @@ class ArcfaceTorchSave:
 class EarlierCheckpoint:
     """`checkpoint.pt`: the single-file checkpoint of earlier pairface versions (every centre gathered on
     rank 0), still read; a resume from it writes the sharded layout at its first save."""
-
-    name: ClassVar[str] = "legacy"
 
     def matches(self, path: Path) -> Path | None:
         return path if path.is_file() and read_legacy(path).get("format") == LEGACY_FORMAT else None
@@ -132,8 +124,6 @@ class EarlierCheckpoint:
 class BareBackbone:
     """A backbone's state_dict alone (backbone.pth, arcface_torch's model.pt, or any .pth of its networks'):
     the backbone starts from it; class centres, optimizer and schedule start fresh."""
-
-    name: ClassVar[str] = "backbone"
 
     def matches(self, path: Path) -> Path | None:
         return path if path.is_file() else None

@@ -2,6 +2,7 @@
 earlier versions' single-file checkpoint.pt resumed on two ranks, each reading its own rows."""
 from __future__ import annotations
 
+import pickle
 from pathlib import Path
 
 import pytest
@@ -72,3 +73,11 @@ def test_resume_sources_and_files_that_are_not_checkpoints(tmp_path):
     assert find_resume_source(tmp_path / "run") == (SavedCheckpoint(), tmp_path / "run" / POINTER_NAME)
     with pytest.raises(CheckpointError, match=f"{tmp_path}/run/{POINTER_NAME} is damaged .*carries no checksum"):
         restore_state(tmp_path / "run" / POINTER_NAME, INFO, make_model("sgd"))
+
+
+def test_a_source_found_on_rank_0_is_the_same_source_on_every_rank(tmp_path):
+    """train.py finds the source on rank 0 and broadcasts it (pickled) to the other ranks."""
+    (tmp_path / POINTER_NAME).write_text("{}")
+    source = find_resume_source(tmp_path)
+    assert pickle.loads(pickle.dumps(source)) == source == (SavedCheckpoint(), tmp_path / POINTER_NAME)
+    assert source != (BareBackbone(), tmp_path / POINTER_NAME)
