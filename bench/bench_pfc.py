@@ -9,7 +9,10 @@ weights, the same margin, ``F.cross_entropy``, over the same 256 embeddings (bat
 views, D=512). Every (implementation, C) runs in a fresh process, so each peak is its own:
 peak memory is the high-water mark of one forward+backward minus what was resident once the
 weights existed (CPU: VmHWM after resetting it; CUDA: max_memory_allocated). Time is the mean
-of a few steps after one warm-up step, all measured in this run.
+of a few steps after one warm-up step, all measured in this run. Beside each time, its floor
+(bench/floor.py): the three GEMMs at the GEMM rate measured in that process (in float16 with
+--fp16 on a GPU), plus one read of the logits and one write of their gradient at the copy
+bandwidth measured there.
 
 `--families` times PartialFC with each margin family instead (losses.py; sub-center with K = 3), at
 sample rates 1.0 and 0.1, relative to the combined family (ArcFace) at the same C and rate: each family's
@@ -29,6 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from bench import pfc_step
+from bench.floor import copy_bandwidth, gemm_rate, pfc_floor
 from losses import AdaFaceMargin, CombinedMarginLoss, CurricularMargin, ElasticMargin
 from partial_fc import PartialFC
 
@@ -121,18 +125,22 @@ def measure(implementation: str, num_classes: int, device: torch.device, steps: 
             torch.cuda.synchronize()
         times.append(time.perf_counter() - start)
     seconds = sum(times) / len(times)
-    gemm_flop = 3 * 2 * BATCH * VIEWS * DIM * num_classes  # forward + two backward GEMMs, dense classes
-    if implementation != "dense":
-        gemm_flop *= min(1.0, float(implementation.split("@")[1]))
-    return dict(seconds=seconds, peak_above=peak_above, tflops=gemm_flop / seconds / 1e12)
+    rate = 1.0 if implementation == "dense" else min(1.0, float(implementation.split("@")[1]))
+    sampled = num_classes if rate >= 1 else int(rate * num_classes)
+    half = fp16 and device.type == "cuda"
+    gemm = gemm_rate(device, torch.float16 if half else torch.float32)
+    floor = pfc_floor(BATCH * VIEWS, DIM, num_classes, sampled, logit_bytes=2 if half else 4, update=False,
+                      gemm=gemm, bandwidth=copy_bandwidth(device))
+    return dict(seconds=seconds, peak_above=peak_above, tflops=floor.gemm_flop / seconds / 1e12, floor=floor.seconds)
 
 
 def table_row(num_classes: int, implementation: str, result: dict, dense: dict) -> str:
     """One line of the table (bench/gpu_check.py parses it): time and peak above the weights, each also as a
-    ratio to the dense reference's."""
+    ratio to the dense reference's, and the time's floor."""
     return (f"{num_classes:>9} {implementation:>8} {result['seconds'] * 1e3:>10.1f} "
             f"{result['seconds'] / dense['seconds']:>7.2f} {result['peak_above'] / 2**20:>12.1f} "
-            f"{result['peak_above'] / max(dense['peak_above'], 1):>9.2f} {result['tflops']:>8.3f}")
+            f"{result['peak_above'] / max(dense['peak_above'], 1):>9.2f} {result['tflops']:>8.3f} "
+            f"{result['floor'] * 1e3:>9.1f} {result['seconds'] / result['floor']:>7.2f}x")
 
 
 def run_in_subprocess(implementation: str, num_classes: int, args) -> dict:
@@ -183,7 +191,7 @@ def main() -> None:
         print("CPU note: this machine's 2 cores may be shared; GPU figures need `--device cuda --fp16` "
               "on a GPU (bench/gpu.sh).")
     header = (f"{'classes':>9} {'impl':>8} {'ms/step':>10} {'x time':>7} {'MiB above W':>12} {'x memory':>9} "
-              f"{'TFLOP/s':>8}")
+              f"{'TFLOP/s':>8} {'floor ms':>9} {'x floor':>8}")
     print(header)
     print("-" * len(header))
     for num_classes in args.classes:

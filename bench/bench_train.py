@@ -11,6 +11,11 @@ on random uint8 images already on the device (no decoding):
   (c) two views, B records = 2B images, two passes      train_step, the backbone called once per view
 The modes run interleaved in rounds and each reports its median step time, so a machine shared
 with other work (as this 2-core CPU is) slows all of them alike. Target: (b) <= 2.0x (a), (b) < (c).
+
+`--split` prints instead, per network and view count, images/s, the step split (data, backbone forward,
+PartialFC, backbone backward, optimizer), MFU from the FLOPs counted at 112x112, and the switches
+(channels_last, bf16, compile, the optimizer's kernel) each on and off: bench/step_split.py (`--tiny`
+rehearses its GPU command on this CPU at tiny shapes).
 """
 from __future__ import annotations
 
@@ -24,6 +29,7 @@ from pathlib import Path
 
 import torch
 
+from bench import step_split
 from training.state import build_training_state
 from training.step import train_step
 from utils.config import load_config
@@ -38,7 +44,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--network", default="r18")
-    parser.add_argument("--width-mult", type=float, default=0.125)
+    parser.add_argument("--width-mult", type=float, help=f"0.125 by default; {step_split.SPLIT_WIDTH} with --split")
     parser.add_argument("--embedding-size", type=int, default=128)
     parser.add_argument("--batch-size", type=int, default=16, help="records per step (B)")
     parser.add_argument("--classes", type=int, default=1000)
@@ -50,7 +56,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--threads", type=int, default=1,
                         help="CPU threads (0: torch's default); 1 by default: on shared cores more threads than "
                              "free cores make every step many times slower, whatever the mode")
-    return parser.parse_args(argv)
+    step_split.add_options(parser)
+    if "--tiny" in (sys.argv[1:] if argv is None else argv):
+        parser.set_defaults(device="cpu", **step_split.TINY)  # what the command line gives still wins
+    args = parser.parse_args(argv)
+    if args.width_mult is None:
+        args.width_mult = step_split.SPLIT_WIDTH if args.split else 0.125
+    return args
 
 
 class PerViewPasses(torch.nn.Module):
@@ -119,6 +131,9 @@ def main(argv=None) -> int:
     device = torch.device(args.device)
     if args.peak_of:
         print(json.dumps(peak_of_one_mode(args, args.peak_of, device)))
+        return 0
+    if args.split:
+        step_split.report(args, device)
         return 0
     # One process per mode for GPU memory: in this one every mode's model and optimizer state stays allocated.
     peak = {mode: mode_peak_in_a_process(argv, mode) for mode in args.modes} if device.type == "cuda" else {}

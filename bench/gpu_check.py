@@ -30,7 +30,8 @@ Rows:
 - bench_pfc: PartialFC fp16 at 1M and 4M classes, sample rate 1.0 and 0.1: ms per step and peak memory
   as ratios to a dense nn.Linear + margin + cross-entropy where that fits.
 - pfc step: bench_pfc --step at 1M classes, sample rate 1.0 and 0.1: the centre step with its SGD update
-  against its floor (the three GEMMs and torch's fused SGD pass over every centre) and against arcface_torch's
+  against its floor (the three GEMMs at the measured GEMM rate, the logits' and centres' passes at the measured
+  copy bandwidth), against torch's own kernels for them run bare, and against arcface_torch's
   PartialFC_V2 + SGD, and where the sampled step's CUDA time goes (torch.profiler), largest first.
 - memory plan: the --dry-run memory plan of r50 and of vit_b (checkpointed) at 128 x 2 views in fp16
   against a real step (bench/step_memory.py): the total planned / the peak allocated, and plan/peak per item.
@@ -368,8 +369,9 @@ def parse_pfc_step(out: str) -> list[Row]:
     cells = [match[0].split() for match in matches(r"\s*\d+\s+[\d.]+\s+[\d.]+\s.*", out,
                                                    "'CLASSES RATE MS ...' table row")]
     shares = [line.split(maxsplit=2) for line in out.splitlines() if re.match(r"\s+[\d.]+%\s+\d+\s", line)]
-    rows = [(f"pfc step C={classes} rate {rate}", f"{ms} ms, {floor} the floor, {arcface} arcface_torch's", True)
-            for classes, rate, ms, _, floor, _, arcface in cells]
+    rows = [(f"pfc step C={classes} rate {rate}", f"{ms} ms, {floor} its floor ({floor_ms} ms), {bare} torch's "
+             f"bare kernels, {arcface} arcface_torch's", True)
+            for classes, rate, ms, floor_ms, floor, _, bare, _, arcface in cells]
     return rows + [("pfc step at rate 0.1: largest shares",
                     ", ".join(f"{name} {share}" for share, _, name in shares[:4]), True)]
 

@@ -1,16 +1,18 @@
 """The whole centre step (forward, backward and the optimizer's update of the centres) of PartialFC, against its
-floor and against arcface_torch's PartialFC_V2 + SGD, with a profile of where the time goes.
+floor, its kernels run bare, and arcface_torch's PartialFC_V2 + SGD, with a profile of where the time goes.
 
     python -m bench.bench_pfc --step [--classes 10000 100000] [--threads 1] [--rounds 3]
 
 Three things, timed in one fresh process per (C, sample_rate), their rounds interleaved (each one's fastest
-round counts, so that a machine others share slows a round, not a figure):
+round counts, so that a machine others share slows a round, not a figure), and a floor computed there:
 
 - pairface: PartialFC with the sparse centre gradient training uses, and training's optimizer (SGD, momentum
   0.9, weight decay 5e-4) stepping the centres; two views of 128 embeddings, D = 512, one process;
-- the floor: the step's three GEMMs bare (cosines, and the two gradients, over the sampled centres), plus one
-  pass over every centre and its momentum: torch's fused SGD kernel over the (C, D) centres. With dense
-  semantics every row moves every step, so no centre step can do less than that pass;
+- the floor (bench/floor.py): the step's three GEMMs at the GEMM rate measured in that process, plus the bytes no
+  step can avoid at the copy bandwidth measured there: the logits read once and their gradient written once,
+  and the centres and their momentum read and written (with dense semantics every row moves every step);
+- bare: the step's three GEMMs run bare (cosines, and the two gradients, over the sampled centres), plus torch's
+  fused SGD kernel over the (C, D) centres and their momentum: what torch's own kernels make of the floor;
 - arcface_torch: its PartialFC_V2's sampled step for one process, written from its code's description
   (`ArcfaceTorchPartialFC` below: sample with torch.unique, rand, topk; gather the sampled rows by indexing,
   whose backward zero-fills a (C, D) gradient; normalise both sides, clamp, the margin by arccos and cos over
@@ -29,6 +31,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from bench.floor import copy_bandwidth, gemm_rate, pfc_floor
 from losses import CombinedMarginLoss
 from partial_fc import PartialFC
 from training.optimizer import RowSparseSGD
@@ -126,7 +129,7 @@ def arcface_torch_step(num_classes: int, rate: float, device: torch.device) -> C
     return step
 
 
-def floor_step(num_classes: int, rate: float, device: torch.device) -> Callable[[], None]:
+def bare_step(num_classes: int, rate: float, device: torch.device) -> Callable[[], None]:
     """The three GEMMs over the sampled centres, and torch's fused SGD pass over all centres and momentum."""
     sampled = num_classes if rate >= 1 else int(rate * num_classes)
     x, centres = torch.randn(BATCH * VIEWS, DIM, device=device), torch.randn(sampled, DIM, device=device)
@@ -143,7 +146,7 @@ def floor_step(num_classes: int, rate: float, device: torch.device) -> Callable[
     return step
 
 
-STEPS = {"pairface": pairface_step, "floor": floor_step, "arcface_torch": arcface_torch_step}
+STEPS = {"pairface": pairface_step, "bare": bare_step, "arcface_torch": arcface_torch_step}
 
 
 def _seconds(step: Callable[[], None], repeats: int, device: torch.device) -> float:
@@ -158,8 +161,12 @@ def _seconds(step: Callable[[], None], repeats: int, device: torch.device) -> fl
 
 
 def measure(num_classes: int, rate: float, device: torch.device, rounds: int, repeats: int) -> dict:
-    """{name: the fastest round's seconds per step} and, at sample rates below 1, pairface's profile."""
+    """{name: the fastest round's seconds per step}, the floor (seconds, and how it was computed) and, at sample
+    rates below 1, pairface's profile."""
     torch.manual_seed(0)
+    sampled = num_classes if rate >= 1 else int(rate * num_classes)
+    floor = pfc_floor(BATCH * VIEWS, DIM, num_classes, sampled, logit_bytes=4, update=True,
+                      gemm=gemm_rate(device, torch.float32), bandwidth=copy_bandwidth(device))
     steps = {name: make(num_classes, rate, device) for name, make in STEPS.items()}
     for step in steps.values():
         step()  # the first step makes the optimizer state
@@ -167,7 +174,7 @@ def measure(num_classes: int, rate: float, device: torch.device, rounds: int, re
     for _ in range(rounds):
         for name, step in steps.items():
             best[name] = min(best[name], _seconds(step, repeats, device))
-    result = {"seconds": best}
+    result = {"seconds": best, "floor": floor.seconds, "floor_terms": floor.describe()}
     if rate < 1:
         result["profile"] = profile(steps["pairface"], device)
     return result
@@ -198,17 +205,21 @@ def print_table(results: dict, args) -> None:
     print(f"Centre step (forward, backward, SGD momentum {MOMENTUM} weight decay {WEIGHT_DECAY} over every centre): "
           f"batch {BATCH} x {VIEWS} views, D={DIM}, one process, {args.device}, {args.threads} thread(s); each "
           f"figure the fastest of {args.rounds} interleaved rounds.")
-    print("floor = the step's three GEMMs over the sampled centres + torch's fused SGD pass over all centres and "
-          "their momentum; arcface_torch = its PartialFC_V2 + torch.optim.SGD, from its code.")
-    header = (f"{'classes':>9} {'rate':>5} {'pairface ms':>12} {'floor ms':>9} {'x floor':>8} {'arcface_torch ms':>17} "
-              f"{'x arcface_torch':>16}")
+    print("floor = the three GEMMs over the sampled centres at the GEMM rate measured in the cell's process + the "
+          "logits' and the centres' passes at the copy bandwidth measured there (bench/floor.py); bare = those "
+          "GEMMs and torch's fused SGD over all centres run bare; arcface_torch = its PartialFC_V2 + "
+          "torch.optim.SGD, from its code.")
+    header = (f"{'classes':>9} {'rate':>5} {'pairface ms':>12} {'floor ms':>9} {'x floor':>8} {'bare ms':>8} "
+              f"{'x bare':>7} {'arcface_torch ms':>17} {'x arcface_torch':>16}")
     print(header)
     print("-" * len(header))
     for (num_classes, rate), result in results.items():
         s = result["seconds"]
-        print(f"{num_classes:>9} {rate:>5} {s['pairface'] * 1e3:>12.1f} {s['floor'] * 1e3:>9.1f} "
-              f"{s['pairface'] / s['floor']:>7.2f}x {s['arcface_torch'] * 1e3:>17.1f} "
-              f"{s['pairface'] / s['arcface_torch']:>15.2f}x")
+        print(f"{num_classes:>9} {rate:>5} {s['pairface'] * 1e3:>12.1f} {result['floor'] * 1e3:>9.1f} "
+              f"{s['pairface'] / result['floor']:>7.2f}x {s['bare'] * 1e3:>8.1f} {s['pairface'] / s['bare']:>6.2f}x "
+              f"{s['arcface_torch'] * 1e3:>17.1f} {s['pairface'] / s['arcface_torch']:>15.2f}x")
+    for (num_classes, rate), result in results.items():
+        print(f"floor at C={num_classes}, rate {rate}: {result['floor_terms']}")
     for (num_classes, rate), result in results.items():
         if "profile" in result:
             print(f"\nWhere pairface's step goes, C={num_classes}, sample_rate {rate} (share of the operators' own "

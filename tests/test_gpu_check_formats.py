@@ -6,6 +6,7 @@ says so in a FAILED row, never a pass.
 """
 from __future__ import annotations
 
+import re
 import shutil
 import subprocess
 import sys
@@ -149,6 +150,11 @@ def test_a_rows_parser_reads_what_its_command_prints(check, capsys, monkeypatch,
         assert len(rows) == 2 * len(bench_pfc.FAMILIES), rows
         assert {name.split()[1] for name, _, _ in rows} == set(bench_pfc.FAMILIES)
         assert all(result.startswith("loss ") and " dX " in result and " dW " in result for _, result, _ in rows)
+    if check == "pfc step":  # each cell beside its computed floor, torch's bare kernels and arcface_torch's
+        cells = [result for name, result, _ in rows if name.startswith("pfc step C=")]
+        cell = re.compile(r"[\d.]+ ms, [\d.]+x its floor \([\d.]+ ms\), [\d.]+x torch's bare kernels, "
+                          r"[\d.]+x arcface_torch's")
+        assert len(cells) == 2 and all(cell.fullmatch(result) for result in cells), rows
 
 
 def test_the_train_rows_read_speed_and_steps_per_epoch(capsys, monkeypatch, data, finished):
