@@ -31,6 +31,7 @@ import torch
 from torch._C._profiler import _EventType
 from torch.nn.parallel import DistributedDataParallel
 from torch.profiler import ProfilerActivity, profile, record_function
+from torch.utils.hooks import RemovableHandle
 
 from dataset import build_dataset, build_loader
 from training.ema import BackboneEMA
@@ -49,6 +50,9 @@ class _Marks:
     the peak of kernel workspace since the marker before (its bytes are not in `live` and `peak`)."""
 
     device: torch.device
+    # On a GPU, what was allocated before the recording started (another case's, the process's): the CPU's
+    # profile sees only what is allocated while it records, and on either device a case counts its own bytes.
+    before: int = 0
     names: list[str] = field(default_factory=list)
     live: list[int] = field(default_factory=list)
     peak: list[int] = field(default_factory=list)
@@ -57,8 +61,8 @@ class _Marks:
     def mark(self, name: str) -> None:
         self.names.append(name)
         if self.device.type == "cuda":
-            self.live.append(torch.cuda.memory_allocated(self.device))
-            self.peak.append(torch.cuda.max_memory_allocated(self.device))
+            self.live.append(torch.cuda.memory_allocated(self.device) - self.before)
+            self.peak.append(torch.cuda.max_memory_allocated(self.device) - self.before)
             self.workspace.append(0)
             torch.cuda.reset_peak_memory_stats(self.device)
         else:
@@ -145,6 +149,7 @@ def _recording(device: torch.device) -> Iterator[_Marks]:
     marks = _Marks(device)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
+        marks.before = torch.cuda.memory_allocated(device)
         yield marks
         return
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as recorded:
@@ -158,9 +163,13 @@ def _nbytes(tensors) -> int:
                for tensor in tensors)
 
 
-def _hook_markers(state: TrainingState, marks: _Marks, inputs: list[int], gradients: dict) -> None:
+def _hook_markers(state: TrainingState, marks: _Marks, inputs: list[int], gradients: dict) -> list[RemovableHandle]:
     """Markers around every backbone forward and where its output's gradient arrives; the size of each
-    forward's input (the normalised batch, made just before); each parameter's gradient size."""
+    forward's input (the normalised batch, made just before); each parameter's gradient size. Returns the
+    hooks' handles: a parameter's hook is held by torch's C++ side, out of reach of Python's cycle
+    collector, and `gradients` holds the parameter, so until they are removed a case's parameters outlive
+    it (on a GPU, where the allocator's figures count every byte alive, the first H200 run's vit_b total
+    included the 2.07 GiB of the r50 case measured before it: its million centres and its weights)."""
     calls = []  # one entry per forward: markers are numbered from 1 across steps
 
     def before(module, args) -> None:
@@ -173,12 +182,12 @@ def _hook_markers(state: TrainingState, marks: _Marks, inputs: list[int], gradie
         marks.mark(f"forward end {number}")
         output.register_hook(lambda grad: marks.mark(f"softmax end {number}"))
 
-    state.backbone.register_forward_pre_hook(before)
-    state.backbone.register_forward_hook(after)
+    handles = [state.backbone.register_forward_pre_hook(before), state.backbone.register_forward_hook(after)]
     for parameter in [*state.backbone.parameters(), state.pfc.weight]:
         if parameter.requires_grad:
-            parameter.register_post_accumulate_grad_hook(
-                lambda p: gradients.__setitem__(p, _nbytes([p.grad])))
+            handles.append(parameter.register_post_accumulate_grad_hook(
+                lambda p: gradients.__setitem__(p, _nbytes([p.grad]))))
+    return handles
 
 
 def _ddp_bucket_bytes(state: TrainingState) -> int:
@@ -202,7 +211,7 @@ def measure(cfg: SimpleNamespace, device: torch.device) -> dict[str, int]:
     with _recording(device) as marks:
         state = build_training_state(cfg, dataset.num_classes, device, len(loader) // cfg.gradient_acc)
         wrap_in_ddp(state, device)
-        _hook_markers(state, marks, inputs, gradients)
+        hooks = _hook_markers(state, marks, inputs, gradients)
         marks.mark("built")
         torch.manual_seed(cfg.seed + 1 + rank())
         taken = False
@@ -219,6 +228,8 @@ def measure(cfg: SimpleNamespace, device: torch.device) -> dict[str, int]:
         optimizer_state = {parameter: _nbytes(value for value in state.optimizer.state[parameter].values()
                                               if value.shape == parameter.shape)
                            for parameter in state.optimizer.state}
+        for hook in hooks:
+            hook.remove()
     backbone = list(state.backbone.parameters())
     last = (measured_step + 1) * cfg.gradient_acc  # the measured step's last micro-batch
     centre_gradient = gradients[state.pfc.weight]
