@@ -29,7 +29,7 @@ Rows:
 - decode and overlap: bench.decode_overlap, GPU decoding time per batch and how much of it the step hides.
 - bench_pfc: PartialFC fp16 at 1M and 4M classes, sample rate 1.0 and 0.1: ms per step and peak memory
   as ratios to a dense nn.Linear + margin + cross-entropy where that fits.
-- pfc step: bench_pfc --step at 1M classes, sample rate 1.0 and 0.1: the centre step with its SGD update
+- pfc step: bench_pfc --step at 1M classes, fp16, sample rate 1.0 and 0.1: the centre step with its SGD update
   against its floor (the three GEMMs at the measured GEMM rate, the logits' and centres' passes at the measured
   copy bandwidth), against torch's own kernels for them run bare, and against arcface_torch's
   PartialFC_V2 + SGD, and where the sampled step's CUDA time goes (torch.profiler), largest first.
@@ -359,7 +359,7 @@ def parse_pfc_precision(out: str) -> list[Row]:
 def pfc_step(run: Runner) -> Rows:
     run.budget("pfc step")
     command = ["-m", "bench.bench_pfc", "--step", "--rounds", "1" if run.tiny else "3", "--classes",
-               "2000" if run.tiny else "1000000", *device_args(run)]
+               "2000" if run.tiny else "1000000", *device_args(run), *([] if run.tiny else ["--fp16"])]
     status, out = run.sh([sys.executable, *command])
     yield from parsed("pfc step", status, out, parse_pfc_step)
 

@@ -2,6 +2,7 @@
 floor, its kernels run bare, and arcface_torch's PartialFC_V2 + SGD, with a profile of where the time goes.
 
     python -m bench.bench_pfc --step [--classes 10000 100000] [--threads 1] [--rounds 3]
+    python -m bench.bench_pfc --step --device cuda --fp16 --classes 1000000 4000000   # issue 44's GPU cells
 
 Three things, timed in one fresh process per (C, sample_rate), their rounds interleaved (each one's fastest
 round counts, so that a machine others share slows a round, not a figure), and a floor computed there:
@@ -63,7 +64,8 @@ class ArcfaceTorchPartialFC(torch.nn.Module):
                 index = torch.topk(perm, k=self.num_sample)[1].sort()[0]
                 labels = torch.searchsorted(index, labels)
             weight = self.weight[index]
-        logits = F.linear(F.normalize(embeddings), F.normalize(weight)).clamp(-1, 1)
+        # its fp16 mode: the GEMM under autocast, the logits back in float32 for the margin and softmax
+        logits = F.linear(F.normalize(embeddings), F.normalize(weight)).float().clamp(-1, 1)
         rows = torch.arange(labels.shape[0], device=labels.device)
         target_logit = logits[rows, labels.view(-1)]
         with torch.no_grad():
@@ -103,37 +105,43 @@ def _inputs(num_classes: int, device: torch.device):
     return views, torch.randint(0, num_classes, (BATCH,), device=device)
 
 
-def pairface_step(num_classes: int, rate: float, device: torch.device) -> Callable[[], None]:
+def pairface_step(num_classes: int, rate: float, device: torch.device, half: bool) -> Callable[[], None]:
     pfc = PartialFC(CombinedMarginLoss(S, 1.0, M2, 0.0), DIM, num_classes, sample_rate=rate,
                     sparse_grad=True).to(device)
     optimizer = RowSparseSGD(pfc.parameters(), lr=LR, momentum=MOMENTUM, weight_decay=WEIGHT_DECAY, fused=True)
     views, labels = _inputs(num_classes, device)
 
     def step():
-        pfc(views, labels)[0].backward()
+        with torch.autocast(device.type, dtype=torch.float16, enabled=half):
+            loss = pfc(views, labels)[0]
+        loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
     return step
 
 
-def arcface_torch_step(num_classes: int, rate: float, device: torch.device) -> Callable[[], None]:
+def arcface_torch_step(num_classes: int, rate: float, device: torch.device, half: bool) -> Callable[[], None]:
     head = ArcfaceTorchPartialFC(num_classes, rate).to(device)
     optimizer = torch.optim.SGD(head.parameters(), lr=LR, momentum=MOMENTUM, weight_decay=WEIGHT_DECAY)
     views, labels = _inputs(num_classes, device)
     embeddings, all_labels = torch.cat(views), labels.repeat(VIEWS)  # the views as one batch
 
     def step():
-        head(embeddings, all_labels).backward()
+        with torch.autocast(device.type, dtype=torch.float16, enabled=half):
+            loss = head(embeddings, all_labels)
+        loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
     return step
 
 
-def bare_step(num_classes: int, rate: float, device: torch.device) -> Callable[[], None]:
-    """The three GEMMs over the sampled centres, and torch's fused SGD pass over all centres and momentum."""
+def bare_step(num_classes: int, rate: float, device: torch.device, half: bool) -> Callable[[], None]:
+    """The three GEMMs over the sampled centres (in float16 where the others run under fp16 autocast), and torch's
+    fused SGD pass over all centres and momentum."""
     sampled = num_classes if rate >= 1 else int(rate * num_classes)
-    x, centres = torch.randn(BATCH * VIEWS, DIM, device=device), torch.randn(sampled, DIM, device=device)
-    grad_cos = torch.randn(BATCH * VIEWS, sampled, device=device)
+    dtype = torch.float16 if half else torch.float32
+    x, centres = (torch.randn(rows, DIM, device=device, dtype=dtype) for rows in (BATCH * VIEWS, sampled))
+    grad_cos = torch.randn(BATCH * VIEWS, sampled, device=device, dtype=dtype)
     weight = torch.nn.Parameter(torch.randn(num_classes, DIM, device=device))
     weight.grad = torch.randn_like(weight)
     optimizer = torch.optim.SGD([weight], lr=LR, momentum=MOMENTUM, weight_decay=WEIGHT_DECAY, fused=True)
@@ -160,14 +168,16 @@ def _seconds(step: Callable[[], None], repeats: int, device: torch.device) -> fl
     return (time.perf_counter() - start) / repeats
 
 
-def measure(num_classes: int, rate: float, device: torch.device, rounds: int, repeats: int) -> dict:
+def measure(num_classes: int, rate: float, device: torch.device, rounds: int, repeats: int, fp16: bool) -> dict:
     """{name: the fastest round's seconds per step}, the floor (seconds, and how it was computed) and, at sample
-    rates below 1, pairface's profile."""
+    rates below 1, pairface's profile. `fp16`: under float16 autocast on a GPU (ignored on a CPU)."""
     torch.manual_seed(0)
+    half = fp16 and device.type == "cuda"
     sampled = num_classes if rate >= 1 else int(rate * num_classes)
-    floor = pfc_floor(BATCH * VIEWS, DIM, num_classes, sampled, logit_bytes=4, update=True,
-                      gemm=gemm_rate(device, torch.float32), bandwidth=copy_bandwidth(device))
-    steps = {name: make(num_classes, rate, device) for name, make in STEPS.items()}
+    floor = pfc_floor(BATCH * VIEWS, DIM, num_classes, sampled, logit_bytes=2 if half else 4, update=True,
+                      gemm=gemm_rate(device, torch.float16 if half else torch.float32),
+                      bandwidth=copy_bandwidth(device))
+    steps = {name: make(num_classes, rate, device, half) for name, make in STEPS.items()}
     for step in steps.values():
         step()  # the first step makes the optimizer state
     best = dict.fromkeys(steps, math.inf)
@@ -203,8 +213,9 @@ def profile(step: Callable[[], None], device: torch.device) -> list[tuple[str, f
 
 def print_table(results: dict, args) -> None:
     print(f"Centre step (forward, backward, SGD momentum {MOMENTUM} weight decay {WEIGHT_DECAY} over every centre): "
-          f"batch {BATCH} x {VIEWS} views, D={DIM}, one process, {args.device}, {args.threads} thread(s); each "
-          f"figure the fastest of {args.rounds} interleaved rounds.")
+          f"batch {BATCH} x {VIEWS} views, D={DIM}, one process, {args.device}, {args.threads} thread(s)"
+          f"{', fp16 autocast' if args.fp16 and args.device != 'cpu' else ''}; each figure the fastest of "
+          f"{args.rounds} interleaved rounds.")
     print("floor = the three GEMMs over the sampled centres at the GEMM rate measured in the cell's process + the "
           "logits' and the centres' passes at the copy bandwidth measured there (bench/floor.py); bare = those "
           "GEMMs and torch's fused SGD over all centres run bare; arcface_torch = its PartialFC_V2 + "
@@ -230,4 +241,4 @@ def print_table(results: dict, args) -> None:
 
 def worker(num_classes: int, rate: float, args) -> None:
     repeats = 3 if num_classes <= 100_000 else 1
-    print(json.dumps(measure(num_classes, rate, torch.device(args.device), args.rounds, repeats)))
+    print(json.dumps(measure(num_classes, rate, torch.device(args.device), args.rounds, repeats, args.fp16)))

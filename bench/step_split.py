@@ -265,7 +265,8 @@ def report(args, device: torch.device) -> None:
     if device.type == "cpu":
         print("CPU figures rank the switches on this CPU only. The GPU's: `python -m bench.bench_train --split "
               "--device cuda --networks r50 r100 vit_b --views 1 2 --width-mult 1 --embedding-size 512 "
-              "--batch-size 128 --classes 100000 --fp16 --steps 20` on the GPU machine (bench/step_split.py).")
+              "--batch-size 128 --classes 100000 --fp16 --steps 20` on the GPU machine, a call per group of "
+              "switches (docs/gpu.md).")
 
 
 def add_options(parser: argparse.ArgumentParser) -> None:
