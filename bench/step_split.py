@@ -19,7 +19,9 @@ Switches, each measured on and off in the same run (`--switches`): channels_last
 weights in NHWC, so its convolutions run NHWC), bf16 (autocast to bfloat16 without a GradScaler, against
 the run's own precision), compile (torch.compile of the backbone; its compile time, the first step's
 seconds beyond a steady step's, in a column of its own, the kernels cached in TORCHINDUCTOR_CACHE_DIR,
-by default a folder of the temporary directory, so a second run reads them), and the backbone's optimizer
+by default a folder of the temporary directory, so a second run reads them), cudagraphs (the same compiled
+with mode="reduce-overhead": its forward and backward replayed as CUDA graphs, the step's shapes being
+static; a GPU only), and the backbone's optimizer
 kernel (fused, training's, against foreach and the per-tensor loop), timed as the backbone's parameter
 update alone (the centres' update is PartialFC's own).
 
@@ -53,7 +55,8 @@ from utils.device import configure_numerics
 ROOT = Path(__file__).resolve().parent.parent
 PHASES = ("data", "backbone fwd", "PartialFC", "backbone bwd", "optimizer")
 EDGES = ("start", "data", "embeddings", "gradient", "backward", "end")  # the marks between the phases
-SWITCHES = ("channels_last", "bf16", "compile")
+SWITCHES = ("channels_last", "bf16", "compile", "cudagraphs")
+COMPILED = {"compile": "default", "cudagraphs": "reduce-overhead"}  # switch -> torch.compile's mode
 BASELINE = "baseline"
 ONEDNN_CHANNEL_BLOCK = 16  # AVX-512's; AVX2's is 8, so 16 skips every shape that can crash
 # --tiny: the shapes of a rehearsal (the command's code path on a CPU in seconds, not a measurement)
@@ -129,6 +132,8 @@ def not_run_here(network: str, switch: str, args, device: torch.device) -> str |
     module docstring), and compiled it runs NHWC too (inductor's layout optimisation puts convolutions in NHWC)."""
     if switch == "channels_last" and not network.startswith("r"):
         return "ResNets only"
+    if switch == "cudagraphs" and device.type != "cuda":
+        return "not run on this CPU: CUDA graphs need a GPU"
     if (switch not in ("channels_last", "compile") or not network.startswith("r") or device.type != "cpu"
             or not torch.backends.mkldnn.is_available() or not torch.backends.mkldnn.enabled):
         return None
@@ -154,8 +159,8 @@ def build(args, network: str, views: int, switches: frozenset[str], device: torc
     state = build_training_state(cfg, args.classes, device, steps_per_epoch=1000)
     if "channels_last" in switches:
         state.backbone.to(memory_format=torch.channels_last)  # in place: the optimizer keeps the same tensors
-    if "compile" in switches:
-        state.ddp_backbone = torch.compile(state.backbone)
+    for switch in switches & COMPILED.keys():
+        state.ddp_backbone = torch.compile(state.backbone, mode=COMPILED[switch])
     generator = torch.Generator().manual_seed(0)
     images = torch.randint(0, 256, (args.batch_size, views, 3, 112, 112), dtype=torch.uint8, generator=generator)
     labels = torch.randint(0, args.classes, (args.batch_size,), generator=generator)
@@ -187,8 +192,9 @@ def measure(args, network: str, views: int, switches: frozenset[str], device: to
     first = _timed(step, device)
     steps = [step() for _ in range(args.steps)]
     result = {key: statistics.median(s[key] for s in steps) for key in steps[0]}
-    result["compile"] = first - result["step"] if "compile" in switches else None
-    if "compile" in switches:
+    compiled = bool(switches & COMPILED.keys())
+    result["compile"] = first - result["step"] if compiled else None
+    if compiled:
         # Forget this case's graphs: the next case's shapes would otherwise count as a recompilation of the
         # same forward, compiled with dynamic shapes and within dynamo's cache limit, and keep this model alive.
         torch._dynamo.reset()
@@ -217,7 +223,7 @@ def header(args, device: torch.device, rates: dict) -> list[str]:
     lines = [f"step split: width {args.width_mult}, embedding {args.embedding_size}, B={args.batch_size} records, "
              f"{args.classes} classes, fp16={args.fp16}, torch {torch.__version__}, {where}; median of "
              f"{args.steps} step(s) after one; GEMM GFLOP/s measured here: {gemm}"]
-    if "compile" in args.switches:
+    if set(args.switches) & COMPILED.keys():
         lines.append(f"compile cache: {os.environ['TORCHINDUCTOR_CACHE_DIR']}")
     lines.append(f"{'network':<8}{'views':>6} {'switch':<14}{'images/s':>10}{'x base':>8}{'step ms':>10}"
                  + "".join(f"{phase.replace(' ', '_') + '_ms':>16}" for phase in PHASES)
@@ -235,7 +241,7 @@ def row(network: str, views: int, name: str, result: dict, base: float, images_p
 
 def report(args, device: torch.device) -> None:
     """The split table per network, view count and switch, then the optimizer kernels, printed as measured."""
-    if "compile" in args.switches:
+    if set(args.switches) & COMPILED.keys():
         os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(Path(tempfile.gettempdir()) / "pairface-bench-inductor"))
     precision = torch.float16 if args.fp16 and device.type == "cuda" else torch.float32
     rates = {precision: gemm_rate(device, precision)}

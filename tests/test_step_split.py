@@ -47,7 +47,7 @@ def rows(out: str) -> tuple[dict, dict]:
 @pytest.fixture(scope="module")
 def narrow() -> str:
     """r18 at the tiny width (narrower than oneDNN's NHWC strided 1x1 conv backward survives) and a ViT."""
-    return split_table("--networks", "r18", "vit_t", "--views", "2", "--switches", "channels_last")
+    return split_table("--networks", "r18", "vit_t", "--views", "2", "--switches", "channels_last", "cudagraphs")
 
 
 @pytest.fixture(scope="module")
@@ -80,6 +80,8 @@ def test_a_switch_that_cannot_run_here_says_why_in_its_row(narrow, wide):
     assert not_run[("vit_t", 2, "channels_last")] == "ResNets only", narrow
     reason = not_run[("r18", 2, "channels_last")]
     assert "layer1.0.downsample.0" in reason and "4 < 16 input channels" in reason, reason
+    assert not_run[("r18", 2, "cudagraphs")] == not_run[("vit_t", 2, "cudagraphs")] == (
+        "not run on this CPU: CUDA graphs need a GPU"), narrow
     assert not rows(wide)[1], wide
 
 
