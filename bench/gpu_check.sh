@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The device check: what only a GPU can show, a table printed row by row as each check finishes, each
-# check within its own budget (bench/gpu_check.py lists the rows and budgets: 430 s in all on one H200,
-# under a limit of 445 s, all inside this script's 470 s). Needs only a python3 with torch: the few small
+# check within its own budget (bench/gpu_check.py lists the rows and budgets: 425 s in all on one H200,
+# under a limit of 440 s, all inside this script's 470 s). Needs only a python3 with torch: the few small
 # packages the rows import that a GPU image may lack (bench/gpu_wheels.txt) are installed from
 # .gpu-wheels/, which `bash bench/fetch_gpu_wheels.sh` fills on a machine with a package registry.
 # Stops in its first seconds, with the reason, when torch, CUDA or a wheel is missing. Exits 1 when a

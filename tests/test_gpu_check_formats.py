@@ -190,3 +190,21 @@ def test_a_parser_that_finds_nothing_fails_its_row_saying_so(check):
     assert not passed and name == check
     assert result.startswith("FAILED: found nothing to parse: no ") and result.endswith(
         "in the output (last line: some line in another format)"), result
+
+
+PFC_STEP_CELL = "     2000   1.0        803.0     295.1    2.72x    193.0   4.16x             795.3            1.01x\n"
+
+
+def test_a_known_line_in_another_shape_fails_its_row_and_the_checks_after_it_still_run():
+    """bench_pfc --step's table gained columns once: a row of it with fields the parser does not expect is a
+    FAILED row saying why, not an exception that would end the check with every later row unrun."""
+    rows = list(gpu_check.parsed("pfc step", 0, "     2000   1.0        803.0     295.1\n", gpu_check.parse_pfc_step))
+    assert len(rows) == 1 and not rows[0][2]
+    assert rows[0][1].startswith("FAILED: could not read its output: not enough values to unpack"), rows
+
+
+def test_the_pfc_step_row_without_its_profile_says_it_found_no_share():
+    rows = list(gpu_check.parsed("pfc step", 0, PFC_STEP_CELL, gpu_check.parse_pfc_step))
+    assert [passed for _, _, passed in rows] == [True, False]
+    assert rows[0][1] == "803.0 ms, 2.72x its floor (295.1 ms), 4.16x torch's bare kernels, 1.01x arcface_torch's"
+    assert rows[1][1] == "FAILED: found nothing to parse: no 'SHARE% CALLS OPERATOR' profile line in the output"
