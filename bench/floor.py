@@ -11,6 +11,10 @@ from dataclasses import dataclass
 
 import torch
 
+# Tries per rate, the best counting: on a machine others share, a few short tries can all land in someone
+# else's time slice, and a rate measured low puts the floor above the step it bounds.
+TRIES = 16
+
 
 def _seconds(work: Callable[[], object], device: torch.device) -> float:
     if device.type == "cuda":
@@ -23,20 +27,20 @@ def _seconds(work: Callable[[], object], device: torch.device) -> float:
 
 
 def gemm_rate(device: torch.device, dtype: torch.dtype) -> float:
-    """FLOP/s of a square matmul in `dtype` on `device`, the best of a few: what the chip multiplies at here."""
+    """FLOP/s of a square matmul in `dtype` on `device`, the best of TRIES: what the chip multiplies at here."""
     n = 8192 if device.type == "cuda" else 512
     a, b = (torch.randn(n, n, device=device).to(dtype) for _ in range(2))
     a @ b  # the first call picks its kernel
-    return 2 * n ** 3 / min(_seconds(lambda: a @ b, device) for _ in range(4))
+    return 2 * n ** 3 / min(_seconds(lambda: a @ b, device) for _ in range(TRIES))
 
 
 def copy_bandwidth(device: torch.device) -> float:
-    """Bytes/s a large copy moves (each byte read once and written once), the best of a few: what one pass over
+    """Bytes/s a large copy moves (each byte read once and written once), the best of TRIES: what one pass over
     memory-bound data costs here. 1 GiB on a GPU (far beyond its caches), 64 MiB on a CPU."""
     elements = (2 ** 28 if device.type == "cuda" else 2 ** 24)
     source, target = torch.ones(elements, device=device), torch.empty(elements, device=device)
     target.copy_(source)
-    return 2 * 4 * elements / min(_seconds(lambda: target.copy_(source), device) for _ in range(4))
+    return 2 * 4 * elements / min(_seconds(lambda: target.copy_(source), device) for _ in range(TRIES))
 
 
 @dataclass(frozen=True)
