@@ -243,6 +243,9 @@ def report(args, device: torch.device) -> None:
     """The split table per network, view count and switch, then the optimizer kernels, printed as measured."""
     if set(args.switches) & COMPILED.keys():
         os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(Path(tempfile.gettempdir()) / "pairface-bench-inductor"))
+    defaults = load_config(ROOT / "configs" / "synthetic_pair.py", [])
+    # the GEMM rate under training's numerics (float32 matmuls in TF32 on a GPU, by default)
+    configure_numerics(device, defaults.tf32, defaults.deterministic)
     precision = torch.float16 if args.fp16 and device.type == "cuda" else torch.float32
     rates = {precision: gemm_rate(device, precision)}
     if "bf16" in args.switches:
