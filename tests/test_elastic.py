@@ -25,6 +25,7 @@ from torch.distributed import TCPStore
 
 from checkpoint.pointer import POINTER_NAME
 from checkpoint.run_dir import AUTO, LOCK_NAME, continues_torchrun_run, lock_run_dir, resolve_resume
+from checkpoint.sources import SavedCheckpoint
 from tests.run_helpers import arguments, descendants, free_port, kill_node, load_run, scalars, start_command
 
 SAVE_EVERY, EPOCHS, LR = 2, 4, 0.1  # QUIET's lr; no warmup
@@ -174,7 +175,7 @@ def test_resume_auto_starts_a_fresh_folder_and_continues_a_run(tmp_path):
     (tmp_path / "run" / "training.log").write_text("a run that stopped before its first save\n")
     assert resolve_resume(str(tmp_path / "run"), AUTO) is None
     (tmp_path / "run" / POINTER_NAME).write_text("{}")
-    assert resolve_resume(str(tmp_path / "run"), AUTO) == ("checkpoint", tmp_path / "run" / POINTER_NAME)
+    assert resolve_resume(str(tmp_path / "run"), AUTO) == (SavedCheckpoint(), tmp_path / "run" / POINTER_NAME)
 
 
 def test_only_the_torchrun_run_that_last_held_a_run_folder_continues_it(tmp_path):
