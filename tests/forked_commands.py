@@ -22,7 +22,9 @@ tier's torchrun) still start the real command line.
 from __future__ import annotations
 
 import atexit
+import faulthandler
 import os
+import resource
 import runpy
 import signal
 import subprocess
@@ -72,6 +74,10 @@ def _torchrun_worker(*arguments: str) -> None:
     its workers (a signal to the launcher's process group does not reach them)."""
     os.setsid()
     fresh_signal_handlers()  # not the agent's, which turn SIGTERM into an exception
+    # A test that finds a worker hung ends it with SIGABRT: every thread's Python stack then ends the command's
+    # output (and no core file lands in the repository, the worker's folder).
+    faulthandler.enable(all_threads=True)
+    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
     try:
         run_python(arguments)
     finally:

@@ -9,6 +9,7 @@ The rendezvous store is held by the test, as a real job's must be held by a mach
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -29,6 +30,15 @@ from checkpoint.sources import SavedCheckpoint
 from tests.run_helpers import arguments, descendants, free_port, kill_node, load_run, scalars, start_command
 
 SAVE_EVERY, EPOCHS, LR = 2, 4, 0.1  # QUIET's lr; no warmup
+# A node is dead for the rendezvous once it has missed keep_alive_interval x keep_alive_max_attempt seconds of
+# heartbeats, and a survivor's restart waits that long for a lost node. 3 s was too short on a loaded machine: a
+# starved agent of a live node missed them, and the node coming back, finding no live node in the run, started a run
+# of its own (refused its folder four times, and failed). 10 s: each lost node costs 7 s more than 3 did.
+KEEP_ALIVE = "keep_alive_interval=1,keep_alive_max_attempt=10"
+# A worker that trains, saves or waits for its peers at a step uses some CPU every few seconds, however loaded the
+# machine (rank 1 writes nothing while it trains: output is no sign of life). One that has used none for this long,
+# not stopped by the test, is hung: blocked for good (a collective's own timeout is 30 minutes).
+HUNG_AFTER = 120
 OVERRIDES = ("batch_size=2", f"save_every_steps={SAVE_EVERY}", f"num_epoch={EPOCHS}")
 pytestmark = pytest.mark.slow  # torchrun's rendezvous rounds and restarts: ~2 minutes of mostly waiting
 
@@ -40,8 +50,7 @@ class Node:
         self.log = job.output.parent / f"{name}.out"
         command = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1:2", "--nproc_per_node=1",
                    "--max-restarts=3", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{job.port}",
-                   f"--rdzv-id={job.run_id}", "--rdzv-conf=last_call_timeout=10,keep_alive_interval=1,"
-                   "keep_alive_max_attempt=3", "train.py",
+                   f"--rdzv-id={job.run_id}", f"--rdzv-conf=last_call_timeout=10,{KEEP_ALIVE}", "train.py",
                    *arguments(job.data, job.output, *OVERRIDES, f"max_steps={job.max_steps}")]
         # A node that joins a run again needs torchrun's per-round store (docs/operations.md, "Elastic runs").
         self.process = start_command(command, env={"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}, output=self.log)
@@ -54,7 +63,46 @@ class Node:
         return pid
 
     def finished(self, timeout: float = 400) -> None:
-        assert self.process.wait(timeout) == 0, self.output()[-4000:]
+        """Wait for the launcher's end, which must be a success; fail at once, with the workers' stacks, when its
+        workers have stopped using the CPU for HUNG_AFTER seconds (hung), or after `timeout` seconds."""
+        deadline, seen, since = time.monotonic() + timeout, None, time.monotonic()
+        while self.process.poll() is None:
+            workers = descendants(self.process.pid)
+            if (now := (workers, cpu_ticks(workers))) != seen:
+                seen, since = now, time.monotonic()
+            elif workers and time.monotonic() - since > HUNG_AFTER:
+                self.fail_with_stacks(f"its workers have used no CPU for {HUNG_AFTER} s: hung")
+            if time.monotonic() > deadline:
+                self.fail_with_stacks(f"the node did not end within {timeout} s")
+            time.sleep(0.5)
+        assert self.process.returncode == 0, self.output()[-4000:]
+
+    def fail_with_stacks(self, what: str) -> None:
+        """Fail with the end of the node's output and where its workers were: SIGABRT makes each write every
+        thread's Python stack to the output before it ends (tests/forked_commands.py)."""
+        written = len(self.output())
+        for worker in descendants(self.process.pid):
+            with contextlib.suppress(ProcessLookupError):  # ended meanwhile
+                os.kill(worker, signal.SIGABRT)
+        time.sleep(5)  # for the stacks to be written
+        kill_node(self.process)
+        output = self.output()
+        stacks = output[written:]
+        stacks = stacks[stacks.find("Fatal Python error"):stacks.find("\nExtension modules")]  # faulthandler's
+        pytest.fail(f"{self.log.name}: {what}; the end of its output:\n{output[:written][-3000:]}\n"
+                    f"its workers' stacks:\n{stacks[:6000]}")
+
+
+def cpu_ticks(pids: list[int]) -> int:
+    """The CPU time the processes `pids` have used, in clock ticks (/proc/PID/stat's utime + stime)."""
+    ticks = 0
+    for pid in pids:
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:  # ended meanwhile
+            continue
+        ticks += int(fields[11]) + int(fields[12])
+    return ticks
 
 
 def published(output: Path) -> dict:
