@@ -43,22 +43,30 @@ def nodes() -> int:
     return max(1, world() // (local_process()[1] or 1))
 
 
+# init_distributed's timeout, for the gloo groups made beside the default one: torch's new_group does not take
+# the default group's but its own default (30 minutes for gloo), whatever timeout_minutes says.
+_group_timeout: timedelta | None = None
+
+
 def init_distributed(device: torch.device, timeout_minutes: float, check_seconds: float = 120.0) -> None:
     """Join the process group torchrun (or srun, through utils.launcher.adopt_srun_environment) describes, or
     run as one process: without WORLD_SIZE in the environment no process group is created and the
     collective helpers are no-ops. NCCL on GPUs, bound to this process's GPU; gloo on CPUs. The
     timeout covers the longest a rank may wait at a collective for the others (e.g. while rank 0
-    writes a checkpoint), so that a slow save does not trip the NCCL watchdog.
+    writes a checkpoint), so that a slow save does not trip the NCCL watchdog; the groups made later
+    (host_group, checkpoint_group) wait as long.
 
     Then one small all-reduce, waited for at most `check_seconds`: a network that joins the group but cannot
     carry a collective (the wrong interface, a container's own network) fails here, with what this process
     sees of the network, rather than as a hang or a backend error in the first step (NetworkError)."""
     if "WORLD_SIZE" not in os.environ or is_initialized():
         return
+    global _group_timeout
+    _group_timeout = timedelta(minutes=timeout_minutes)
     on_gpu = device.type == "cuda"
     name = "nccl" if on_gpu else "gloo"
     try:
-        dist.init_process_group(backend=name, init_method="env://", timeout=timedelta(minutes=timeout_minutes),
+        dist.init_process_group(backend=name, init_method="env://", timeout=_group_timeout,
                                 device_id=device if on_gpu else None)
         probe = torch.ones(1, device=device if on_gpu else "cpu")
         dist.all_reduce(probe, async_op=True).wait(timedelta(seconds=check_seconds))
@@ -105,7 +113,7 @@ def host_group() -> dist.ProcessGroup | None:
     default group when it is gloo (None), else a new gloo group beside NCCL. Collective."""
     if not is_initialized() or dist.get_backend() == "gloo":
         return None
-    return dist.new_group(backend="gloo")
+    return dist.new_group(backend="gloo", timeout=_group_timeout)
 
 
 def broadcast_object(obj, src: int = 0, group=None):
@@ -130,7 +138,7 @@ def checkpoint_group():
     """A gloo process group of every rank for checkpoint traffic, which may run in a background thread
     while training uses the default group (two threads must never share one group's collectives).
     None without a process group."""
-    return dist.new_group(backend="gloo") if is_initialized() else None
+    return dist.new_group(backend="gloo", timeout=_group_timeout) if is_initialized() else None
 
 
 def agreed(decide, share: bool = True, group=None):
