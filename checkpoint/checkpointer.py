@@ -14,7 +14,7 @@ bare backbone .pth, on any world size: checkpoint/sources.py has one importer pe
 Every file is written atomically (utils/atomic.py): a crash at any moment costs no earlier save.
 With `async_save`, a save copies the state to host memory and a background thread writes it
 (HostStaging, BackgroundSave below): the step waits for the copy only. The host buffers are kept from one
-save to the next (the memory plan counts them as `checkpoint_staging`); at most one save is in flight, so
+save to the next (the memory plan counts them as `host_checkpoint_staging`); at most one save is in flight, so
 one set of buffers serves every save.
 """
 from __future__ import annotations
