@@ -3,6 +3,7 @@
     make mutants                                          # the default modules below
     make mutants MODULES="partial_fc.py losses.py"        # some of them
     make mutants MODULES="training/memory_plan.py:_softmax_peaks"   # one module-level function's mutants
+    make mutants MODULES="losses.py:AdaFaceMargin"        # one class's (its methods')
 
 mutmut (configured in pyproject.toml) copies the code into mutants/, plants every mutant behind a switch
 and runs, for each mutant, the tests that executed the mutated function in a first, recorded pass.
@@ -14,6 +15,7 @@ known survivors is equivalent or not worth a test.
 """
 from __future__ import annotations
 
+import ast
 import os
 import re
 import shutil
@@ -44,9 +46,14 @@ RECHECK_TIMEOUT = 300  # seconds; a mutant that desynchronises two ranks' collec
 
 
 def mutant_prefix(target: str) -> str:
-    """The start of mutmut's names for the mutants of `target`: a module, or `module:function`."""
-    module, _, function = target.partition(":")
-    return module.removesuffix(".py").replace("/", ".") + "." + (f"x_{function}__mutmut_" if function else "")
+    """The start of mutmut's names for the mutants of `target`: a module, `module:function` or `module:Class`
+    (mutmut names a method's mutants `xǁClassǁmethod__mutmut_<n>`, a function's `x_function__mutmut_<n>`)."""
+    module, _, name = target.partition(":")
+    prefix = module.removesuffix(".py").replace("/", ".") + "."
+    if not name:
+        return prefix
+    classes = {node.name for node in ast.parse((ROOT / module).read_text()).body if isinstance(node, ast.ClassDef)}
+    return prefix + (f"xǁ{name}ǁ" if name in classes else f"x_{name}__mutmut_")
 
 
 def mutmut(*args: str, capture: bool = False) -> str:
