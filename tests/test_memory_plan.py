@@ -30,7 +30,7 @@ from checkpoint.sharded import stage_state
 from tests.forked_commands import ForkedCommand
 from tests.run_helpers import QUIET, ROOT, run_here, start_command
 from training.components import SavedPosition
-from training.memory_plan import fit, memory_plan
+from training.memory_plan import describe, fit, memory_plan
 from training.state import build_training_state
 from training.step import train_step
 from utils.config import load_config
@@ -206,6 +206,58 @@ def test_on_two_processes_rank_0_plans_its_centres_the_global_batch_and_the_ddp_
     assert result["plan"]["class_centres"] == 301 * 32 * 4
     assert result["measured"]["ddp_gradient_buckets"] > 0
     assert_close_to_a_real_step(result)
+
+
+def test_the_dry_runs_table_shows_each_item_in_gib_under_when_it_is_alive_and_the_moment_that_peaks():
+    """The table as the dry run prints it, for given bytes: the items held throughout, then each moment's, in GiB
+    with three decimals in one column; with gradient_acc > 1 the earlier micro-batches' gradients join both
+    moments; the total names the moment that peaks (the softmax, unless the classifier is unknown); an item
+    unknown without num_classes says so; the host's staging stands apart, and so do the backbone's gradients with
+    one micro-batch (the backbone's backward holds them)."""
+    gib = 2 ** 30
+    plan = {"class_centres": 3 * gib // 2, "centre_gradient": gib // 4, "centre_optimizer_state": 3 * gib // 2,
+            "logits_buffer": 3 * gib, "backbone_parameters": gib // 8, "backbone_optimizer_state": gib // 8,
+            "ddp_gradient_buckets": 0, "batch": 1_073_742, "activations": 2 * gib, "backbone_backward": 9 * gib // 2,
+            "backbone_gradients": gib // 8, "total": 8 * gib, "host_checkpoint_staging": 13 * gib // 4}
+    held = ["  held throughout:",
+            "    class centres                  1.500 GiB",
+            "    centre optimizer state         1.500 GiB",
+            "    backbone parameters            0.125 GiB",
+            "    backbone optimizer state       0.125 GiB",
+            "    ddp gradient buckets           0.000 GiB",
+            "    batch                          0.001 GiB"]
+    staging = "  host checkpoint staging          3.250 GiB  (not in the total on its own)"
+    # softmax 2 + 3 against backward 0.25 + 4.5 (+ 0.25 + 0.125 and + 0.125 with two micro-batches)
+    assert describe(plan, config("gradient_acc=1")).splitlines() == [
+        *held,
+        "  at the softmax:",
+        "    activations                    2.000 GiB",
+        "    logits buffer                  3.000 GiB",
+        "  in the backbone's backward:",
+        "    centre gradient                0.250 GiB",
+        "    backbone backward              4.500 GiB",
+        "  total                            8.000 GiB  (the step's peak: held throughout + at the softmax)",
+        "  backbone gradients               0.125 GiB  (not in the total on its own)",
+        staging]
+    unknown = {**plan, **dict.fromkeys(("class_centres", "centre_gradient", "centre_optimizer_state",
+                                        "logits_buffer", "host_checkpoint_staging"))}
+    # softmax 2 + 0.125 against backward 4.5 + 0.125: without the classifier, the backbone's backward peaks
+    assert describe(unknown, config("gradient_acc=2")).splitlines() == [
+        "  held throughout:",
+        "    class centres             unknown (set num_classes)",
+        "    centre optimizer state    unknown (set num_classes)",
+        *held[3:],
+        "  at the softmax:",
+        "    activations                    2.000 GiB",
+        "    logits buffer             unknown (set num_classes)",
+        "    centre gradient           unknown (set num_classes)",
+        "    backbone gradients             0.125 GiB",
+        "  in the backbone's backward:",
+        "    centre gradient           unknown (set num_classes)",
+        "    backbone backward              4.500 GiB",
+        "    backbone gradients             0.125 GiB",
+        "  total                            8.000 GiB  (the step's peak: held throughout + in the backbone's backward)",
+        "  host checkpoint staging     unknown (set num_classes)  (not in the total on its own)"]
 
 
 def dry_run(capsys, *extra: str) -> tuple[int, str, str]:
