@@ -16,6 +16,7 @@ known survivors is equivalent or not worth a test.
 from __future__ import annotations
 
 import ast
+import functools
 import os
 import re
 import shutil
@@ -33,7 +34,7 @@ TEST_FILES = {
     "utils/lr_scheduler.py": ["tests/test_lr_scheduler.py"],
     "facedata/recordio.py": ["tests/test_recordio.py"],
     "facedata/loader.py": ["tests/test_loader.py"],
-    "checkpoint/checkpointer.py": ["tests/test_checkpoint.py"],
+    "checkpoint/checkpointer.py": ["tests/test_checkpointer.py"],
     "checkpoint/safe_dcp.py": ["tests/test_safe_dcp.py", "tests/test_checkpoint.py"],
     "checkpoint/manifest.py": ["tests/test_checkpoint_files.py", "tests/test_checkpoint.py"],
     # test_checkpoint.py's saves reach checkpoint.json too, at minutes per mutant: its four hundred mutants (mostly
@@ -45,6 +46,7 @@ DEFAULT = list(TEST_FILES)
 RECHECK_TIMEOUT = 300  # seconds; a mutant that desynchronises two ranks' collectives would wait far longer
 
 
+@functools.cache
 def mutant_prefix(target: str) -> str:
     """The start of mutmut's names for the mutants of `target`: a module, `module:function` or `module:Class`
     (mutmut names a method's mutants `xǁClassǁmethod__mutmut_<n>`, a function's `x_function__mutmut_<n>`)."""

@@ -1,0 +1,204 @@
+"""The checkpointer (checkpoint/checkpointer.py) in one process, without training: when a run saves (every
+save_every_steps, at each epoch's end and at the end of the run, never twice at one step; a save due inside a
+streak of non-finite losses waits for the next good step), at which log level it says so, what a resume puts
+back (the step, or the step renumbered for another epoch length, and the LR schedule that a changed lr or
+num_epoch asks for), what it says about the keys a resume changes, and what a stopped run's last line names.
+
+The checkpoints are real (checkpoint/sharded.py, in tmp_path) and the state is test_checkpoint.py's toy model;
+the reference for every learning rate is a fresh scheduler stepped by hand. Whole runs that save and resume
+are in test_resume.py and test_resume_said.py.
+"""
+from __future__ import annotations
+
+import json
+import logging
+
+import torch
+
+from checkpoint.checkpointer import Checkpointer, Renumbering, last_good
+from checkpoint.pointer import POINTER_NAME
+from tests.test_checkpoint import INFO, make_model, take_steps
+from training.components import SavedPosition
+from training.state import StepCounter, build_components
+from utils.lr_scheduler import build_scheduler
+
+CONFIG = {"lr": 0.1, "backbone_lr_mult": 1.0, "num_epoch": 2, "warmup_epoch": 0, "frequent": 1,
+          "output": "first", "mean": [0.5, 0.5]}
+WARMUP, TOTAL = 2, 20  # test_checkpoint.make_model's schedule
+
+
+def checkpointer(output, model, config=CONFIG, **kwargs) -> Checkpointer:
+    return Checkpointer(str(output), model, SavedPosition({"skipped": 0}), INFO, config, **kwargs)
+
+
+def published_step(output) -> int | None:
+    pointer = output / POINTER_NAME
+    return json.loads(pointer.read_text())["global_step"] if pointer.is_file() else None
+
+
+def saves(output, saver: Checkpointer, steps_per_epoch: int, last: int, streaks: dict[int, int] = {}) -> list[int]:  # noqa: B006
+    """The steps 1..last (the last one final) after which `saver` saved; `streaks`: the non-finite losses in a
+    row at a step. Each save is checked to be the published checkpoint at once."""
+    counter, saved = StepCounter(steps_per_epoch=steps_per_epoch), []
+    for step in range(1, last + 1):
+        counter.global_step, counter.nonfinite_in_a_row = step, streaks.get(step, 0)
+        before = published_step(output)
+        if saver.after_step(counter, final=step == last):
+            saved.append(step)
+            assert published_step(output) == step
+        else:
+            assert published_step(output) == before, step
+        assert not saver.after_step(counter, final=step == last)  # never twice at one step
+    return saved
+
+
+def test_a_save_is_due_every_save_every_steps_at_each_epoch_end_and_at_the_end(tmp_path):
+    assert saves(tmp_path / "every3", checkpointer(tmp_path / "every3", make_model("sgd"), save_every_steps=3),
+                 steps_per_epoch=5, last=13) == [3, 5, 6, 9, 10, 12, 13]
+    assert saves(tmp_path / "epochs", checkpointer(tmp_path / "epochs", make_model("sgd")),
+                 steps_per_epoch=5, last=7) == [5, 7]
+
+
+def test_a_save_due_inside_a_non_finite_streak_waits_for_the_next_good_step_but_the_last_never_waits(tmp_path):
+    # due at 4 (an epoch's end) inside a streak of 2: saved at 6, the first good step; 8 as usual; 9 is the end
+    saver = checkpointer(tmp_path, make_model("sgd"))
+    assert saves(tmp_path, saver, steps_per_epoch=4, last=9, streaks={4: 1, 5: 2, 9: 1}) == [6, 8, 9]
+
+
+def test_a_save_for_exit_saves_only_a_step_not_saved_yet(tmp_path):
+    saver, counter = checkpointer(tmp_path, make_model("sgd")), StepCounter(global_step=3, steps_per_epoch=10)
+    saver.save_for_exit(counter)
+    assert published_step(tmp_path) == 3
+    folders = sorted(path.name for path in tmp_path.iterdir())
+    saver.save_for_exit(counter)
+    assert sorted(path.name for path in tmp_path.iterdir()) == folders
+    counter.global_step = 4
+    saver.save_for_exit(counter)
+    assert published_step(tmp_path) == 4
+
+
+def test_saves_are_said_at_info_level_at_most_once_per_ten_log_lines_and_always_at_the_end(tmp_path, caplog):
+    caplog.set_level(logging.DEBUG, logger="checkpoint.checkpointer")
+    saver = checkpointer(tmp_path, make_model("sgd"), config={**CONFIG, "frequent": 1}, save_every_steps=1)
+    assert saves(tmp_path, saver, steps_per_epoch=100, last=12) == list(range(1, 13))
+    said = [(record.levelno, record.args[1]) for record in caplog.records
+            if record.name == "checkpoint.checkpointer" and record.msg.startswith("saved ")]
+    assert said == [(logging.INFO if step in (1, 11, 12) else logging.DEBUG, step) for step in range(1, 13)]
+
+
+def test_a_stopped_runs_last_line_names_the_checkpoint_left_or_the_backbone_or_nothing(tmp_path):
+    assert last_good(str(tmp_path), "--resume X") == "no checkpoint had been written yet"
+    (tmp_path / "backbone.pth").write_bytes(b"")
+    assert last_good(str(tmp_path), "--resume X") == f"the last good backbone.pth in {tmp_path} is untouched"
+    (tmp_path / POINTER_NAME).write_bytes(b"")
+    assert last_good(str(tmp_path), "--resume X") == (f"the last good {POINTER_NAME} in {tmp_path} is untouched "
+                                                      "(continue with: --resume X)")
+
+
+def lr_after(steps: int, total: int = TOTAL, lr: float = 0.1) -> float:
+    """The centres' learning rate after `steps` steps of a fresh schedule stepped by hand."""
+    optimizer = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=lr)
+    scheduler = build_scheduler(optimizer, WARMUP, total)
+    for _ in range(steps):
+        optimizer.step()
+        scheduler.step()
+    return optimizer.param_groups[0]["lr"]
+
+
+def saved_run(output, step: int, steps_per_epoch: int):
+    """A checkpoint of test_checkpoint's model at `step` (that many real optimizer steps), saved by the
+    checkpointer, and the model's centres then."""
+    model = make_model("sgd", seed=1)
+    take_steps(model, step)
+    checkpointer(output, model).save(StepCounter(global_step=step, steps_per_epoch=steps_per_epoch))
+    return model.pfc.weight.detach().clone()
+
+
+def test_a_resume_on_the_same_epoch_length_goes_on_at_the_saved_step(tmp_path, caplog):
+    centres = saved_run(tmp_path, 7, steps_per_epoch=10)
+    model = make_model("sgd", seed=2)
+    saver, counter = checkpointer(tmp_path, model), StepCounter(steps_per_epoch=10)
+    restored = saver.resume(("checkpoint", tmp_path / POINTER_NAME), counter)
+    assert torch.equal(model.pfc.weight, centres) and restored.progress["global_step"] == 7
+    assert (counter.global_step, counter.shown_step, saver.saved_at, saver.renumbering) == (7, 7, 7, None)
+    assert model.scheduler.last_epoch == 7 and model.optimizer.param_groups[1]["lr"] == lr_after(7)
+    assert not [record for record in caplog.records if record.levelno >= logging.WARNING]
+
+
+def test_a_resume_on_another_epoch_length_renumbers_the_step_and_its_schedule_and_says_so(tmp_path, caplog):
+    saved_run(tmp_path, 7, steps_per_epoch=10)
+    model = make_model("sgd", seed=2)
+    saver, counter = checkpointer(tmp_path, model), StepCounter(steps_per_epoch=8)
+    saver.resume(("checkpoint", tmp_path / POINTER_NAME), counter)
+    # 7 of 10 steps per epoch is 5.6 of 8: step 6, shown as 7 still (an offset of 1)
+    assert (counter.global_step, counter.shown_step, saver.saved_at) == (6, 7, 6)
+    assert saver.renumbering == Renumbering(saved_step=7, saved_steps_per_epoch=10, steps_per_epoch=8, step=6)
+    assert saver.renumbering.describe() == ("step 7 of the saved run, which had 10 steps per epoch where this one "
+                                            "has 8")
+    assert model.scheduler.last_epoch == 6 and model.optimizer.param_groups[1]["lr"] == lr_after(6)
+    (warning,) = [record.getMessage() for record in caplog.records if record.levelno == logging.WARNING]
+    assert warning == ("resuming a run of 1 process(es) and 10 steps per epoch with 1 and 8: step 7 becomes step 6 "
+                       "of the LR schedule; the log and TensorBoard go on counting from step 7; the data order of "
+                       "this epoch differs from the original run")
+
+
+def test_a_resume_that_changes_lr_or_num_epoch_follows_the_new_schedule_and_names_each_change(tmp_path, caplog):
+    saved_run(tmp_path, 7, steps_per_epoch=10)
+    caplog.set_level(logging.INFO, logger="checkpoint.checkpointer")
+    for changes, total, lr in (({"lr": 0.2}, TOTAL, 0.2), ({"num_epoch": 4}, 2 * TOTAL, 0.1)):
+        caplog.clear()
+        model = make_model("sgd", seed=2)
+        model.scheduler = build_scheduler(model.optimizer, WARMUP, total)  # the new run's schedule
+        model.components = build_components(model, {})
+        config = {**CONFIG, **changes, "output": "elsewhere", "mean": (0.5, 0.5), "frequent": 2}
+        checkpointer(tmp_path, model, config).resume(("checkpoint", tmp_path / POINTER_NAME),
+                                                     StepCounter(steps_per_epoch=10))
+        assert model.scheduler.base_lrs == [lr, lr]
+        assert [group["lr"] for group in model.optimizer.param_groups] == [lr_after(7, total, lr)] * 2
+        said = [(record.levelno, record.getMessage()) for record in caplog.records
+                if record.getMessage().startswith("config changed on resume")]
+        ((key, new),) = changes.items()
+        effect = {"lr": "every LR from this step on is scaled by new / old = 2",
+                  "num_epoch": "the LR schedule now spans another number of epochs: the LR from this step on "
+                               "differs from the original plan"}[key]
+        # where the run lives (output) and a tuple saved as a list are no change
+        assert said == [(logging.WARNING, f"config changed on resume: {key} {CONFIG[key]!r} -> {new!r}: {effect}"),
+                        (logging.INFO, "config changed on resume: frequent: 1 -> 2")]
+
+
+
+def test_without_save_all_states_a_save_writes_the_backbone_alone(tmp_path):
+    model = make_model("sgd")
+    saver, counter = checkpointer(tmp_path, model, save_all_states=False), StepCounter(steps_per_epoch=2)
+    saved = []
+    for step in (1, 2, 3):
+        counter.global_step = step
+        saved += [step] if saver.after_step(counter, final=step == 3) else []
+        assert not saver.after_step(counter, final=step == 3)
+    assert saved == [2, 3]
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["backbone.pth", "model.json"]
+    saved = torch.load(tmp_path / "backbone.pth", weights_only=True)
+    assert saved.keys() == model.backbone.state_dict().keys()
+    assert all(torch.equal(saved[key], value) for key, value in model.backbone.state_dict().items())
+
+
+def test_an_async_save_writes_the_state_as_it_was_when_save_returned_and_the_next_save_waits_for_it(tmp_path,
+                                                                                                      caplog):
+    caplog.set_level(logging.DEBUG, logger="checkpoint.checkpointer")
+    model = make_model("sgd", seed=1)
+    saver = checkpointer(tmp_path, model, async_save=True)
+    at_save = model.pfc.weight.detach().clone()
+    saver.save(StepCounter(global_step=3, steps_per_epoch=10))
+    with torch.no_grad():
+        model.pfc.weight.add_(1.0)  # the next steps train on while the save is written
+    saver.wait_for_save()
+    assert published_step(tmp_path) == 3
+    fresh = make_model("sgd", seed=2)
+    checkpointer(tmp_path, fresh).resume(("checkpoint", tmp_path / POINTER_NAME), StepCounter(steps_per_epoch=10))
+    assert torch.equal(fresh.pfc.weight, at_save)
+    saver.save(StepCounter(global_step=4, steps_per_epoch=10))
+    saver.save(StepCounter(global_step=5, steps_per_epoch=10), final=True)  # waits for step 4's, then its own
+    assert published_step(tmp_path) == 5
+    said = [record.args[1] for record in caplog.records
+            if record.name == "checkpoint.checkpointer" and record.msg.startswith("saved ")]
+    assert said == [3, 4, 5]
