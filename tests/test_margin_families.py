@@ -424,3 +424,102 @@ def test_a_new_family_is_one_class_that_partial_fc_runs_unchanged():
                                    ("centres.grad", pfc.weight.grad, grads[1]),
                                    ("state", pfc.margin_state, torch.tensor([step + 1.0], dtype=torch.float64))):
             torch.testing.assert_close(ours, theirs, rtol=1e-10, atol=1e-12, msg=lambda text, w=what: f"{w}: {text}")
+
+
+# --- each family's margin at the edges, on given cosines (no PartialFC) --------------------------------
+
+def bound(family: MarginFamily, rows: GlobalRows, target_cos: torch.Tensor | None = None) -> Margin:
+    """The family's margin for one forward, its state in float64 from its start."""
+    return family.bind(torch.tensor(family.initial_state(), dtype=torch.float64), rows, target_cos)
+
+
+@pytest.mark.parametrize("name", ["adaface", "curricular", "elastic_arc", "elastic_cos"])
+def test_a_target_cosine_of_exactly_one_or_minus_one_gives_a_finite_logit_and_gradient(name):
+    """Rounding makes a cosine of exactly +-1 happen (a centre equal to its feature): the angle's derivative is
+    infinite there, so the angular families clamp the cosine before acos."""
+    family = {"adaface": AdaFaceMargin(S), "curricular": CurricularMargin(S),
+              "elastic_arc": ElasticMargin(S, "arc"), "elastic_cos": ElasticMargin(S, "cos")}[name]
+    cos = torch.tensor([-1.0, 1.0, -1.0, 1.0, 0.3, -0.3], dtype=torch.float64, requires_grad=True)
+    rows = GlobalRows(1, 1, 6, norms=torch.tensor([1.0, 1.0, 30.0, 30.0, 10.0, 20.0], dtype=torch.float64))
+    logit = bound(family, rows, cos.detach()).target_logit(cos)
+    logit.sum().backward()
+    assert torch.isfinite(logit).all() and torch.isfinite(cos.grad).all(), (logit, cos.grad)
+
+
+def test_adaface_clips_the_norms_quality_to_plus_or_minus_one_and_the_shifted_angle_to_zero_pi():
+    """The formula of AdaFaceMargin's docstring in float64 by hand, on norms whose quality z passes -1 and +1
+    (h = 1, the EMAs at this batch's mean and std: t_alpha = 1) and on cosines whose shifted angle theta - m z
+    leaves [eps, pi - eps]."""
+    s, m, h, eps = S, 0.4, 1.0, 1e-3
+    norms = [1.0, 25.0, 25.0, 25.0, 25.0, 25.0, 25.0, 50.0]
+    cosines = [-1.0, 0.3, -0.2, 0.1, 0.5, 0.7, -0.6, 1.0]
+    mean = sum(norms) / len(norms)
+    std = math.sqrt(sum((n - mean) ** 2 for n in norms) / (len(norms) - 1))
+    quality = [h * (n - mean) / (std + eps) for n in norms]
+    z = [min(1.0, max(-1.0, q)) for q in quality]
+    theta = [math.acos(min(1 - eps, max(-1 + eps, c))) for c in cosines]
+    shifted = [t - m * zi for t, zi in zip(theta, z)]
+    expected = [s * (math.cos(min(math.pi - eps, max(eps, a))) - m - m * zi) for a, zi in zip(shifted, z)]
+    assert quality[0] < -1 and quality[-1] > 1 and shifted[0] > math.pi - eps and shifted[-1] < eps  # it can tell
+    rows = GlobalRows(1, 1, len(norms), norms=torch.tensor(norms, dtype=torch.float64))
+    logit = bound(AdaFaceMargin(s, m=m, h=h, t_alpha=1.0), rows).target_logit(torch.tensor(cosines,
+                                                                                           dtype=torch.float64))
+    torch.testing.assert_close(logit, torch.tensor(expected, dtype=torch.float64), rtol=1e-12, atol=1e-10)
+
+
+def test_curricular_falls_back_past_pi_and_a_tie_with_a_threshold_is_not_hard_as_in_the_authors_head():
+    """The authors' head: target ``cos(theta + m)`` only where ``cos > cos(pi - m)`` (a strict >), else
+    ``cos - m sin m``; a negative is hard only where ``c_j > cos(theta_y + m)`` (strict); a target cosine
+    rounded past +-1 counts as +-1."""
+    s, m = S, 0.5
+    margin = bound(CurricularMargin(s, m=m, alpha=1.0), GlobalRows(1, 1, 2),
+                   torch.tensor([1.0 + 1e-9, -1.0 - 1e-9], dtype=torch.float64))
+    at_pi = math.cos(math.pi - m)
+    cosines = [-1.0, -0.99, at_pi, 0.3]
+    expected = [s * (c - m * math.sin(m)) if c <= at_pi else s * math.cos(math.acos(c) + m) for c in cosines]
+    torch.testing.assert_close(margin.target_logit(torch.tensor(cosines, dtype=torch.float64)),
+                               torch.tensor(expected, dtype=torch.float64), rtol=1e-12, atol=1e-10)
+    # thresholds: cos(0 + m) for the target at +1, cos(pi + m) = -cos(m) for the one at -1; t is their mean, 0
+    negatives = [[math.cos(m), math.cos(m) + 0.01, 0.2], [-math.cos(m), 0.0, -0.95]]
+    hard = [[False, True, False], [False, True, False]]
+    cos = torch.tensor(negatives, dtype=torch.float64)
+    slope = torch.empty_like(cos)
+    margin.modulate(cos, slope)
+    t = float(margin.t)
+    assert abs(t) < 1e-12
+    assert cos.tolist() == [[c * (t + c) if h else c for c, h in zip(row, hs)] for row, hs in zip(negatives, hard)]
+    assert slope.tolist() == [[t + 2 * c if h else 1.0 for c, h in zip(row, hs)] for row, hs in zip(negatives, hard)]
+
+
+def test_elastic_takes_the_authors_settings_by_default_and_continues_linearly_past_pi():
+    for kwargs, settings in (({}, (64.0, "arc", 0.5, 0.05, False)),
+                             (dict(plus=True), (64.0, "arc", 0.5, 0.0175, True)),
+                             (dict(kind="cos"), (64.0, "cos", 0.35, 0.05, False)),
+                             (dict(kind="cos", plus=True), (64.0, "cos", 0.35, 0.02, True)),
+                             (dict(s=30.0, m=0.4, std=0.1, plus=True), (30.0, "arc", 0.4, 0.1, True))):
+        family = ElasticMargin(**kwargs)
+        assert (family.s, family.kind, family.m, family.std, family.plus) == settings, kwargs
+    # std 0: every row's margin is m; past theta = pi - m the logit goes on as cos - cos(pi - m) - 1
+    s, m = S, 0.5
+    cosines = [-1.0, -0.99, -0.5, 0.3]
+    below = -math.cos(m)
+    expected = [s * (c - below - 1.0) if c < below else s * math.cos(math.acos(c) + m) for c in cosines]
+    margin = bound(ElasticMargin(s, "arc", m=m, std=0.0), GlobalRows(1, 1, len(cosines)))
+    torch.testing.assert_close(margin.target_logit(torch.tensor(cosines, dtype=torch.float64)),
+                               torch.tensor(expected, dtype=torch.float64), rtol=1e-6, atol=1e-6)
+
+
+def test_elastic_plus_hands_equal_target_cosines_their_margins_in_row_order():
+    """ElasticFace+: the sorted draws go to the rows by decreasing target cosine; rows whose target cosines
+    are equal take them in row order (a stable sort: the same margins on any device)."""
+    m, std, seed, step = 0.35, 0.1, 3, 2
+    targets = [0.5, 0.5, 0.3, 0.5, 0.9, 0.5, 0.5, 0.5] * 3
+    draws = sorted(elastic_draws(seed, step, len(targets), 1, m, std).view(-1).tolist())
+    by_target = sorted(range(len(targets)), key=lambda row: -targets[row])  # Python's sort is stable
+    expected = [0.0] * len(targets)
+    for rank, row in enumerate(by_target):
+        expected[row] = draws[rank]
+    margin = bound(ElasticMargin(S, "cos", m=m, std=std, plus=True),
+                   GlobalRows(1, 1, len(targets), seed=seed, step=step), torch.tensor(targets, dtype=torch.float64))
+    margins = -margin.target_logit(torch.zeros(len(targets), dtype=torch.float64)) / S  # s (0 - m_i)
+    assert margins.tolist() == expected
