@@ -12,12 +12,19 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
+from pathlib import Path
 
 import torch
 
+from backbones import get_model
 from checkpoint.checkpointer import Checkpointer, Renumbering, last_good
+from checkpoint.legacy import LEGACY_NAME
 from checkpoint.pointer import POINTER_NAME
-from tests.test_checkpoint import INFO, make_model, take_steps
+from checkpoint.run_config import RUN_CONFIG_NAME
+from checkpoint.run_dir import find_resume_source
+from tests import test_arcface_checkpoint as arcface
+from tests.test_checkpoint import INFO, NUM_CLASSES, legacy_checkpoint, make_model, take_steps
 from training.components import SavedPosition
 from training.state import StepCounter, build_components
 from utils.lr_scheduler import build_scheduler
@@ -43,7 +50,7 @@ def saves(output, saver: Checkpointer, steps_per_epoch: int, last: int, streaks:
     for step in range(1, last + 1):
         counter.global_step, counter.nonfinite_in_a_row = step, streaks.get(step, 0)
         before = published_step(output)
-        if saver.after_step(counter, final=step == last):
+        if saver.after_step(counter, final=True) if step == last else saver.after_step(counter):
             saved.append(step)
             assert published_step(output) == step
         else:
@@ -65,7 +72,8 @@ def test_a_save_due_inside_a_non_finite_streak_waits_for_the_next_good_step_but_
     assert saves(tmp_path, saver, steps_per_epoch=4, last=9, streaks={4: 1, 5: 2, 9: 1}) == [6, 8, 9]
 
 
-def test_a_save_for_exit_saves_only_a_step_not_saved_yet(tmp_path):
+def test_a_save_for_exit_saves_only_a_step_not_saved_yet_and_says_so(tmp_path, caplog):
+    caplog.set_level(logging.DEBUG, logger="checkpoint.checkpointer")
     saver, counter = checkpointer(tmp_path, make_model("sgd")), StepCounter(global_step=3, steps_per_epoch=10)
     saver.save_for_exit(counter)
     assert published_step(tmp_path) == 3
@@ -75,15 +83,22 @@ def test_a_save_for_exit_saves_only_a_step_not_saved_yet(tmp_path):
     counter.global_step = 4
     saver.save_for_exit(counter)
     assert published_step(tmp_path) == 4
+    assert said_saves(caplog) == [(logging.INFO, 3), (logging.INFO, 4)]  # the last save of a run is said
+    assert f"saved {tmp_path / 'checkpoint-000000004'} at global step 4" in caplog.messages
+
+
+def said_saves(caplog) -> list[tuple[int, int]]:
+    return [(record.levelno, record.args[1]) for record in caplog.records
+            if record.name == "checkpoint.checkpointer" and record.msg.startswith("saved ")]
 
 
 def test_saves_are_said_at_info_level_at_most_once_per_ten_log_lines_and_always_at_the_end(tmp_path, caplog):
     caplog.set_level(logging.DEBUG, logger="checkpoint.checkpointer")
-    saver = checkpointer(tmp_path, make_model("sgd"), config={**CONFIG, "frequent": 1}, save_every_steps=1)
-    assert saves(tmp_path, saver, steps_per_epoch=100, last=12) == list(range(1, 13))
-    said = [(record.levelno, record.args[1]) for record in caplog.records
-            if record.name == "checkpoint.checkpointer" and record.msg.startswith("saved ")]
-    assert said == [(logging.INFO if step in (1, 11, 12) else logging.DEBUG, step) for step in range(1, 13)]
+    saver = checkpointer(tmp_path, make_model("sgd"), config={**CONFIG, "frequent": 2}, save_every_steps=1)
+    assert saves(tmp_path, saver, steps_per_epoch=100, last=22) == list(range(1, 23))
+    # a log line every 2 steps: at most one save said per 20 steps
+    assert said_saves(caplog) == [(logging.INFO if step in (1, 21, 22) else logging.DEBUG, step)
+                                  for step in range(1, 23)]
 
 
 def test_a_stopped_runs_last_line_names_the_checkpoint_left_or_the_backbone_or_nothing(tmp_path):
@@ -93,24 +108,27 @@ def test_a_stopped_runs_last_line_names_the_checkpoint_left_or_the_backbone_or_n
     (tmp_path / POINTER_NAME).write_bytes(b"")
     assert last_good(str(tmp_path), "--resume X") == (f"the last good {POINTER_NAME} in {tmp_path} is untouched "
                                                       "(continue with: --resume X)")
+    assert last_good(str(tmp_path)).endswith("(continue with: --resume)")
+    assert checkpointer(tmp_path, make_model("sgd")).continue_with == "--resume"  # what the stop lines advise
 
 
-def lr_after(steps: int, total: int = TOTAL, lr: float = 0.1) -> float:
+def lr_after(steps: int, total: int = TOTAL, lr: float = 0.1, warmup: int = WARMUP) -> float:
     """The centres' learning rate after `steps` steps of a fresh schedule stepped by hand."""
     optimizer = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=lr)
-    scheduler = build_scheduler(optimizer, WARMUP, total)
+    scheduler = build_scheduler(optimizer, warmup, total)
     for _ in range(steps):
         optimizer.step()
         scheduler.step()
     return optimizer.param_groups[0]["lr"]
 
 
-def saved_run(output, step: int, steps_per_epoch: int):
+def saved_run(output, step: int, steps_per_epoch: int, shown_offset: int = 0):
     """A checkpoint of test_checkpoint's model at `step` (that many real optimizer steps), saved by the
     checkpointer, and the model's centres then."""
     model = make_model("sgd", seed=1)
     take_steps(model, step)
-    checkpointer(output, model).save(StepCounter(global_step=step, steps_per_epoch=steps_per_epoch))
+    checkpointer(output, model).save(StepCounter(global_step=step, steps_per_epoch=steps_per_epoch,
+                                                 shown_offset=shown_offset))
     return model.pfc.weight.detach().clone()
 
 
@@ -126,50 +144,112 @@ def test_a_resume_on_the_same_epoch_length_goes_on_at_the_saved_step(tmp_path, c
 
 
 def test_a_resume_on_another_epoch_length_renumbers_the_step_and_its_schedule_and_says_so(tmp_path, caplog):
-    saved_run(tmp_path, 7, steps_per_epoch=10)
+    saved_run(tmp_path, 7, steps_per_epoch=10, shown_offset=3)  # shown as step 10 (a renumbered run before)
     model = make_model("sgd", seed=2)
     saver, counter = checkpointer(tmp_path, model), StepCounter(steps_per_epoch=8)
     saver.resume(("checkpoint", tmp_path / POINTER_NAME), counter)
-    # 7 of 10 steps per epoch is 5.6 of 8: step 6, shown as 7 still (an offset of 1)
-    assert (counter.global_step, counter.shown_step, saver.saved_at) == (6, 7, 6)
+    # 7 of 10 steps per epoch is 5.6 of 8: step 6, shown as 10 still (an offset of 4)
+    assert (counter.global_step, counter.shown_step, saver.saved_at) == (6, 10, 6)
     assert saver.renumbering == Renumbering(saved_step=7, saved_steps_per_epoch=10, steps_per_epoch=8, step=6)
     assert saver.renumbering.describe() == ("step 7 of the saved run, which had 10 steps per epoch where this one "
                                             "has 8")
     assert model.scheduler.last_epoch == 6 and model.optimizer.param_groups[1]["lr"] == lr_after(6)
     (warning,) = [record.getMessage() for record in caplog.records if record.levelno == logging.WARNING]
     assert warning == ("resuming a run of 1 process(es) and 10 steps per epoch with 1 and 8: step 7 becomes step 6 "
-                       "of the LR schedule; the log and TensorBoard go on counting from step 7; the data order of "
+                       "of the LR schedule; the log and TensorBoard go on counting from step 10; the data order of "
                        "this epoch differs from the original run")
 
 
-def test_a_resume_that_changes_lr_or_num_epoch_follows_the_new_schedule_and_names_each_change(tmp_path, caplog):
+EFFECTS = {"lr": "every LR from this step on is scaled by new / old = 2",
+           "num_epoch": "the LR schedule now spans another number of epochs: the LR from this step on differs from "
+                        "the original plan",
+           "warmup_epoch": "the warmup now ends at another epoch: the LR from this step on differs from the original "
+                           "plan"}
+
+
+def test_a_resume_that_changes_lr_num_epoch_or_warmup_follows_the_new_schedule_and_names_each_change(tmp_path,
+                                                                                                      caplog):
     saved_run(tmp_path, 7, steps_per_epoch=10)
     caplog.set_level(logging.INFO, logger="checkpoint.checkpointer")
-    for changes, total, lr in (({"lr": 0.2}, TOTAL, 0.2), ({"num_epoch": 4}, 2 * TOTAL, 0.1)):
+    for changes, total, warmup, lr in (({"lr": 0.2}, TOTAL, WARMUP, 0.2), ({"num_epoch": 4}, 2 * TOTAL, WARMUP, 0.1),
+                                       ({"warmup_epoch": 1}, TOTAL, 10, 0.1)):
         caplog.clear()
         model = make_model("sgd", seed=2)
-        model.scheduler = build_scheduler(model.optimizer, WARMUP, total)  # the new run's schedule
+        model.scheduler = build_scheduler(model.optimizer, warmup, total)  # the new run's schedule
         model.components = build_components(model, {})
-        config = {**CONFIG, **changes, "output": "elsewhere", "mean": (0.5, 0.5), "frequent": 2}
+        # output: a value JSON cannot hold (a Path, as a config file may set) is compared by its repr
+        config = {**CONFIG, **changes, "output": Path("elsewhere"), "mean": (0.5, 0.5), "frequent": 2}
         checkpointer(tmp_path, model, config).resume(("checkpoint", tmp_path / POINTER_NAME),
                                                      StepCounter(steps_per_epoch=10))
         assert model.scheduler.base_lrs == [lr, lr]
-        assert [group["lr"] for group in model.optimizer.param_groups] == [lr_after(7, total, lr)] * 2
+        assert [group["lr"] for group in model.optimizer.param_groups] == [lr_after(7, total, lr, warmup)] * 2
         said = [(record.levelno, record.getMessage()) for record in caplog.records
                 if record.getMessage().startswith("config changed on resume")]
         ((key, new),) = changes.items()
-        effect = {"lr": "every LR from this step on is scaled by new / old = 2",
-                  "num_epoch": "the LR schedule now spans another number of epochs: the LR from this step on "
-                               "differs from the original plan"}[key]
         # where the run lives (output) and a tuple saved as a list are no change
-        assert said == [(logging.WARNING, f"config changed on resume: {key} {CONFIG[key]!r} -> {new!r}: {effect}"),
-                        (logging.INFO, "config changed on resume: frequent: 1 -> 2")]
+        assert said == [(logging.WARNING, f"config changed on resume: {key} {CONFIG[key]!r} -> {new!r}: "
+                                          f"{EFFECTS[key]}"),
+                        (logging.INFO, "config changed on resume: frequent: 1 -> 2")], key
 
 
+def test_a_resume_from_a_checkpoint_folder_without_checkpoint_json_says_so(tmp_path, caplog):
+    centres = saved_run(tmp_path, 7, steps_per_epoch=10)
+    (tmp_path / POINTER_NAME).unlink()
+    source = find_resume_source(tmp_path)
+    assert source == ("checkpoint", tmp_path / "checkpoint-000000007")
+    model = make_model("sgd", seed=2)
+    checkpointer(tmp_path, model).resume(source, StepCounter(steps_per_epoch=10))
+    assert torch.equal(model.pfc.weight, centres)
+    (warning,) = [record.getMessage() for record in caplog.records if record.levelno == logging.WARNING]
+    assert warning == (f"{tmp_path} holds no {POINTER_NAME}: resuming from {source[1]}, its newest complete "
+                       "checkpoint folder, once every file matches its checksum")
 
-def test_without_save_all_states_a_save_writes_the_backbone_alone(tmp_path):
+
+def test_a_resume_from_an_earlier_versions_file_or_arcface_torchs_folder_or_a_bare_backbone(tmp_path, caplog):
+    caplog.set_level(logging.INFO, logger="checkpoint.checkpointer")
+    centres = torch.arange(NUM_CLASSES * 3, dtype=torch.float32).reshape(NUM_CLASSES, 3)
+    (tmp_path / "legacy").mkdir()
+    legacy_checkpoint(tmp_path / "legacy" / LEGACY_NAME, centres, -centres, world_size=1)
+    legacy = torch.load(tmp_path / "legacy" / LEGACY_NAME, weights_only=False)
+    legacy["progress"]["nonfinite_total"] = 0  # the whole progress a run saves (test_checkpoint's file holds less)
+    torch.save(legacy, tmp_path / "legacy" / LEGACY_NAME)
+    model, counter = make_model("sgd", seed=2), StepCounter(steps_per_epoch=10)
+    restored = checkpointer(tmp_path / "legacy", model).resume(find_resume_source(tmp_path / "legacy"), counter)
+    assert torch.equal(model.pfc.weight, centres) and counter.global_step == restored.progress["global_step"] == 1
+
+    written = arcface.write_2021(tmp_path / "arcface", world_size=1)
+    model = arcface.make_model("sgd")
+    model.scheduler, model.scaler = build_scheduler(model.optimizer, WARMUP, TOTAL), None
+    Checkpointer(str(tmp_path / "arcface"), model, SavedPosition({"skipped": 0}), arcface.INFO21, CONFIG).resume(
+        find_resume_source(tmp_path / "arcface"), StepCounter(steps_per_epoch=10))
+    assert torch.equal(model.pfc.weight, written["weight"])
+
+    torch.manual_seed(3)
+    start = get_model("r18", num_features=arcface.DIM, width_mult=arcface.WIDTH)
+    torch.save(start.state_dict(), tmp_path / "start.pth")
+    model = arcface.make_model("sgd")
+    saver = Checkpointer(str(tmp_path / "run"), model, SavedPosition({"skipped": 0}), arcface.INFO21, CONFIG)
+    assert saver.resume(find_resume_source(tmp_path / "start.pth"), StepCounter()) is None
+    assert all(torch.equal(value, start.state_dict()[key]) for key, value in model.backbone.state_dict().items())
+    assert (f"initialised the backbone from {tmp_path / 'start.pth'} (a bare backbone: class centres, optimizer "
+            "and schedule start fresh)") in caplog.messages
+    assert not [message for message in caplog.messages if "holds no" in message]  # that is said of folders only
+
+
+def test_a_published_save_writes_the_config_file_and_overrides_the_run_was_started_with(tmp_path):
+    for config_file, overrides, listed in (("configs/x.py", ["lr=0.2", "output=elsewhere"], ["lr=0.2"]),
+                                           (None, None, [])):
+        output = tmp_path / str(config_file).replace("/", "_")
+        arguments = {} if config_file is None else dict(config_file=config_file, overrides=overrides)
+        checkpointer(output, make_model("sgd"), **arguments).save(StepCounter(global_step=1))
+        assert json.loads((output / RUN_CONFIG_NAME).read_text()) == {"config_file": config_file or "",
+                                                                       "set": listed}
+
+
+def test_without_save_all_states_a_save_writes_the_backbone_alone_with_its_verification(tmp_path):
     model = make_model("sgd")
     saver, counter = checkpointer(tmp_path, model, save_all_states=False), StepCounter(steps_per_epoch=2)
+    counter.verification = {"lfw": {"accuracy": 0.75}}
     saved = []
     for step in (1, 2, 3):
         counter.global_step = step
@@ -180,17 +260,32 @@ def test_without_save_all_states_a_save_writes_the_backbone_alone(tmp_path):
     saved = torch.load(tmp_path / "backbone.pth", weights_only=True)
     assert saved.keys() == model.backbone.state_dict().keys()
     assert all(torch.equal(saved[key], value) for key, value in model.backbone.state_dict().items())
+    assert json.loads((tmp_path / "model.json").read_text()) == {**INFO, "verification": counter.verification}
 
 
-def test_an_async_save_writes_the_state_as_it_was_when_save_returned_and_the_next_save_waits_for_it(tmp_path,
-                                                                                                      caplog):
+def test_an_async_save_returns_before_its_files_are_written_and_writes_the_state_as_it_was(tmp_path, caplog):
+    """The writer thread is held where it starts writing (a trace function on the threads save() starts)
+    while the step trains on: what it writes is the state at save()."""
     caplog.set_level(logging.DEBUG, logger="checkpoint.checkpointer")
     model = make_model("sgd", seed=1)
     saver = checkpointer(tmp_path, model, async_save=True)
+    writing, release = threading.Event(), threading.Event()
+
+    def hold_the_writer(frame, event, arg):
+        if event == "call" and frame.f_code.co_name == "write_state":
+            writing.set()
+            release.wait(60)
+
     at_save = model.pfc.weight.detach().clone()
-    saver.save(StepCounter(global_step=3, steps_per_epoch=10))
+    threading.settrace(hold_the_writer)
+    try:
+        saver.save(StepCounter(global_step=3, steps_per_epoch=10))
+    finally:
+        threading.settrace(None)
+    assert writing.wait(30) and published_step(tmp_path) is None  # save() returned; nothing is written yet
     with torch.no_grad():
         model.pfc.weight.add_(1.0)  # the next steps train on while the save is written
+    release.set()
     saver.wait_for_save()
     assert published_step(tmp_path) == 3
     fresh = make_model("sgd", seed=2)
@@ -199,6 +294,4 @@ def test_an_async_save_writes_the_state_as_it_was_when_save_returned_and_the_nex
     saver.save(StepCounter(global_step=4, steps_per_epoch=10))
     saver.save(StepCounter(global_step=5, steps_per_epoch=10), final=True)  # waits for step 4's, then its own
     assert published_step(tmp_path) == 5
-    said = [record.args[1] for record in caplog.records
-            if record.name == "checkpoint.checkpointer" and record.msg.startswith("saved ")]
-    assert said == [3, 4, 5]
+    assert [step for _, step in said_saves(caplog)] == [3, 4, 5]
