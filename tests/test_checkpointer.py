@@ -19,12 +19,12 @@ import torch
 
 from backbones import get_model
 from checkpoint.checkpointer import Checkpointer, Renumbering, last_good
-from checkpoint.legacy import LEGACY_NAME
 from checkpoint.pointer import POINTER_NAME
-from checkpoint.run_config import RUN_CONFIG_NAME
-from checkpoint.run_dir import find_resume_source
-from tests import test_arcface_checkpoint as arcface
-from tests.test_checkpoint import INFO, NUM_CLASSES, legacy_checkpoint, make_model, take_steps
+from checkpoint.run_dir import RUN_CONFIG_NAME
+from checkpoint.sources import LEGACY_NAME, find_resume_source
+from tests import test_arcface as arcface
+from tests.test_sources import legacy_checkpoint
+from tests.toy_state import INFO, NUM_CLASSES, make_model, take_steps
 from training.components import SavedPosition
 from training.state import StepCounter, build_components
 from utils.lr_scheduler import build_scheduler
@@ -123,7 +123,7 @@ def lr_after(steps: int, total: int = TOTAL, lr: float = 0.1, warmup: int = WARM
 
 
 def saved_run(output, step: int, steps_per_epoch: int, shown_offset: int = 0):
-    """A checkpoint of test_checkpoint's model at `step` (that many real optimizer steps), saved by the
+    """A checkpoint of the toy model at `step` (that many real optimizer steps), saved by the
     checkpointer, and the model's centres then."""
     model = make_model("sgd", seed=1)
     take_steps(model, step)
@@ -136,7 +136,7 @@ def test_a_resume_on_the_same_epoch_length_goes_on_at_the_saved_step(tmp_path, c
     centres = saved_run(tmp_path, 7, steps_per_epoch=10)
     model = make_model("sgd", seed=2)
     saver, counter = checkpointer(tmp_path, model), StepCounter(steps_per_epoch=10)
-    restored = saver.resume(("checkpoint", tmp_path / POINTER_NAME), counter)
+    restored = saver.resume(find_resume_source(tmp_path / POINTER_NAME), counter)
     assert torch.equal(model.pfc.weight, centres) and restored.progress["global_step"] == 7
     assert (counter.global_step, counter.shown_step, saver.saved_at, saver.renumbering) == (7, 7, 7, None)
     assert model.scheduler.last_epoch == 7 and model.optimizer.param_groups[1]["lr"] == lr_after(7)
@@ -147,7 +147,7 @@ def test_a_resume_on_another_epoch_length_renumbers_the_step_and_its_schedule_an
     saved_run(tmp_path, 7, steps_per_epoch=10, shown_offset=3)  # shown as step 10 (a renumbered run before)
     model = make_model("sgd", seed=2)
     saver, counter = checkpointer(tmp_path, model), StepCounter(steps_per_epoch=8)
-    saver.resume(("checkpoint", tmp_path / POINTER_NAME), counter)
+    saver.resume(find_resume_source(tmp_path / POINTER_NAME), counter)
     # 7 of 10 steps per epoch is 5.6 of 8: step 6, shown as 10 still (an offset of 4)
     assert (counter.global_step, counter.shown_step, saver.saved_at) == (6, 10, 6)
     assert saver.renumbering == Renumbering(saved_step=7, saved_steps_per_epoch=10, steps_per_epoch=8, step=6)
@@ -179,7 +179,7 @@ def test_a_resume_that_changes_lr_num_epoch_or_warmup_follows_the_new_schedule_a
         model.components = build_components(model, {})
         # output: a value JSON cannot hold (a Path, as a config file may set) is compared by its repr
         config = {**CONFIG, **changes, "output": Path("elsewhere"), "mean": (0.5, 0.5), "frequent": 2}
-        checkpointer(tmp_path, model, config).resume(("checkpoint", tmp_path / POINTER_NAME),
+        checkpointer(tmp_path, model, config).resume(find_resume_source(tmp_path / POINTER_NAME),
                                                      StepCounter(steps_per_epoch=10))
         assert model.scheduler.base_lrs == [lr, lr]
         assert [group["lr"] for group in model.optimizer.param_groups] == [lr_after(7, total, lr, warmup)] * 2
@@ -196,7 +196,7 @@ def test_a_resume_from_a_checkpoint_folder_without_checkpoint_json_says_so(tmp_p
     centres = saved_run(tmp_path, 7, steps_per_epoch=10)
     (tmp_path / POINTER_NAME).unlink()
     source = find_resume_source(tmp_path)
-    assert source == ("checkpoint", tmp_path / "checkpoint-000000007")
+    assert source.path == tmp_path / "checkpoint-000000007"
     model = make_model("sgd", seed=2)
     checkpointer(tmp_path, model).resume(source, StepCounter(steps_per_epoch=10))
     assert torch.equal(model.pfc.weight, centres)
@@ -206,7 +206,7 @@ def test_a_resume_from_a_checkpoint_folder_without_checkpoint_json_says_so(tmp_p
 
 
 def test_a_resume_from_an_earlier_versions_file_or_arcface_torchs_folder_or_a_bare_backbone(tmp_path, caplog):
-    caplog.set_level(logging.INFO, logger="checkpoint.checkpointer")
+    caplog.set_level(logging.INFO)
     centres = torch.arange(NUM_CLASSES * 3, dtype=torch.float32).reshape(NUM_CLASSES, 3)
     (tmp_path / "legacy").mkdir()
     legacy_checkpoint(tmp_path / "legacy" / LEGACY_NAME, centres, -centres, world_size=1)
@@ -233,7 +233,7 @@ def test_a_resume_from_an_earlier_versions_file_or_arcface_torchs_folder_or_a_ba
     assert all(torch.equal(value, start.state_dict()[key]) for key, value in model.backbone.state_dict().items())
     assert (f"initialised the backbone from {tmp_path / 'start.pth'} (a bare backbone: class centres, optimizer "
             "and schedule start fresh)") in caplog.messages
-    assert not [message for message in caplog.messages if "holds no" in message]  # that is said of folders only
+    assert not [message for message in caplog.messages if f"holds no {POINTER_NAME}" in message]  # said of folders
 
 
 def test_a_published_save_writes_the_config_file_and_overrides_the_run_was_started_with(tmp_path):
@@ -289,7 +289,7 @@ def test_an_async_save_returns_before_its_files_are_written_and_writes_the_state
     saver.wait_for_save()
     assert published_step(tmp_path) == 3
     fresh = make_model("sgd", seed=2)
-    checkpointer(tmp_path, fresh).resume(("checkpoint", tmp_path / POINTER_NAME), StepCounter(steps_per_epoch=10))
+    checkpointer(tmp_path, fresh).resume(find_resume_source(tmp_path / POINTER_NAME), StepCounter(steps_per_epoch=10))
     assert torch.equal(fresh.pfc.weight, at_save)
     saver.save(StepCounter(global_step=4, steps_per_epoch=10))
     saver.save(StepCounter(global_step=5, steps_per_epoch=10), final=True)  # waits for step 4's, then its own
