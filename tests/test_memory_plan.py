@@ -217,7 +217,8 @@ def test_the_dry_runs_table_shows_each_item_in_gib_under_when_it_is_alive_and_th
     gib = 2 ** 30
     plan = {"class_centres": 3 * gib // 2, "centre_gradient": gib // 4, "centre_optimizer_state": 3 * gib // 2,
             "logits_buffer": 3 * gib, "backbone_parameters": gib // 8, "backbone_optimizer_state": gib // 8,
-            "ddp_gradient_buckets": 0, "batch": 1_073_742, "activations": 2 * gib, "backbone_backward": 9 * gib // 2,
+            "ddp_gradient_buckets": 0, "backbone_ema": gib // 8, "batch": 1_073_742, "activations": 2 * gib,
+            "backbone_backward": 9 * gib // 2,
             "backbone_gradients": gib // 8, "total": 8 * gib, "host_checkpoint_staging": 13 * gib // 4}
     held = ["  held throughout:",
             "    class centres                  1.500 GiB",
@@ -225,6 +226,7 @@ def test_the_dry_runs_table_shows_each_item_in_gib_under_when_it_is_alive_and_th
             "    backbone parameters            0.125 GiB",
             "    backbone optimizer state       0.125 GiB",
             "    ddp gradient buckets           0.000 GiB",
+            "    backbone ema                   0.125 GiB",
             "    batch                          0.001 GiB"]
     staging = "  host checkpoint staging          3.250 GiB  (not in the total on its own)"
     # softmax 2 + 3 against backward 0.25 + 4.5 (+ 0.25 + 0.125 and + 0.125 with two micro-batches)
