@@ -35,11 +35,11 @@ TEST_FILES = {
     "facedata/recordio.py": ["tests/test_recordio.py"],
     "facedata/loader.py": ["tests/test_loader.py"],
     "checkpoint/checkpointer.py": ["tests/test_checkpointer.py"],
-    "checkpoint/safe_dcp.py": ["tests/test_safe_dcp.py", "tests/test_checkpoint.py"],
-    "checkpoint/manifest.py": ["tests/test_checkpoint_files.py", "tests/test_checkpoint.py"],
-    # test_checkpoint.py's saves reach checkpoint.json too, at minutes per mutant: its four hundred mutants (mostly
+    "checkpoint/safe_dcp.py": ["tests/test_safe_dcp.py", "tests/test_sharded.py"],
+    "checkpoint/manifest.py": ["tests/test_manifest.py", "tests/test_sharded.py"],
+    # test_sharded.py's saves reach checkpoint.json too, at minutes per mutant: its four hundred mutants (mostly
     # its messages' words) are run against the checks of the file itself.
-    "checkpoint/pointer.py": ["tests/test_checkpoint_files.py"],
+    "checkpoint/pointer.py": ["tests/test_pointer.py"],
     "training/memory_plan.py": ["tests/test_memory_plan.py"],
 }
 DEFAULT = list(TEST_FILES)

@@ -4,7 +4,7 @@ streak of non-finite losses waits for the next good step), at which log level it
 back (the step, or the step renumbered for another epoch length, and the LR schedule that a changed lr or
 num_epoch asks for), what it says about the keys a resume changes, and what a stopped run's last line names.
 
-The checkpoints are real (checkpoint/sharded.py, in tmp_path) and the state is test_checkpoint.py's toy model;
+The checkpoints are real (checkpoint/sharded.py, in tmp_path) and the state is tests/toy_state.py's toy model;
 the reference for every learning rate is a fresh scheduler stepped by hand. Whole runs that save and resume
 are in test_resume.py and test_resume_said.py.
 """
@@ -31,7 +31,7 @@ from utils.lr_scheduler import build_scheduler
 
 CONFIG = {"lr": 0.1, "backbone_lr_mult": 1.0, "num_epoch": 2, "warmup_epoch": 0, "frequent": 1,
           "output": "first", "mean": [0.5, 0.5]}
-WARMUP, TOTAL = 2, 20  # test_checkpoint.make_model's schedule
+WARMUP, TOTAL = 2, 20  # toy_state.make_model's schedule
 
 
 def checkpointer(output, model, config=CONFIG, **kwargs) -> Checkpointer:
@@ -211,7 +211,7 @@ def test_a_resume_from_an_earlier_versions_file_or_arcface_torchs_folder_or_a_ba
     (tmp_path / "legacy").mkdir()
     legacy_checkpoint(tmp_path / "legacy" / LEGACY_NAME, centres, -centres, world_size=1)
     legacy = torch.load(tmp_path / "legacy" / LEGACY_NAME, weights_only=False)
-    legacy["progress"]["nonfinite_total"] = 0  # the whole progress a run saves (test_checkpoint's file holds less)
+    legacy["progress"]["nonfinite_total"] = 0  # the whole progress a run saves (test_sources.py's file holds less)
     torch.save(legacy, tmp_path / "legacy" / LEGACY_NAME)
     model, counter = make_model("sgd", seed=2), StepCounter(steps_per_epoch=10)
     restored = checkpointer(tmp_path / "legacy", model).resume(find_resume_source(tmp_path / "legacy"), counter)

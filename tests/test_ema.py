@@ -5,7 +5,7 @@ others): a run stopped and resumed after every step is the uninterrupted 4-step 
 in backbone.pth, the trained weights in the checkpoint, everything else); after each of its steps backbone.pth
 holds the average computed here in float64 from the trained weights of every step before (the start's taken
 from the seed as train.py builds it); and a checkpoint whose EMA count is damaged is one error line. The EMA
-on other numbers of processes: tests/test_checkpoint.py (written by 4, resumed on 1, 2, 3) and
+on other numbers of processes: tests/test_sharded.py (written by 4, resumed on 1, 2, 3) and
 tests/test_resume_torchrun.py (2 processes resumed on 1).
 """
 from __future__ import annotations

@@ -11,7 +11,7 @@ of imports on this CPU):
   two_to_one: a copy of split at step 3 (2 processes), resumed in 1 process: step 3 of 5 is step 6 of 10; on to 8
   one_to_two: 1 process, steps 1..4, resumed in 2 processes: step 4 of 10 is step 2 of 5; on to 4
 (How the centre matrix and its optimizer state reassemble bit for bit across world sizes is
-tests/test_checkpoint.py's business; here the runs say what they did and train on at the right LR.)
+tests/test_sharded.py's business; here the runs say what they did and train on at the right LR.)
 """
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
-"""Checkpoints: sharded through torch.distributed.checkpoint across world sizes, damaged or foreign
-checkpoints.
+"""The training state on disk (checkpoint/sharded.py): sharded through torch.distributed.checkpoint across
+world sizes, damaged or foreign checkpoints.
 
 The reference for every resharded tensor is the saving ranks' own shards stacked by hand in rank
 order (rows 0..1 from rank 0, 2..3 from rank 1, ...): 7 classes over 4 ranks is 2, 2, 2, 1 rows.
