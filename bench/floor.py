@@ -16,7 +16,8 @@ import torch
 TRIES = 16
 
 
-def _seconds(work: Callable[[], object], device: torch.device) -> float:
+def seconds(work: Callable[[], object], device: torch.device) -> float:
+    """Wall seconds of `work()`, the device idle before and after."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     start = time.perf_counter()
@@ -31,7 +32,7 @@ def gemm_rate(device: torch.device, dtype: torch.dtype) -> float:
     n = 8192 if device.type == "cuda" else 512
     a, b = (torch.randn(n, n, device=device).to(dtype) for _ in range(2))
     a @ b  # the first call picks its kernel
-    return 2 * n ** 3 / min(_seconds(lambda: a @ b, device) for _ in range(TRIES))
+    return 2 * n ** 3 / min(seconds(lambda: a @ b, device) for _ in range(TRIES))
 
 
 def copy_bandwidth(device: torch.device) -> float:
@@ -40,7 +41,7 @@ def copy_bandwidth(device: torch.device) -> float:
     elements = (2 ** 28 if device.type == "cuda" else 2 ** 24)
     source, target = torch.ones(elements, device=device), torch.empty(elements, device=device)
     target.copy_(source)
-    return 2 * 4 * elements / min(_seconds(lambda: target.copy_(source), device) for _ in range(TRIES))
+    return 2 * 4 * elements / min(seconds(lambda: target.copy_(source), device) for _ in range(TRIES))
 
 
 @dataclass(frozen=True)

@@ -39,14 +39,13 @@ import os
 import statistics
 import tempfile
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from backbones import get_model
-from bench.floor import gemm_rate
+from bench.floor import gemm_rate, seconds
 from training.state import TrainingState, build_training_state
 from training.step import train_step
 from utils.config import load_config
@@ -73,16 +72,6 @@ def training_flops_per_image(network: str, width_mult: float, embedding_size: in
     with FlopCounterMode(display=False) as counter:
         backbone(image)
     return 3.0 * counter.get_total_flops()
-
-
-def _timed(work: Callable[[], object], device: torch.device) -> float:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    start = time.perf_counter()
-    work()
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return time.perf_counter() - start
 
 
 class Marks:
@@ -189,7 +178,7 @@ def measure(args, network: str, views: int, switches: frozenset[str], device: to
         split["step"] = marks.seconds("start", "end")
         return split
 
-    first = _timed(step, device)
+    first = seconds(step, device)
     steps = [step() for _ in range(args.steps)]
     result = {key: statistics.median(s[key] for s in steps) for key in steps[0]}
     compiled = bool(switches & COMPILED.keys())
@@ -211,7 +200,7 @@ def optimizer_kernels(args, network: str, device: torch.device) -> dict[str, flo
     for kernel, options in (("fused", {"fused": True}), ("foreach", {"foreach": True}), ("loop", {"foreach": False})):
         optimizer = torch.optim.SGD(parameters, lr=0.1, momentum=0.9, weight_decay=5e-4, **options)
         optimizer.step()  # momentum buffers made outside the timing
-        seconds[kernel] = statistics.median(_timed(optimizer.step, device) for _ in range(max(args.steps, 3)))
+        seconds[kernel] = statistics.median(seconds(optimizer.step, device) for _ in range(max(args.steps, 3)))
     return seconds
 
 

@@ -21,7 +21,7 @@ import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from tests.run_helpers import assert_nothing_lost, file_states, run_cli, run_here
-from tests.test_state_file import MISSING, STATE_FIELDS
+from tests.test_state_file import MISSING, STATE_FIELDS, changed
 from tests.test_train_errors import only_line
 
 FOLDER = "checkpoint-000000002"
@@ -127,13 +127,7 @@ def forge_state(folder: Path, path: tuple, value) -> None:
     """state.json with `path` set to `value` (or removed), carrying a valid checksum, listed so by the manifest."""
     content = json.loads((folder / "state.json").read_text())
     del content["crc32c"]
-    parent = content
-    for key in path[:-1]:
-        parent = parent[key]
-    if value is MISSING:
-        del parent[path[-1]]
-    else:  # rng.cuda, which a machine without CUDA does not save, is added
-        parent[path[-1]] = value
+    content = changed(content, path, value)
     content["crc32c"] = crc32c.crc32c(json.dumps(content, sort_keys=True).encode())
     (folder / "state.json").write_text(json.dumps(content))
     forge_manifest(folder, "state.json")

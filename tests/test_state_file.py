@@ -85,6 +85,7 @@ def saved(tmp_path_factory) -> dict:
 
 
 def changed(content: dict, path: tuple, value) -> dict:
+    """A copy of `content` with the field at `path` set to `value` (MISSING: removed)."""
     content = copy.deepcopy(content)
     parent = content
     for key in path[:-1]:
