@@ -196,12 +196,12 @@ def optimizer_kernels(args, network: str, device: torch.device) -> dict[str, flo
     parameters = [p for p in backbone.parameters() if p.requires_grad]
     for p in parameters:
         p.grad = torch.randn_like(p)
-    seconds = {}
+    per_kernel = {}
     for kernel, options in (("fused", {"fused": True}), ("foreach", {"foreach": True}), ("loop", {"foreach": False})):
         optimizer = torch.optim.SGD(parameters, lr=0.1, momentum=0.9, weight_decay=5e-4, **options)
         optimizer.step()  # momentum buffers made outside the timing
-        seconds[kernel] = statistics.median(seconds(optimizer.step, device) for _ in range(max(args.steps, 3)))
-    return seconds
+        per_kernel[kernel] = statistics.median(seconds(optimizer.step, device) for _ in range(max(args.steps, 3)))
+    return per_kernel
 
 
 def header(args, device: torch.device, rates: dict) -> list[str]:
