@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from backbones import get_model
-from checkpoint.checkpointer import Checkpointer, Renumbering, last_good
+from checkpoint.checkpointer import Checkpointer, HostStaging, Renumbering, last_good
 from checkpoint.pointer import POINTER_NAME
 from checkpoint.run_dir import RUN_CONFIG_NAME
 from checkpoint.sources import LEGACY_NAME, find_resume_source
@@ -271,8 +271,11 @@ def test_an_async_save_returns_before_its_files_are_written_and_writes_the_state
     saver = checkpointer(tmp_path, model, async_save=True)
     writing, release = threading.Event(), threading.Event()
 
+    writers = []
+
     def hold_the_writer(frame, event, arg):
         if event == "call" and frame.f_code.co_name == "write_state":
+            writers.append(threading.current_thread())
             writing.set()
             release.wait(60)
 
@@ -283,6 +286,7 @@ def test_an_async_save_returns_before_its_files_are_written_and_writes_the_state
     finally:
         threading.settrace(None)
     assert writing.wait(30) and published_step(tmp_path) is None  # save() returned; nothing is written yet
+    assert writers[0].daemon  # a process stopping on an error does not wait for it: the last checkpoint stays
     with torch.no_grad():
         model.pfc.weight.add_(1.0)  # the next steps train on while the save is written
     release.set()
@@ -295,3 +299,21 @@ def test_an_async_save_returns_before_its_files_are_written_and_writes_the_state
     saver.save(StepCounter(global_step=5, steps_per_epoch=10), final=True)  # waits for step 4's, then its own
     assert published_step(tmp_path) == 5
     assert [step for _, step in said_saves(caplog)] == [3, 4, 5]
+
+
+def test_the_host_staging_keeps_one_buffer_per_tensor_from_save_to_save():
+    """An async save's host copies reuse their buffers while a tensor keeps its shape and dtype (the memory plan
+    counts one set), and take new ones, of the tensor's dtype, when it changes."""
+    staging = HostStaging()
+    first = staging.copy("centres", torch.arange(6.0).reshape(2, 3))
+    again = staging.copy("centres", torch.ones(2, 3))
+    assert again.data_ptr() == first.data_ptr() and torch.equal(again, torch.ones(2, 3))
+    for changed in (torch.zeros(3, 2), torch.arange(6, dtype=torch.float64).reshape(2, 3),
+                    torch.arange(6).reshape(2, 3)):
+        copied = staging.copy("centres", changed)
+        assert copied.dtype == changed.dtype and torch.equal(copied, changed)
+        assert copied.data_ptr() != again.data_ptr()
+        assert staging.copy("centres", changed + 1).data_ptr() == copied.data_ptr()
+        again = copied
+    other = staging.copy("momentum", torch.ones(2, 3))
+    assert other.data_ptr() != again.data_ptr()
