@@ -15,10 +15,11 @@ import logging
 import threading
 from pathlib import Path
 
+import pytest
 import torch
 
 from backbones import get_model
-from checkpoint.checkpointer import Checkpointer, HostStaging, Renumbering, last_good
+from checkpoint.checkpointer import BackgroundSave, Checkpointer, HostStaging, Renumbering, last_good
 from checkpoint.pointer import POINTER_NAME
 from checkpoint.run_dir import RUN_CONFIG_NAME
 from checkpoint.sources import LEGACY_NAME, find_resume_source
@@ -209,10 +210,8 @@ def test_a_resume_from_an_earlier_versions_file_or_arcface_torchs_folder_or_a_ba
     caplog.set_level(logging.INFO)
     centres = torch.arange(NUM_CLASSES * 3, dtype=torch.float32).reshape(NUM_CLASSES, 3)
     (tmp_path / "legacy").mkdir()
+    # progress as the first checkpoint.pt wrote it: no count of non-finite steps yet
     legacy_checkpoint(tmp_path / "legacy" / LEGACY_NAME, centres, -centres, world_size=1)
-    legacy = torch.load(tmp_path / "legacy" / LEGACY_NAME, weights_only=False)
-    legacy["progress"]["nonfinite_total"] = 0  # the whole progress a run saves (test_sources.py's file holds less)
-    torch.save(legacy, tmp_path / "legacy" / LEGACY_NAME)
     model, counter = make_model("sgd", seed=2), StepCounter(steps_per_epoch=10)
     restored = checkpointer(tmp_path / "legacy", model).resume(find_resume_source(tmp_path / "legacy"), counter)
     assert torch.equal(model.pfc.weight, centres) and counter.global_step == restored.progress["global_step"] == 1
@@ -317,3 +316,11 @@ def test_the_host_staging_keeps_one_buffer_per_tensor_from_save_to_save():
         again = copied
     other = staging.copy("momentum", torch.ones(2, 3))
     assert other.data_ptr() != again.data_ptr()
+
+
+def test_a_background_write_that_fails_raises_its_error_in_the_training_thread():
+    def write():
+        raise OSError(28, "No space left on device")
+
+    with pytest.raises(OSError, match="No space left on device"):
+        BackgroundSave(write, torch.device("cpu")).wait()

@@ -129,7 +129,7 @@ class StepCounter:
     def resume(self, saved: Mapping) -> None:
         """Take what a checkpoint's progress says (the step is the caller's: it may be renumbered); keys
         that earlier versions or arcface_torch did not save keep their defaults."""
-        self.nonfinite_total = saved["nonfinite_total"]
+        self.nonfinite_total = saved.get("nonfinite_total", 0)  # the first checkpoint.pt counted none
         self.shown_offset = saved.get("shown_offset", 0)
         self.best_accuracy = dict(saved.get("best_accuracy", {}))
         self.verification = dict(saved.get("verification", {}))
