@@ -48,7 +48,7 @@ from training.state import (
     build_training_state,
     describe_margin,
     exported_backbone,
-    wrap_in_ddp,
+    wrap_for_the_step,
 )
 from training.step import StepOutcome, train_step
 from utils.cli import report
@@ -325,7 +325,7 @@ def _train_in_folder(cfg: SimpleNamespace, device: torch.device, source, restart
     restored = checkpointer.resume(source, counter) if source else None  # replaces those streams with the saved ones
     if restarted:
         _log_restart(restored, counter, cfg.save_every_steps)
-    wrap_in_ddp(state, device)
+    wrap_for_the_step(state, cfg, device)
     _log_fine_tuning(cfg)
     total_steps = counter.steps_per_epoch * cfg.num_epoch
     stop = min(total_steps, cfg.max_steps) if cfg.max_steps else total_steps

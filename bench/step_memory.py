@@ -36,7 +36,7 @@ from torch.utils.hooks import RemovableHandle
 from dataset import build_dataset, build_loader
 from training.ema import BackboneEMA
 from training.memory_plan import memory_plan
-from training.state import TrainingState, build_training_state, wrap_in_ddp
+from training.state import TrainingState, build_training_state, wrap_for_the_step
 from training.step import StepOutcome, train_step
 from utils.cli import exit_on_user_error
 from utils.config import load_config
@@ -210,7 +210,7 @@ def measure(cfg: SimpleNamespace, device: torch.device) -> dict[str, int]:
     inputs: list[int] = []
     with _recording(device) as marks:
         state = build_training_state(cfg, dataset.num_classes, device, len(loader) // cfg.gradient_acc)
-        wrap_in_ddp(state, device)
+        wrap_for_the_step(state, cfg, device)
         hooks = _hook_markers(state, marks, inputs, gradients)
         marks.mark("built")
         torch.manual_seed(cfg.seed + 1 + rank())

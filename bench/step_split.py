@@ -15,7 +15,8 @@ Marks are CUDA events on a GPU (recorded in module and gradient hooks, read once
 synchronize) and perf_counter on a CPU, where every kernel has finished when its call returns. The marks
 follow each other, so the phases add up to the step (tests/test_step_split.py checks that they do).
 
-Switches, each measured on and off in the same run (`--switches`): channels_last (ResNets: the backbone's
+Switches, each measured on and off in the same run (`--switches`), applied by training's own keys
+(channels_last, compile_backbone, bf16: training/speedups.py): channels_last (ResNets: the backbone's
 weights in NHWC, so its convolutions run NHWC), bf16 (autocast to bfloat16 without a GradScaler, against
 the run's own precision), compile (torch.compile of the backbone; its compile time, the first step's
 seconds beyond a steady step's, in a column of its own, the kernels cached in TORCHINDUCTOR_CACHE_DIR,
@@ -25,11 +26,8 @@ static; a GPU only), and the backbone's optimizer
 kernel (fused, training's, against foreach and the per-tensor loop), timed as the backbone's parameter
 update alone (the centres' update is PartialFC's own).
 
-On a CPU, channels_last and compile (inductor runs convolutions NHWC) are not measured for a ResNet where
-oneDNN would crash: its NHWC weight gradient of a strided 1x1 convolution with fewer input channels than its
-channel block (16 with AVX-512) writes past its workspace (a heap corruption, 'corrupted double-linked list'
-or a segmentation fault, reproduced with that one convolution alone under torch 2.14.1; a ResNet narrower than
-width 0.25 has one in its first downsample). The row says so instead of killing the run. GPUs do not run
+On a CPU, channels_last and compile are not measured for a narrow ResNet that oneDNN would crash on in NHWC
+(training/speedups.py says which convolution); the row says so instead of killing the run. GPUs do not run
 oneDNN.
 """
 from __future__ import annotations
@@ -46,7 +44,8 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from backbones import get_model
 from bench.floor import gemm_rate, seconds
-from training.state import TrainingState, build_training_state
+from training.speedups import onednn_nhwc_crash
+from training.state import TrainingState, build_training_state, wrap_for_the_step
 from training.step import train_step
 from utils.config import load_config
 from utils.device import configure_numerics
@@ -57,7 +56,6 @@ EDGES = ("start", "data", "embeddings", "gradient", "backward", "end")  # the ma
 SWITCHES = ("channels_last", "bf16", "compile", "cudagraphs")
 COMPILED = {"compile": "default", "cudagraphs": "reduce-overhead"}  # switch -> torch.compile's mode
 BASELINE = "baseline"
-ONEDNN_CHANNEL_BLOCK = 16  # AVX-512's; AVX2's is 8, so 16 skips every shape that can crash
 # --tiny: the shapes of a rehearsal (the command's code path on a CPU in seconds, not a measurement)
 TINY = {"width_mult": 0.0625, "embedding_size": 32, "batch_size": 2, "classes": 50, "steps": 1}
 SPLIT_WIDTH = 0.25  # --split's width unless given: the narrowest r18 whose channels_last runs on a CPU
@@ -116,40 +114,35 @@ def instrument(state: TrainingState, marks: Marks) -> None:
 
 
 def not_run_here(network: str, switch: str, args, device: torch.device) -> str | None:
-    """Why `switch` is not measured for `network` here, or None. channels_last is for ResNets; on a CPU, a ResNet
-    with a strided 1x1 convolution of fewer input channels than oneDNN's channel block crashes in NHWC (the
-    module docstring), and compiled it runs NHWC too (inductor's layout optimisation puts convolutions in NHWC)."""
+    """Why `switch` is not measured for `network` here, or None: channels_last is for ResNets, CUDA graphs for GPUs,
+    and on a CPU a narrow ResNet in NHWC (channels_last, or compiled: inductor runs convolutions NHWC) would crash
+    oneDNN (training/speedups.py)."""
     if switch == "channels_last" and not network.startswith("r"):
         return "ResNets only"
     if switch == "cudagraphs" and device.type != "cuda":
         return "not run on this CPU: CUDA graphs need a GPU"
-    if (switch not in ("channels_last", "compile") or not network.startswith("r") or device.type != "cpu"
-            or not torch.backends.mkldnn.is_available() or not torch.backends.mkldnn.enabled):
+    if switch not in ("channels_last", "compile"):
         return None
     with torch.device("meta"):
         backbone = get_model(network, num_features=args.embedding_size, width_mult=args.width_mult)
-    for name, module in backbone.named_modules():
-        if (isinstance(module, torch.nn.Conv2d) and module.kernel_size == (1, 1) and module.stride != (1, 1)
-                and module.in_channels < ONEDNN_CHANNEL_BLOCK):
-            return (f"not run on this CPU: oneDNN's NHWC backward of {name} (1x1, stride {module.stride[0]}, "
-                    f"{module.in_channels} < {ONEDNN_CHANNEL_BLOCK} input channels) corrupts the heap; "
-                    f"width >= {SPLIT_WIDTH} runs, or a GPU")
+    crash = onednn_nhwc_crash(backbone, device)
+    if crash:
+        return (f"not run on this CPU: oneDNN's NHWC backward of {crash} corrupts the heap; width >= {SPLIT_WIDTH} "
+                "runs, or a GPU")
     return None
 
 
 def build(args, network: str, views: int, switches: frozenset[str], device: torch.device):
     """(state, cfg, host batch) of one configuration, switches applied as training would apply them."""
     precision = ["bf16=True", "fp16=False"] if "bf16" in switches else [f"fp16={args.fp16}", "bf16=False"]
+    compiled = [f"compile_backbone={COMPILED[switch]!r}" for switch in switches & COMPILED.keys()]
     cfg = load_config(ROOT / "configs" / "synthetic_pair.py", [
         f"network={network}", f"network_kwargs={{'width_mult': {args.width_mult}}}",
         f"embedding_size={args.embedding_size}", f"num_views={views}", *precision, f"batch_size={args.batch_size}",
-        "num_epoch=1000", "optimizer=sgd"])
+        "num_epoch=1000", "optimizer=sgd", f"channels_last={'channels_last' in switches}", *compiled])
     configure_numerics(device, cfg.tf32, cfg.deterministic)
     state = build_training_state(cfg, args.classes, device, steps_per_epoch=1000)
-    if "channels_last" in switches:
-        state.backbone.to(memory_format=torch.channels_last)  # in place: the optimizer keeps the same tensors
-    for switch in switches & COMPILED.keys():
-        state.ddp_backbone = torch.compile(state.backbone, mode=COMPILED[switch])
+    wrap_for_the_step(state, cfg, device)
     generator = torch.Generator().manual_seed(0)
     images = torch.randint(0, 256, (args.batch_size, views, 3, 112, 112), dtype=torch.uint8, generator=generator)
     labels = torch.randint(0, args.classes, (args.batch_size,), generator=generator)

@@ -96,7 +96,7 @@ def test_every_alias_names_a_key_of_base_py():
     ("", ["fp16=1"], "fp16", "bool"),
     ("", ["margin_list=(1, 'a', 0)"], "margin_list", "tuple[float, ...]"),
     ("", ["network_kwargs=3"], "network_kwargs", "dict"),
-    ("", ["num_classes=1e3"], "num_classes", "int | None"),
+    ("", ["num_classes=1e3"], "num_classes", "int or None"),
 ])
 def test_wrong_type_names_the_key_and_the_expected_type(tmp_path, text, overrides, key, expected):
     with pytest.raises(ConfigError) as info:
@@ -109,6 +109,8 @@ def test_wrong_type_names_the_key_and_the_expected_type(tmp_path, text, override
 @pytest.mark.parametrize("overrides, fragment", [
     (["optimizer=adam"], "'optimizer' must be one of 'sgd', 'adamw', not str 'adam'"),
     (["view_source=pairs"], "'view_source' must be one of 'record', 'identity', 'augment', not str 'pairs'"),
+    (["compile_backbone=fast"],
+     "'compile_backbone' must be one of 'default', 'reduce-overhead', 'max-autotune' or None, not str 'fast'"),
     (["fp16=True", "bf16=True"], "'fp16' and 'bf16' are both True"),
     (["margin_list=(1.0, 0.5)"], "'margin_list' must hold three numbers"),
     (["sample_rate=-0.1"], "'sample_rate' must be in [0, 1], not -0.1; 1.0 uses every class centre"),

@@ -25,7 +25,7 @@ from tests.run_helpers import (
     start_cli,
 )
 from tests.test_train_errors import only_line
-from training.state import build_training_state, wrap_in_ddp
+from training.state import build_training_state, wrap_for_the_step
 from training.step import StepOutcome, train_step
 from utils.config import load_config
 
@@ -116,7 +116,7 @@ def _centre_gradient_fault(rank: int, world_size: int) -> dict:
     hook: the loss and the backbone gradient stay finite, as when only the classifier's backward overflows)."""
     cfg = load_config(ROOT / CONFIG, ["rec=synthetic", *QUIET, "num_views=1", "batch_size=2"])
     state = build_training_state(cfg, 4, torch.device("cpu"), steps_per_epoch=10)
-    wrap_in_ddp(state, torch.device("cpu"))
+    wrap_for_the_step(state, cfg, torch.device("cpu"))
     before = {**{f"backbone.{k}": v.clone() for k, v in state.backbone.state_dict().items()},
               "centres": state.pfc.weight.detach().clone()}
     if rank == 1:

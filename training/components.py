@@ -168,6 +168,17 @@ class Optimizer(Component):
         for index, values in saved.get("optimizer_values", {}).items():
             state.setdefault(int(index), {}).update(values)
         self.optimizer.load_state_dict({"state": state, "param_groups": saved["param_groups"]})
+        self._in_parameter_layouts()
+
+    def _in_parameter_layouts(self) -> None:
+        """Each parameter-shaped state tensor in its parameter's memory layout. A fused update walks a parameter
+        and its state in memory order, so a momentum buffer loaded NCHW for channels_last weights (or the other
+        way round, a checkpoint written with the other setting) would update each weight with another's momentum:
+        torch's fused SGD does so without a word."""
+        for param, per_param in self.optimizer.state.items():
+            for name, value in per_param.items():
+                if torch.is_tensor(value) and value.shape == param.shape and value.stride() != param.stride():
+                    per_param[name] = torch.empty_like(param, dtype=value.dtype).copy_(value)
 
     def _centres_at(self) -> int:
         return optimizer_index(self.optimizer, self.pfc.weight)

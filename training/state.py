@@ -22,6 +22,7 @@ from partial_fc import PartialFC
 from training.components import Centres, Component, GradScale, MarginState, Optimizer, Schedule
 from training.ema import BackboneEMA
 from training.optimizer import RowSparseAdamW, RowSparseSGD
+from training.speedups import check_speedups, compiled_for_the_step, to_channels_last
 from utils.compat import ddp_without_buffer_sync
 from utils.distributed import world
 from utils.lr_scheduler import build_scheduler
@@ -187,6 +188,8 @@ def build_networks(cfg: SimpleNamespace, num_classes: int, device: torch.device)
     torch.manual_seed(cfg.seed)
     backbone = get_model(cfg.network, num_features=cfg.embedding_size, dropout=cfg.dropout,
                          **cfg.network_kwargs).to(device)
+    check_speedups(cfg, backbone, device)
+    to_channels_last(cfg, backbone)
     # On a GPU the label check would make every step wait for the device: deferred to a NaN loss instead. The
     # sampled centres' gradient is sparse, for build_optimizer's update.
     pfc = PartialFC(build_margin(cfg), cfg.embedding_size, num_classes, cfg.sample_rate, view_weights=cfg.view_weights,
@@ -224,7 +227,7 @@ def build_optimizer(cfg: SimpleNamespace, backbone: nn.Module, pfc: PartialFC) -
 
 def build_training_state(cfg: SimpleNamespace, num_classes: int, device: torch.device,
                          steps_per_epoch: int) -> TrainingState:
-    """Everything a step needs, single-process (`wrap_in_ddp` makes it distributed)."""
+    """Everything a step needs, single-process (`wrap_for_the_step` makes it distributed)."""
     backbone, pfc = build_networks(cfg, num_classes, device)
     optimizer = build_optimizer(cfg, backbone, pfc)
     scheduler = build_scheduler(optimizer, steps_per_epoch * cfg.warmup_epoch, steps_per_epoch * cfg.num_epoch)
@@ -235,9 +238,11 @@ def build_training_state(cfg: SimpleNamespace, num_classes: int, device: torch.d
     return state
 
 
-def wrap_in_ddp(state: TrainingState, device: torch.device) -> None:
+def wrap_for_the_step(state: TrainingState, cfg: SimpleNamespace, device: torch.device) -> None:
+    """What the step calls: the backbone in DDP when world > 1, compiled when compile_backbone asks."""
     if world() > 1:
         state.ddp_backbone = ddp_backbone(state.backbone, device)
+    state.ddp_backbone = compiled_for_the_step(cfg, state.ddp_backbone)
 
 
 def ddp_backbone(backbone: nn.Module, device: torch.device) -> DistributedDataParallel:

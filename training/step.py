@@ -40,7 +40,8 @@ def train_step(state: TrainingState, micro_batches, cfg: SimpleNamespace) -> tup
     micro_losses = []
     for i, (images, labels) in enumerate(micro_batches):
         last = i == len(micro_batches) - 1
-        accumulating = not last and state.ddp_backbone is not state.backbone
+        # DDP's no_sync (a compiled DDP passes it through; one process has none): no all-reduce until the last
+        accumulating = not last and hasattr(state.ddp_backbone, "no_sync")
         with state.ddp_backbone.no_sync() if accumulating else contextlib.nullcontext():
             micro_losses.append(_forward_backward(state, images, labels, len(micro_batches), frozen))
     state.scaler.unscale_(state.optimizer)

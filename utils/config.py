@@ -193,6 +193,10 @@ def _accepts_str(expected) -> bool:
 def _type_name(expected) -> str:
     if typing.get_origin(expected) is typing.Literal:
         return "one of " + ", ".join(map(repr, typing.get_args(expected)))
+    if typing.get_origin(expected) in (types.UnionType, typing.Union):
+        return " or ".join(_type_name(option) for option in typing.get_args(expected))
+    if expected is type(None):
+        return "None"
     return expected.__name__ if isinstance(expected, type) else str(expected)
 
 
