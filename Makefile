@@ -87,6 +87,7 @@ bench: $(EDITABLE)
 	$(PY) -m bench.bench_backbones
 	$(PY) -m bench.bench_data
 	$(PY) -m bench.bench_train
+	$(PY) -m bench.bench_train --split
 	$(PY) -m bench.bench_eval
 
 clean-venv:
