@@ -189,7 +189,7 @@ def main() -> None:
           f"{args.threads} threads{', fp16' if args.fp16 else ''}. One fresh process per row.")
     if device.type == "cpu":
         print("CPU note: this machine's 2 cores may be shared; GPU figures need `--device cuda --fp16` "
-              "on a GPU (bench/gpu.sh).")
+              "on a GPU (bash bench/gpu_throughput.sh pfc).")
     header = (f"{'classes':>9} {'impl':>8} {'ms/step':>10} {'x time':>7} {'MiB above W':>12} {'x memory':>9} "
               f"{'TFLOP/s':>8} {'floor ms':>9} {'x floor':>8}")
     print(header)

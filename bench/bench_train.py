@@ -2,7 +2,7 @@
 
     python -m bench.bench_train                      # CPU, tiny r18, a couple of minutes
     python -m bench.bench_train --device cuda --network r50 --width-mult 1 \\
-        --embedding-size 512 --batch-size 128 --fp16 --steps 100 --rounds 2   # what bench/gpu.sh runs
+        --embedding-size 512 --batch-size 128 --fp16 --steps 100 --rounds 2   # on a GPU
 
 Modes, each a full optimizer step (normalise, backbone, PartialFC, backward, clip, SGD, LR step)
 on random uint8 images already on the device (no decoding):
