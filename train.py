@@ -40,6 +40,7 @@ from dataset import FaceLoader, build_dataset, build_loader, classes_in_header, 
 from eval.callback import VerificationCallback, check_keep_best, check_val_targets
 from training.best_model import BestModel
 from training.memory_plan import describe, describe_fit, device_bytes, fit, memory_plan
+from training.speedups import layout_advice
 from training.state import (
     CENTRES_GROUP,
     StepCounter,
@@ -308,6 +309,8 @@ def _train_in_folder(cfg: SimpleNamespace, device: torch.device, source, restart
     if cfg.fp16 and device.type == "cpu":
         log.warning("fp16 on a CPU: float16 convolutions have no fast CPU kernel (measured 25x slower than "
                     "bfloat16); set bf16=True instead of fp16 for CPU runs")
+    if advice := layout_advice(cfg, world()):
+        log.warning(advice)
     dataset = build_dataset(cfg.rec, num_views=cfg.num_views, view_source=cfg.view_source,
                             num_classes=cfg.num_classes, flip=cfg.flip, skip_bad_records=cfg.skip_bad_records,
                             seed=cfg.seed, dali_aug=cfg.dali_aug, num_samples=cfg.num_image)

@@ -11,8 +11,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.run_helpers import INFO, assert_same_run, load_backbone_strict, run_here, scalars
+from tests.run_helpers import CONFIG, INFO, ROOT, assert_same_run, load_backbone_strict, run_here, scalars
 from tests.test_train_errors import only_line
+from training.speedups import layout_advice
+from utils.config import load_config
 
 pytestmark = pytest.mark.slow  # one inductor compilation of r18, cold: about 45 s on this CPU
 
@@ -61,3 +63,13 @@ def test_channels_last_on_a_resnet_that_would_crash_onednn_is_one_error_line(dat
     line = only_line(stderr)
     assert "'channels_last'" in line and "oneDNN" in line and "width_mult" in line
     assert not (tmp_path / "run" / "checkpoint.json").exists()
+
+
+def test_compile_on_several_processes_asks_for_channels_last_where_ddp_would_copy_every_gradient():
+    def advice(world_size: int, **keys):
+        cfg = load_config(ROOT / CONFIG, ["compile_backbone='default'", *(f"{k}={v!r}" for k, v in keys.items())])
+        return layout_advice(cfg, world_size)
+
+    assert "set channels_last=True too" in advice(2)
+    assert advice(1) is None and advice(2, channels_last=True) is None
+    assert advice(2, network="vit_t", network_kwargs={}) is None and advice(2, compile_backbone=None) is None

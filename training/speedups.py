@@ -52,6 +52,18 @@ def to_channels_last(cfg: SimpleNamespace, backbone: nn.Module) -> None:
         backbone.to(memory_format=torch.channels_last)
 
 
+def layout_advice(cfg: SimpleNamespace, world_size: int) -> str | None:
+    """What to set with compile_backbone on several processes, or None. inductor computes a ResNet's convolutions
+    in NHWC and hands DDP their weights' gradients so; DDP's buckets follow the weights' layout, so with NCHW
+    weights every gradient is copied into its bucket each step, and torch warns that the strides do not match
+    (measured on this CPU with 2 processes; with channels_last both are NHWC and it does not warn)."""
+    if cfg.compile_backbone is None or cfg.channels_last or world_size < 2 or not cfg.network.startswith("r"):
+        return None
+    return ("compile_backbone on several processes: inductor gives DDP the convolutions' weight gradients in NHWC "
+            "and the weights are NCHW, so each step copies every gradient (torch warns 'Grad strides do not match "
+            "bucket view strides'); set channels_last=True too")
+
+
 def compiled_for_the_step(cfg: SimpleNamespace, module: nn.Module) -> nn.Module:
     """What the step calls: `module` (the backbone, or it in DDP) compiled in compile_backbone's mode, or as it is.
     Only the step's forward is compiled: verification and frozen steps call the backbone itself, so that eval
