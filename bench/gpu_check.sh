@@ -12,7 +12,6 @@
 #   bash bench/gpu_check.sh --only data "train 2 views"    # some checks alone
 set -euo pipefail
 cd "$(dirname "$0")/.."
-PY=${PY:-$([ -x .venv/bin/python ] && echo .venv/bin/python || echo python3)}
 NET_SECONDS=470  # a hung check stops here, under 8 minutes; bench/gpu_check.py stops itself earlier
 TINY_SLACK=4     # bench/gpu_check.py's: a loaded CPU is slower than an H200
 export PYTHONUNBUFFERED=1 OMP_NUM_THREADS=${OMP_NUM_THREADS:-4}
@@ -21,13 +20,7 @@ for argument in "$@"; do
     if [ "$argument" = "--tiny" ]; then net=$((NET_SECONDS * TINY_SLACK)) tiny=(--tiny); fi
 done
 
-"$PY" -m bench.gpu_ready "${tiny[@]}" || exit 2
-site="$PWD/${GPU_SITE:-.gpu-site}"
-export PYTHONPATH="$site:$PWD${PYTHONPATH:+:$PYTHONPATH}"
-"$PY" -m bench.gpu_wheels --wheels "${GPU_WHEELS:-.gpu-wheels}" --target "$site" "${tiny[@]}" || exit 2
-if [ ${#tiny[@]} = 0 ]; then
-    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || echo "nvidia-smi failed" >&2
-fi
+. bench/gpu_prepare.sh
 status=0
 timeout --kill-after=10 "$net" "$PY" -m bench.gpu_check "$@" || status=$?
 if [ "$status" = 124 ] || [ "$status" = 137 ]; then

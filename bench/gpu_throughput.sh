@@ -14,7 +14,6 @@
 #   bash bench/gpu_throughput.sh compile         # one part
 set -uo pipefail
 cd "$(dirname "$0")/.."
-PY=${PY:-$([ -x .venv/bin/python ] && echo .venv/bin/python || echo python3)}
 export PYTHONUNBUFFERED=1
 tiny=() parts=()
 for argument in "$@"; do
@@ -30,13 +29,8 @@ for part in "${parts[@]}"; do
     fi
 done
 
-"$PY" -m bench.gpu_ready "${tiny[@]}" || exit 2
-site="$PWD/${GPU_SITE:-.gpu-site}"
-export PYTHONPATH="$site:$PWD${PYTHONPATH:+:$PYTHONPATH}"
-"$PY" -m bench.gpu_wheels --wheels "${GPU_WHEELS:-.gpu-wheels}" --target "$site" "${tiny[@]}" || exit 2
-
+. bench/gpu_prepare.sh
 if [ ${#tiny[@]} = 0 ]; then
-    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || echo "nvidia-smi failed" >&2
     split=(--split --device cuda --width-mult 1 --embedding-size 512 --batch-size 128 --classes 100000 --fp16
            --steps 20)
     pfc=(--device cuda --fp16 --classes 1000000 4000000)
