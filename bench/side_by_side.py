@@ -9,7 +9,7 @@ each used, and the ratio pairface / arcface_torch.
 The config is an arcface_torch config file (`config = edict()`, `config.key = value`), which both programs
 read as it is; each run gets its own output folder in a temporary folder, and pairface `max_steps`.
 arcface_torch is insightface's `recognition/arcface_torch` folder: `--arcface-torch DIR` (copied, never
-changed), or else a `git clone --depth 1` of insightface into the temporary folder. Nothing of it enters the
+changed), or else a shallow, sparse `git clone` of insightface into the temporary folder. Nothing of it enters the
 repository. Its run gets two things its users would otherwise add by hand, each said in the output:
 
 - torch's LR scheduler takes no `verbose` argument in recent versions, and arcface_torch's
@@ -123,16 +123,24 @@ def without_verbose(source: str) -> str | None:
 
 
 def fetch_arcface_torch(work: Path) -> Path:
-    """A shallow clone of insightface in `work`: its arcface_torch folder."""
+    """A shallow clone of insightface in `work` holding the arcface_torch folder alone (the whole repository's
+    files are hundreds of MB): that folder."""
     clone = work / "insightface"
-    try:
-        done = subprocess.run(["git", "clone", "--quiet", "--depth", "1", INSIGHTFACE, str(clone)],
-                              capture_output=True, text=True, timeout=600)
-        reason = done.stderr.strip().splitlines()[-1] if done.returncode and done.stderr.strip() else None
+    reason = None
+    for command in (["git", "clone", "--quiet", "--depth", "1", "--filter=blob:none", "--sparse", INSIGHTFACE,
+                     str(clone)],
+                    ["git", "-C", str(clone), "sparse-checkout", "set", ARCFACE_FOLDER]):
+        try:
+            done = subprocess.run(command, capture_output=True, text=True, timeout=600)
+        except (OSError, subprocess.TimeoutExpired) as error:
+            reason = str(error)
+            break
         if done.returncode:
-            reason = reason or f"git exited with status {done.returncode}"
-    except (OSError, subprocess.TimeoutExpired) as error:
-        reason = str(error)
+            # git's first "fatal:" line says why ("Could not resolve host: github.com"); advice follows it
+            lines = [line for line in done.stderr.splitlines() if line.strip()]
+            fatal = [line for line in lines if line.startswith("fatal:")]
+            reason = (fatal or lines or [f"git exited with status {done.returncode}"])[0]
+            break
     if reason is not None:
         raise SideBySideError(f"could not fetch arcface_torch ({INSIGHTFACE}: {reason}); pass --arcface-torch DIR, a "
                               f"copy of insightface's {ARCFACE_FOLDER} folder made on a machine with a network")
