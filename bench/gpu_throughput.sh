@@ -1,13 +1,15 @@
 #!/usr/bin/env bash
 # Issue 44's throughput figures on one GPU, part by part, each under its own time limit, printed as measured:
+#   side_by_side  arcface_torch's train_v2.py and train.py on one config file: samples/s and the ratio
+#            (bench/side_by_side.py; its arcface_torch folder and wheels prepared in .side-by-side/, docs/gpu.md)
 #   split    bench_train --split: r50 at one and two views, images/s, the step split, MFU, channels_last and bf16
 #            on and off, the optimizer's kernels
 #   vit_b    the same for vit_b (bf16 on and off)
 #   compile  r50 with compile_backbone, without and with CUDA graphs (cold: minutes of compilation per row,
 #            cached in TORCHINDUCTOR_CACHE_DIR for a second call)
 #   pfc      bench_pfc at 1M and 4M classes, fp16, each time beside its floor; then --step (SGD included)
-# Part names given as arguments run those parts only; by default all of them. On one H200 split, vit_b and pfc
-# fit one 10-minute call and compile a second (docs/gpu.md). Needs what bench/gpu_check.sh needs (its wheels).
+# Part names given as arguments run those parts only; by default all of them. On one H200, three calls of at most
+# 10 minutes each: side_by_side split, then vit_b pfc, then compile (docs/gpu.md). Needs what bench/gpu_check.sh needs (its wheels).
 #
 #   bash bench/gpu_throughput.sh                 # on a machine with a GPU
 #   bash bench/gpu_throughput.sh --tiny          # the same commands on this CPU at tiny shapes: a rehearsal
@@ -19,7 +21,7 @@ tiny=() parts=()
 for argument in "$@"; do
     if [ "$argument" = "--tiny" ]; then tiny=(--tiny); else parts+=("$argument"); fi
 done
-known=(split vit_b compile pfc)
+known=(side_by_side split vit_b compile pfc)
 names="${known[*]}"
 [ ${#parts[@]} -gt 0 ] || parts=("${known[@]}")
 for part in "${parts[@]}"; do
@@ -31,11 +33,13 @@ done
 
 . bench/gpu_prepare.sh
 if [ ${#tiny[@]} = 0 ]; then
+    side_by_side=(--arcface-torch .side-by-side/arcface_torch)
     split=(--split --device cuda --width-mult 1 --embedding-size 512 --batch-size 128 --classes 100000 --fp16
            --steps 20)
     pfc=(--device cuda --fp16 --classes 1000000 4000000)
     scale=1
 else
+    side_by_side=(--tiny --arcface-torch .side-by-side/arcface_torch)
     split=(--split --tiny)
     pfc=(--classes 2000 8000 --threads 1)
     scale=4  # a loaded CPU is slower than an H200
@@ -57,6 +61,14 @@ run_part() {  # name, seconds on one H200, command
 
 for part in "${parts[@]}"; do
     case $part in
+        side_by_side)
+            if [ -d .side-by-side/arcface_torch ]; then
+                PYTHONPATH="$PWD/.side-by-side/site:$PYTHONPATH" run_part side_by_side 240 bench.side_by_side \
+                    "${side_by_side[@]}"
+            else
+                echo "== side_by_side: not run: no .side-by-side/arcface_torch here (docs/gpu.md says how to prepare it)"
+                failed+=(side_by_side)
+            fi ;;
         split) run_part split 240 bench.bench_train "${split[@]}" --networks r50 --views 1 2 \
                    --switches channels_last bf16 ;;
         vit_b) run_part vit_b 120 bench.bench_train "${split[@]}" --networks vit_b --views 1 2 --switches bf16 ;;
