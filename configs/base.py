@@ -67,7 +67,7 @@ device: Literal["auto", "cuda", "cpu"] = "auto"  # auto: this process's GPU when
 tf32: bool = True                 # TF32 tensor cores for float32 matmuls and convolutions on GPUs (~10 bits mantissa)
 deterministic: bool = False       # deterministic GPU kernels (slower): bitwise-exact resume on GPUs too
 channels_last: bool = False       # ResNets: the backbone's weights in NHWC, so its convolutions run NHWC (tensor cores'
-                                  # layout); off by default until measured on your GPU: bench_train --split (docs/gpu.md)
+                                  # layout); off until measured on your GPU: bench_train --split (docs/gpu.md)
 compile_backbone: Literal["default", "reduce-overhead", "max-autotune"] | None = None  # torch.compile of the
                                   # step's backbone in this mode ("reduce-overhead": also CUDA graphs); the first steps
                                   # wait for the compilation (minutes), cached in TORCHINDUCTOR_CACHE_DIR; None: eager
