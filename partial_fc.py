@@ -42,10 +42,19 @@ What remains, and why:
   since it is the number of sampled columns, the shape of every tensor after it;
 - without ``defer_label_check`` (the CPU default): whether any label is out of range, a scalar read
   that decides whether to raise. GPU training defers the check to a non-finite loss instead.
+
+Passes over the logits: between the cosines' GEMM and the collectives, the softmax makes three passes over
+the (N, C) buffer that hold no margin family's code (``_SoftmaxPasses``): the logits and their row maxima,
+the exponentials and their row sums, the logits' gradient. Eager, each is several memory passes (one per
+torch operation); with ``compile_margin_softmax=True`` each is compiled by torch.compile, and inductor
+fuses it into one kernel (Triton on a GPU, C++ on a CPU), the collectives and the families' code staying
+eager between them.
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
+import functools
+from collections.abc import Callable, Sequence
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -102,11 +111,16 @@ class PartialFC(nn.Module):
     ``sparse_grad=True``: when sampling, ``weight.grad`` is a sparse COO tensor of the sampled rows (the
     only non-zero ones) instead of a dense matrix of zeros elsewhere; torch's own optimizers mostly refuse
     such gradients (training/optimizer.py's take them).
+
+    ``compile_margin_softmax=True``: the softmax's passes over the logits compiled by torch.compile (module
+    docstring); the same results up to float rounding, the first forwards slower while inductor compiles
+    (kept in its cache, TORCHINDUCTOR_CACHE_DIR).
     """
 
     def __init__(self, margin_loss: MarginFamily, embedding_size: int, num_classes: int,
                  sample_rate: float = 1.0, view_weights: Sequence[float] | None = None, seed: int = 0,
-                 defer_label_check: bool = False, num_subcenters: int = 1, sparse_grad: bool = False):
+                 defer_label_check: bool = False, num_subcenters: int = 1, sparse_grad: bool = False,
+                 compile_margin_softmax: bool = False):
         super().__init__()
         if not 0.0 <= sample_rate <= 1.0:
             raise ValueError(f"sample_rate={sample_rate} must lie in [0, 1] (1.0 uses every class centre, 0 only "
@@ -118,6 +132,7 @@ class PartialFC(nn.Module):
         self.view_weights = None if view_weights is None else tuple(float(w) for w in view_weights)
         self.defer_label_check = defer_label_check
         self.sparse_grad = sparse_grad
+        self.compile_margin_softmax = compile_margin_softmax
         self.rank, self.world_size = rank(), world()
         if num_classes < self.world_size:
             raise ConfigError(f"num_classes={num_classes} is smaller than the {self.world_size} processes; every "
@@ -197,7 +212,8 @@ class PartialFC(nn.Module):
         with torch.autocast(device_type, enabled=False):
             loss, row_losses = _ShardedMarginSoftmax.apply(
                 gathered, self.weight, rows_index, row_labels, row_coef, self.margin_loss, gemm_dtype,
-                self.margin_state, rows, self.num_subcenters, self.sparse_grad)
+                self.margin_state, rows, self.num_subcenters, self.sparse_grad,
+                _compiled_passes() if self.compile_margin_softmax else _EAGER_PASSES)
         self.margin_step += 1
         if self.defer_label_check:
             loss = torch.where(bad_label, torch.nan, loss)
@@ -315,7 +331,7 @@ class _ShardedMarginSoftmax(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, index, labels, row_coef, family: MarginFamily, gemm_dtype, margin_state,
-                rows: GlobalRows, k: int, sparse_grad: bool):
+                rows: GlobalRows, k: int, sparse_grad: bool, passes: _SoftmaxPasses):
         dtype = x.dtype
         centres = weight if index is None else weight.index_select(0, index)
         centres = centres.to(dtype)
@@ -324,13 +340,20 @@ class _ShardedMarginSoftmax(torch.autograd.Function):
 
         # (N, C), becomes cos, logits, softmax, grad; never rounded to half precision, even under autocast
         logits = x @ centres.t() if gemm_dtype is None else matmul_float32_result(x, centres.t(), gemm_dtype)
-        logits.mul_(inv_norm)
         best = None
+        column_scale = inv_norm  # what the logits are yet to be multiplied by to be cosines (None: they are)
         if k > 1:
+            logits.mul_(inv_norm)
             values, best = logits.view(logits.shape[0], -1, k).max(dim=2)
-            logits, best = values, best.to(torch.uint8)
+            logits, best, column_scale = values, best.to(torch.uint8), None
+        # the targets' cosines from the GEMM's output: the same products as reading them from the cosines
         target_cos = read_targets(logits, labels)
+        if column_scale is not None:
+            target_cos *= read_targets(column_scale.expand_as(logits), labels)
         margin = family.bind(margin_state, rows, _summed(target_cos) if family.reads_target_cos else None)
+        if column_scale is not None and (margin.interclass_filtering_threshold > 0 or margin.modulates_negatives):
+            logits.mul_(column_scale)  # these margins read every cosine
+            column_scale = None
         dirty = None
         if margin.interclass_filtering_threshold > 0:
             dirty = margin.filtered(logits, labels)
@@ -345,16 +368,15 @@ class _ShardedMarginSoftmax(torch.autograd.Function):
             slope = torch.empty_like(logits)
             for chunk, slope_chunk in zip(_column_chunks(logits), _column_chunks(slope)):
                 margin.modulate(chunk, slope_chunk)
-        logits.mul_(margin.s)
-        write_targets(logits, labels, target_logit)
-
-        row_max = logits.max(dim=1).values if logits.shape[1] else torch.full_like(row_coef, -torch.inf)
+        if logits.shape[1]:
+            row_max = passes.logits_and_max(logits, column_scale, margin.s, labels, target_logit)
+        else:
+            row_max = torch.full_like(row_coef, -torch.inf)
         _all_reduce(row_max, dist.ReduceOp.MAX)
         # one all-reduce carries both the exp-sums and the target logits (zero where not ours)
         stats = torch.zeros((2, logits.shape[0]), dtype=dtype, device=logits.device)
-        for chunk in _column_chunks(logits):
-            chunk.sub_(row_max[:, None]).exp_()
-            stats[0] += chunk.sum(dim=1)
+        for chunk in _column_chunks(logits) if passes.chunked else (logits,):
+            stats[0] += passes.exp_and_sum(chunk, row_max)
         stats[1] = target_logit
         _all_reduce(stats, dist.ReduceOp.SUM)
         sum_exp, global_target_logit = stats
@@ -363,13 +385,9 @@ class _ShardedMarginSoftmax(torch.autograd.Function):
 
         # d loss / d cos: coef * s * softmax off-target, coef * slope * (p - 1) on the target
         target_prob = read_targets(logits, labels) / sum_exp
-        logits.mul_((row_coef * margin.s / sum_exp)[:, None])
-        if slope is not None:
-            logits.mul_(slope)
-            del slope
-        write_targets(logits, labels, row_coef * target_slope * (target_prob - 1.0))
-        if dirty is not None:
-            logits.masked_fill_(dirty, 0.0)
+        if logits.shape[1]:
+            passes.gradient(logits, labels, row_coef * margin.s / sum_exp,
+                            row_coef * target_slope * (target_prob - 1.0), slope, dirty)
 
         ctx.save_for_backward(x, weight, centres, index, inv_norm, norms, logits, best)
         ctx.gemm_dtype, ctx.k, ctx.sparse_grad = gemm_dtype, k, sparse_grad
@@ -402,7 +420,68 @@ class _ShardedMarginSoftmax(torch.autograd.Function):
                                                       check_invariants=False)
             else:
                 grad_weight = torch.zeros_like(weight).index_copy_(0, index, grad_centres)
-        return grad_x, grad_weight, None, None, None, None, None, None, None, None, None
+        return grad_x, grad_weight, None, None, None, None, None, None, None, None, None, None
+
+
+def _logits_and_max(logits: torch.Tensor, column_scale: torch.Tensor | None, s: float, labels: torch.Tensor,
+                    target_logit: torch.Tensor) -> torch.Tensor:
+    """In place, cosines (or the GEMM's output times ``column_scale``) -> logits: ``s * cos``, the margin's
+    ``target_logit`` at each row's target; returns each row's maximum."""
+    if column_scale is not None:
+        logits.mul_(column_scale)
+    logits.mul_(s)
+    _put_targets(logits, labels, target_logit)
+    return logits.max(dim=1).values
+
+
+def _exp_and_sum(chunk: torch.Tensor, row_max: torch.Tensor) -> torch.Tensor:
+    """In place, logits -> ``exp(logit - row max)``; returns their row sums."""
+    return chunk.sub_(row_max[:, None]).exp_().sum(dim=1)
+
+
+def _logit_gradient(logits: torch.Tensor, labels: torch.Tensor, row_scale: torch.Tensor, target_grad: torch.Tensor,
+                    slope: torch.Tensor | None, dirty: torch.Tensor | None) -> None:
+    """In place, exponentials -> the logits' gradient (times d logit / d cos): ``row_scale`` times them (times the
+    margin's ``slope`` where it modulates negatives), ``target_grad`` at each row's target, 0 where ``dirty``."""
+    logits.mul_(row_scale[:, None])
+    if slope is not None:
+        logits.mul_(slope)
+    _put_targets(logits, labels, target_grad)
+    if dirty is not None:
+        logits.masked_fill_(dirty, 0.0)
+
+
+def _put_targets(matrix: torch.Tensor, labels: torch.Tensor, values: torch.Tensor) -> None:
+    """``write_targets``, which torch.compile gets as a comparison with the column ids: inductor fuses that
+    into the pass, where a scatter would make it copy the whole (N, C) matrix first."""
+    if torch.compiler.is_compiling():
+        is_target = torch.arange(matrix.shape[1], device=matrix.device) == labels[:, None]
+        matrix.copy_(torch.where(is_target, values[:, None], matrix))
+    else:
+        write_targets(matrix, labels, values)
+
+
+class _SoftmaxPasses(NamedTuple):
+    """The softmax's passes over the (N, C) logits, between the collectives: eager or compiled."""
+
+    logits_and_max: Callable
+    exp_and_sum: Callable
+    gradient: Callable
+    # exp_and_sum called per column chunk (eager); compiled, on the whole matrix: one kernel, and a chunk's
+    # strides (a row longer than the chunk) would make it compile again
+    chunked: bool
+
+
+_EAGER_PASSES = _SoftmaxPasses(_logits_and_max, _exp_and_sum, _logit_gradient, chunked=True)
+
+
+@functools.cache
+def _compiled_passes() -> _SoftmaxPasses:
+    """The passes compiled once per process (at their first call), each into one kernel. Dynamic shapes:
+    sampling changes the number of columns every step, which must not compile again. fullgraph: a pass that
+    dynamo cannot take whole is an error, not a silent fall back to eager pieces."""
+    compiled = functools.partial(torch.compile, dynamic=True, fullgraph=True)
+    return _SoftmaxPasses(*(compiled(function) for function in _EAGER_PASSES[:3]), chunked=False)
 
 
 def _to_subcentres(grad: torch.Tensor, best: torch.Tensor, k: int) -> torch.Tensor:

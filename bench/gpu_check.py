@@ -396,7 +396,7 @@ def bench_pfc(run: Runner) -> Rows:
 
 
 def parse_bench_pfc(out: str) -> list[Row]:
-    lines = [match[0].split() for match in matches(r"\s*\d+\s+(dense|pfc)\s.*", out,
+    lines = [match[0].split() for match in matches(r"\s*\d+\s+(dense|pfc\S*)\s.*", out,
                                                    "'CLASSES dense|pfc ...' table row")]
     return [(f"bench_pfc {' '.join(line[:2])}", " ".join(line[2:]), True) for line in lines]
 

@@ -71,6 +71,9 @@ channels_last: bool = False       # ResNets: the backbone's weights in NHWC, so 
 compile_backbone: Literal["default", "reduce-overhead", "max-autotune"] | None = None  # torch.compile of the
                                   # step's backbone in this mode ("reduce-overhead": also CUDA graphs); the first steps
                                   # wait for the compilation (minutes), cached in TORCHINDUCTOR_CACHE_DIR; None: eager
+compile_margin_softmax: bool = False  # torch.compile the margin softmax's passes over the logits: each one fused
+                                  # kernel (Triton on GPUs; a C++ compiler on CPUs); the first steps compile
+                                  # (seconds, cached in TORCHINDUCTOR_CACHE_DIR), results equal up to float rounding
 timeout_minutes: float = 30.0     # how long a rank waits at a collective (e.g. for a checkpoint being written)
 network_check_seconds: float = 120.0  # several processes: one small all-reduce before the first step must end
                                   # within this, else the run stops naming each host's network (docs/failures.md)

@@ -150,6 +150,8 @@ def test_a_rows_parser_reads_what_its_command_prints(check, capsys, monkeypatch,
         assert len(rows) == 2 * len(bench_pfc.FAMILIES), rows
         assert {name.split()[1] for name, _, _ in rows} == set(bench_pfc.FAMILIES)
         assert all(result.startswith("loss ") and " dX " in result and " dW " in result for _, result, _ in rows)
+    if check == "bench_pfc":  # a row per implementation, PartialFC's ("pfc@RATE") among them
+        assert [name.split()[2] for name, _, _ in rows] == list(bench_pfc.IMPLEMENTATIONS), rows
     if check == "pfc step":  # each cell beside its computed floor, torch's bare kernels and arcface_torch's
         cells = [result for name, result, _ in rows if name.startswith("pfc step C=")]
         cell = re.compile(r"[\d.]+ ms, [\d.]+x its floor \([\d.]+ ms\), [\d.]+x torch's bare kernels, "

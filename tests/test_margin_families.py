@@ -119,7 +119,8 @@ def initial_state(name: str) -> list:
 
 # --- PartialFC on every rank, the reference on rank 0 ------------------------------------------------
 
-def family_against_dense(name: str, views: int, setting: str, seed: int, batch: int = 4) -> dict:
+def family_against_dense(name: str, views: int, setting: str, seed: int, batch: int = 4,
+                         compile_margin_softmax: bool = False) -> dict:
     """STEPS PartialFC steps on every rank of this world (the backbone in DDP when there is a process group);
     on rank 0 {"step i: tensor": (pairface's, the reference's)}, {} elsewhere."""
     num_classes, sample_rate = SETTINGS[setting]
@@ -135,7 +136,7 @@ def family_against_dense(name: str, views: int, setting: str, seed: int, batch: 
     backbone.load_state_dict(reference_backbone.state_dict())
     model = torch.nn.parallel.DistributedDataParallel(backbone) if distributed.is_initialized() else backbone
     pfc = PartialFC(FAMILIES[name]["make"](), EMBEDDING, num_classes, sample_rate=sample_rate, seed=seed,
-                    num_subcenters=k).double()
+                    num_subcenters=k, compile_margin_softmax=compile_margin_softmax).double()
     mine = slice(rank * batch, (rank + 1) * batch)
     taken = []
     for step in range(STEPS):

@@ -71,7 +71,8 @@ def dense_reference_with_options(views: list[torch.Tensor], labels: torch.Tensor
 
 def pfc_against_dense(views: int, margin: tuple, num_classes: int = 7, sample_rate: float = 1.0,
                       threshold: float = 0.0, straight_through: bool = False, seed: int = 0, batch: int = 4,
-                      embedding_size: int = 16, labels_below: int | None = None) -> dict:
+                      embedding_size: int = 16, labels_below: int | None = None,
+                      compile_margin_softmax: bool = False) -> dict:
     """One PartialFC step on every rank of the current world (the backbone in DDP when there is a
     process group), on rank 0 {tensor name: (pairface's, the reference's, the reference's without
     the options)}; {} on other ranks. Labels are drawn from [0, labels_below or num_classes).
@@ -89,7 +90,8 @@ def pfc_against_dense(views: int, margin: tuple, num_classes: int = 7, sample_ra
 
     margin_loss = CombinedMarginLoss(SCALE, *margin, interclass_filtering_threshold=threshold,
                                      straight_through=straight_through)
-    pfc = PartialFC(margin_loss, embedding_size, num_classes, sample_rate=sample_rate, seed=seed).double()
+    pfc = PartialFC(margin_loss, embedding_size, num_classes, sample_rate=sample_rate, seed=seed,
+                    compile_margin_softmax=compile_margin_softmax).double()
     mine = slice(rank * batch, (rank + 1) * batch)
     features = model(inputs[mine].reshape(batch * views, IN_FEATURES)).view(batch, views, -1)
     loss, _ = pfc(features.unbind(1), labels[mine])

@@ -2,6 +2,7 @@
 
     torchrun --nproc_per_node=8 -m tools.check_pfc          # NCCL on GPUs, gloo on CPU
     python -m tools.check_pfc --views 3 --classes 1001       # one process
+    python -m tools.check_pfc --compile-margin-softmax       # the softmax's passes compiled (compile_margin_softmax)
 
 Every rank builds the same random problem (a small backbone, V views of a global batch, uneven
 class shards), runs one PartialFC step with the backbone in DistributedDataParallel, and rank 0
@@ -60,7 +61,8 @@ def make_backbone(in_features: int, embedding_size: int) -> torch.nn.Module:
 
 
 def run_check(num_views: int, num_classes: int, batch: int, embedding_size: int, margin: tuple,
-              sample_rate: float, dtype: torch.dtype, device: torch.device, seed: int = 0) -> dict[str, float]:
+              sample_rate: float, dtype: torch.dtype, device: torch.device, seed: int = 0,
+              compile_margin_softmax: bool = False) -> dict[str, float]:
     """One PartialFC step on every rank; returns {tensor name: relative error} (on rank 0)."""
     rank, world_size = distributed.rank(), distributed.world()
     gen = torch.Generator().manual_seed(seed)
@@ -74,7 +76,8 @@ def run_check(num_views: int, num_classes: int, batch: int, embedding_size: int,
     backbone.load_state_dict(reference_backbone.state_dict())
 
     margin_loss = CombinedMarginLoss(64.0, *margin)
-    pfc = PartialFC(margin_loss, embedding_size, num_classes, sample_rate=sample_rate, seed=seed)
+    pfc = PartialFC(margin_loss, embedding_size, num_classes, sample_rate=sample_rate, seed=seed,
+                    compile_margin_softmax=compile_margin_softmax)
     pfc = pfc.to(device=device, dtype=dtype)
     model = backbone
     if distributed.is_initialized():
@@ -117,6 +120,8 @@ def main() -> int:
     parser.add_argument("--margin", type=float, nargs=3, default=(1.0, 0.5, 0.0), metavar=("M1", "M2", "M3"))
     parser.add_argument("--sample-rate", type=float, default=1.0)
     parser.add_argument("--dtype", choices=("float64", "float32"), default="float64")
+    parser.add_argument("--compile-margin-softmax", action="store_true",
+                        help="PartialFC's softmax passes compiled by torch.compile, as the config key of that name")
     parser.add_argument("--tolerance", type=float, default=None,
                         help="worst relative error allowed (default 1e-5 for float64, 1e-4 for float32)")
     args = parser.parse_args()
@@ -129,13 +134,14 @@ def main() -> int:
     tolerance = args.tolerance or (1e-5 if dtype == torch.float64 else 1e-4)
     try:
         errors = run_check(args.views, args.classes, args.batch, args.embedding_size, tuple(args.margin),
-                           args.sample_rate, dtype, device)
+                           args.sample_rate, dtype, device, compile_margin_softmax=args.compile_margin_softmax)
     finally:
         distributed.cleanup()
     if rank != 0:
         return 0
     print(f"PartialFC check: world {world_size}, {device.type}, {args.views} views, {args.classes} classes, "
-          f"batch {args.batch}/rank, margin {tuple(args.margin)}, sample_rate {args.sample_rate}, {args.dtype}")
+          f"batch {args.batch}/rank, margin {tuple(args.margin)}, sample_rate {args.sample_rate}, {args.dtype}"
+          + (", softmax compiled" if args.compile_margin_softmax else ""))
     width = max(len(name) for name in errors)
     for name, err in errors.items():
         print(f"  {name:<{width}}  worst relative error {err:.3e}")

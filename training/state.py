@@ -194,7 +194,8 @@ def build_networks(cfg: SimpleNamespace, num_classes: int, device: torch.device)
     # sampled centres' gradient is sparse, for build_optimizer's update.
     pfc = PartialFC(build_margin(cfg), cfg.embedding_size, num_classes, cfg.sample_rate, view_weights=cfg.view_weights,
                     seed=cfg.seed, defer_label_check=device.type == "cuda",
-                    num_subcenters=num_subcenters(cfg), sparse_grad=True).to(device)
+                    num_subcenters=num_subcenters(cfg), sparse_grad=True,
+                    compile_margin_softmax=cfg.compile_margin_softmax).to(device)
     return backbone, pfc
 
 
