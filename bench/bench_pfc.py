@@ -21,7 +21,7 @@ a forward without gradients over 4 rows per view first (every pass runs in the f
 at the measured widths, and the measured steps then compile nothing, which the row checks); the kernels are
 cached in TORCHINDUCTOR_CACHE_DIR, by default a folder of the temporary directory, so a second run reads them.
 A CPU's ranking of eager and compiled says nothing about a GPU's: inductor writes C++ loops here, Triton
-kernels there.
+kernels there. (On a CPU a compiled row's peak may read lower: pages its compiling forward freed stay resident.)
 
 `--families` times PartialFC with each margin family instead (losses.py; sub-center with K = 3), at
 sample rates 1.0 and 0.1, relative to the combined family (ArcFace) at the same C and rate: each family's

@@ -7,7 +7,8 @@
 #   vit_b    the same for vit_b (bf16 on and off)
 #   compile  r50 with compile_backbone, without and with CUDA graphs (cold: minutes of compilation per row,
 #            cached in TORCHINDUCTOR_CACHE_DIR for a second call)
-#   pfc      bench_pfc at 1M and 4M classes, fp16, each time beside its floor; then --step (SGD included)
+#   pfc      bench_pfc at 1M and 4M classes, fp16, each time beside its floor, eager and with compile_margin_softmax
+#            (--compile: its compile seconds beside); then --step (SGD included)
 # Part names given as arguments run those parts only; by default all of them. On one H200, three calls of at most
 # 10 minutes each: side_by_side split, then vit_b pfc, then compile (docs/gpu.md). Needs what bench/gpu_check.sh needs (its wheels).
 #
@@ -74,7 +75,7 @@ for part in "${parts[@]}"; do
         vit_b) run_part vit_b 120 bench.bench_train "${split[@]}" --networks vit_b --views 1 2 --switches bf16 ;;
         compile) run_part compile 540 bench.bench_train "${split[@]}" --networks r50 --views 1 2 \
                      --switches compile cudagraphs ;;
-        pfc) run_part "pfc floor" 90 bench.bench_pfc "${pfc[@]}"
+        pfc) run_part "pfc floor" 200 bench.bench_pfc --compile --rounds 1 "${pfc[@]}"
              run_part "pfc step" 120 bench.bench_pfc --step "${pfc[@]}" ;;
     esac
 done
