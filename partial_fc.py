@@ -478,8 +478,9 @@ _EAGER_PASSES = _SoftmaxPasses(_logits_and_max, _exp_and_sum, _logit_gradient, c
 @functools.cache
 def _compiled_passes() -> _SoftmaxPasses:
     """The passes compiled once per process (at their first call), each into one kernel. Dynamic shapes:
-    sampling changes the number of columns every step, which must not compile again. fullgraph: a pass that
-    dynamo cannot take whole is an error, not a silent fall back to eager pieces."""
+    sampling changes the number of columns from step to step, which must not compile again (inductor compiles
+    a second kernel only where the width crosses one of its reduction thresholds, 4096 columns on a CPU).
+    fullgraph: a pass that dynamo cannot take whole is an error, not a silent fall back to eager pieces."""
     compiled = functools.partial(torch.compile, dynamic=True, fullgraph=True)
     return _SoftmaxPasses(*(compiled(function) for function in _EAGER_PASSES[:3]), chunked=False)
 
