@@ -4,7 +4,9 @@ r18 at a quarter of its widths (the narrowest whose NHWC convolutions this CPU's
 per step (the accumulation path, which skips DDP's sync on every micro-batch but the last). Each switch trains the
 same model as the eager, NCHW step up to float rounding (the kernels differ, the maths does not); channels_last
 resumes bit for bit and its checkpoint resumes with the switch off; the compiled step saves the backbone under
-its own names. A narrow ResNet that would crash oneDNN is one error line instead.
+its own names. A narrow ResNet that would crash oneDNN is one error line instead, and compile_backbone on several
+processes without channels_last gets the advice to set it (its reason was seen once by hand on 2 processes: a
+compiled run takes too long to spawn for this suite).
 """
 from __future__ import annotations
 
