@@ -13,10 +13,12 @@ from __future__ import annotations
 import json
 import logging
 import threading
+import time
 from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from backbones import get_model
 from checkpoint.checkpointer import BackgroundSave, Checkpointer, HostStaging, Renumbering, last_good
@@ -24,6 +26,7 @@ from checkpoint.pointer import POINTER_NAME
 from checkpoint.run_dir import RUN_CONFIG_NAME
 from checkpoint.sources import LEGACY_NAME, find_resume_source
 from tests import test_arcface as arcface
+from tests.distributed_helpers import run_world
 from tests.test_sources import legacy_checkpoint
 from tests.toy_state import INFO, NUM_CLASSES, make_model, take_steps
 from training.components import SavedPosition
@@ -324,3 +327,39 @@ def test_a_background_write_that_fails_raises_its_error_in_the_training_thread()
 
     with pytest.raises(OSError, match="No space left on device"):
         BackgroundSave(write, torch.device("cpu")).wait()
+
+
+def _a_training_collective_while_rank_1s_writer_is_held(rank: int, world_size: int, output: str) -> dict:
+    """An async save on 2 processes whose rank 1 writer thread is held where it starts writing, while each
+    training thread runs an all-reduce, as the next step does: rank 0's writer has reached its collectives first."""
+    model = make_model("sgd", seed=1)
+    saver = checkpointer(Path(output), model, async_save=True)
+    writing, release = threading.Event(), threading.Event()
+
+    def hold_rank_1s_writer(frame, event, arg):
+        if event == "call" and frame.f_code.co_name == "write_state":
+            writing.set()
+            if rank == 1:
+                release.wait(60)
+
+    threading.settrace(hold_rank_1s_writer)
+    try:
+        saver.save(StepCounter(global_step=3, steps_per_epoch=10))
+    finally:
+        threading.settrace(None)
+    assert writing.wait(30)
+    if rank == 0:
+        time.sleep(1.0)  # its writer thread is waiting in its first collective by now
+    total = torch.tensor([float(rank + 1)])
+    dist.all_reduce(total)
+    release.set()
+    saver.wait_for_save()
+    return {"total": total.item(), "published": published_step(Path(output))}
+
+
+def test_a_background_write_s_collectives_never_meet_the_training_loop_s(tmp_path):
+    """The writer thread has a process group of its own: on the training's group, rank 1's all-reduce would meet
+    rank 0's writer's collective instead of rank 0's all-reduce (a wrong sum, an error or a wait until the
+    collective timeout)."""
+    results = run_world(_a_training_collective_while_rank_1s_writer_is_held, 2, str(tmp_path))
+    assert results == [{"total": 3.0, "published": 3}] * 2
