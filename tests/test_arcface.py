@@ -13,13 +13,11 @@ import contextlib
 import copy
 import re
 import shutil
-import warnings
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
-from torch.optim.lr_scheduler import _LRScheduler
 
 from backbones import get_model
 from checkpoint.arcface import restore_arcface
@@ -42,18 +40,26 @@ OVERRIDES = ["num_classes=21", f"warmup_epoch={WARMUP_EPOCHS}"]
 FOLDERS = ("train_v2_sgd", "train_v2_adamw", "2021")
 
 
-class PolynomialLRWarmup(_LRScheduler):
-    """arcface_torch's lr_scheduler.py as it is, but for the `verbose` argument torch 2.14 no longer takes."""
+# arcface_torch's lr_scheduler.py up to PolynomialLRWarmup.get_lr, as insightface ships it (its closed form and demo
+# left out): the schedule train_v2.py saves below, and the file bench/side_by_side.py patches
+# (test_side_by_side.py)
+UPSTREAM_SCHEDULER = """\
+from torch.optim.lr_scheduler import _LRScheduler
+from torch.optim import SGD
+import torch
+import warnings
 
+class PolynomialLRWarmup(_LRScheduler):
     def __init__(self, optimizer, warmup_iters, total_iters=5, power=1.0, last_epoch=-1, verbose=False):
-        super().__init__(optimizer, last_epoch=last_epoch)
+        super().__init__(optimizer, last_epoch=last_epoch, verbose=verbose)
         self.total_iters = total_iters
         self.power = power
         self.warmup_iters = warmup_iters
 
+
     def get_lr(self):
         if not self._get_lr_called_within_step:
-            warnings.warn("To get the last learning rate computed by the scheduler, "  # noqa: B028 (upstream's code)
+            warnings.warn("To get the last learning rate computed by the scheduler, "
                           "please use `get_last_lr()`.", UserWarning)
 
         if self.last_epoch == 0 or self.last_epoch > self.total_iters:
@@ -62,11 +68,24 @@ class PolynomialLRWarmup(_LRScheduler):
         if self.last_epoch <= self.warmup_iters:
             return [base_lr * self.last_epoch / self.warmup_iters for base_lr in self.base_lrs]
         else:
-            l = self.last_epoch  # noqa: E741 (upstream's name)
+            l = self.last_epoch
             w = self.warmup_iters
             t = self.total_iters
             decay_factor = ((1.0 - (l - w) / (t - w)) / (1.0 - (l - 1 - w) / (t - w))) ** self.power
         return [group["lr"] * decay_factor for group in self.optimizer.param_groups]
+"""
+
+
+def upstream_scheduler_class() -> type:
+    """PolynomialLRWarmup of UPSTREAM_SCHEDULER, but for the `verbose` argument torch 2.14 no longer takes."""
+    passes_verbose = "last_epoch=last_epoch, verbose=verbose)"
+    assert UPSTREAM_SCHEDULER.count(passes_verbose) == 1
+    names: dict = {}
+    exec(UPSTREAM_SCHEDULER.replace(passes_verbose, "last_epoch=last_epoch)"), names)
+    return names["PolynomialLRWarmup"]
+
+
+PolynomialLRWarmup = upstream_scheduler_class()
 
 
 class CentreShard(torch.nn.Module):

@@ -25,6 +25,7 @@ from bench.side_by_side import (
     without_verbose,
 )
 from tests.run_helpers import ROOT
+from tests.test_arcface import UPSTREAM_SCHEDULER
 from utils.log import LOG_FORMAT, SpeedLogger
 
 # arcface_torch's log, as its code writes it: utils/utils_logging.py's init_logging formats every line
@@ -43,39 +44,6 @@ Training: 2026-12-03 14:02:32,731-Speed 1530.10 samples/sec   Loss 43.8804   Lea
 Global Step: 40   Required: 3 hours
 Training: 2026-12-03 14:02:32,731-Speed inf samples/sec   Loss 43.8804   LearningRate 0.019999   Epoch: 0   \
 Global Step: 50   Required: 3 hours
-"""
-# arcface_torch's lr_scheduler.py up to PolynomialLRWarmup.get_lr, as insightface ships it (its closed form and demo
-# left out)
-UPSTREAM_SCHEDULER = """\
-from torch.optim.lr_scheduler import _LRScheduler
-from torch.optim import SGD
-import torch
-import warnings
-
-class PolynomialLRWarmup(_LRScheduler):
-    def __init__(self, optimizer, warmup_iters, total_iters=5, power=1.0, last_epoch=-1, verbose=False):
-        super().__init__(optimizer, last_epoch=last_epoch, verbose=verbose)
-        self.total_iters = total_iters
-        self.power = power
-        self.warmup_iters = warmup_iters
-
-
-    def get_lr(self):
-        if not self._get_lr_called_within_step:
-            warnings.warn("To get the last learning rate computed by the scheduler, "
-                          "please use `get_last_lr()`.", UserWarning)
-
-        if self.last_epoch == 0 or self.last_epoch > self.total_iters:
-            return [group["lr"] for group in self.optimizer.param_groups]
-
-        if self.last_epoch <= self.warmup_iters:
-            return [base_lr * self.last_epoch / self.warmup_iters for base_lr in self.base_lrs]
-        else:
-            l = self.last_epoch
-            w = self.warmup_iters
-            t = self.total_iters
-            decay_factor = ((1.0 - (l - w) / (t - w)) / (1.0 - (l - 1 - w) / (t - w))) ** self.power
-        return [group["lr"] * decay_factor for group in self.optimizer.param_groups]
 """
 
 
