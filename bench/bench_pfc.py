@@ -117,9 +117,14 @@ def build_head(implementation: str, num_classes: int, device: torch.device, batc
     return head.to(device), views, torch.randint(0, num_classes, (batch,), device=device)
 
 
+def half_precision(device: torch.device, fp16: bool) -> bool:
+    """Whether a row runs under float16 autocast: --fp16 on a GPU (a CPU has no fast float16 kernels)."""
+    return fp16 and device.type == "cuda"
+
+
 def head_step(head, views, labels, device: torch.device, fp16: bool) -> None:
     head.weight.grad = None
-    with torch.autocast(device.type, dtype=torch.float16, enabled=fp16 and device.type == "cuda"):
+    with torch.autocast(device.type, dtype=torch.float16, enabled=half_precision(device, fp16)):
         loss, _ = head(views, labels)
     loss.backward()
 
@@ -142,7 +147,7 @@ def measure(implementation: str, num_classes: int, device: torch.device, steps: 
 
         def forward_of_a_few_rows():
             with torch.no_grad(), torch.autocast(device.type, dtype=torch.float16,
-                                                 enabled=fp16 and device.type == "cuda"):
+                                                 enabled=half_precision(device, fp16)):
                 head([view[:rows] for view in views], labels[:rows])
         compile_seconds = seconds(forward_of_a_few_rows, device)
         compiled = graphs_compiled()
@@ -173,7 +178,7 @@ def measure(implementation: str, num_classes: int, device: torch.device, steps: 
     implementation = implementation.partition(":")[0].removesuffix(COMPILED)
     rate = 1.0 if implementation == "dense" else min(1.0, float(implementation.split("@")[1]))
     sampled = num_classes if rate >= 1 else int(rate * num_classes)
-    half = fp16 and device.type == "cuda"
+    half = half_precision(device, fp16)
     gemm = gemm_rate(device, torch.float16 if half else torch.float32)
     floor = pfc_floor(batch * VIEWS, dim, num_classes, sampled, logit_bytes=2 if half else 4, update=False,
                       gemm=gemm, bandwidth=copy_bandwidth(device))
