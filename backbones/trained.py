@@ -82,6 +82,38 @@ def far_words(point: Mapping) -> str:
     return f"FAR {point['far']:.4g}"
 
 
+THRESHOLD_SET_DEFAULT = ("the largest (by pairs) of the recorded sets whose people were kept out of training, else "
+                         "the largest not known to hold training people, else the largest recorded")
+THRESHOLD_SET_HELP = ("which verification set recorded in the model's model.json decides, by its threshold (a set is "
+                      "named by its .bin file name without .bin, as model.json lists it); default: "
+                      f"{THRESHOLD_SET_DEFAULT}")
+
+
+def add_threshold_set_argument(parser: argparse.ArgumentParser, help_text: str = THRESHOLD_SET_HELP) -> None:
+    """``--threshold-set NAME``: the same choice of the deciding threshold in eval.verification, tools.inference and
+    tools.search."""
+    parser.add_argument("--threshold-set", metavar="NAME", help=help_text)
+
+
+def deciding_set(verification: Mapping[str, Mapping], requested: str | None, where: str | os.PathLike
+                 ) -> tuple[str, str]:
+    """The recorded set (of ``verification``, model.json's at ``where``) whose threshold decides, and why:
+    ``requested`` (--threshold-set), else as THRESHOLD_SET_HELP says. The largest set, since a threshold chosen
+    on a few pairs moves with every pair; ties go to the set recorded first."""
+    if requested is not None:
+        if requested not in verification:
+            raise ConfigError(f"--threshold-set {requested}: {where} records no set of that name (recorded: "
+                              f"{', '.join(verification) or 'none'}); pass one of those")
+        return requested, "--threshold-set"
+    for wanted, why in ((True, "the largest recorded set of people kept out of training"),
+                        (None, "the largest recorded set not known to hold training people")):
+        candidates = [name for name, point in verification.items() if point.get("held_out") is wanted]
+        if candidates:
+            return max(candidates, key=lambda name: verification[name].get("pairs", 0)), why
+    return (max(verification, key=lambda name: verification[name].get("pairs", 0)),
+            "the largest recorded set; every one holds people the model was trained on")
+
+
 def model_info(architecture: Mapping, verification: Mapping | None) -> dict:
     """model.json's content: the architecture, and the last verification's operating points if any."""
     return {**architecture, **({"verification": dict(verification)} if verification else {})}

@@ -6,9 +6,11 @@ The gallery file (``<folder>.gallery.npz``) holds plain arrays, read with ``allo
 ``names`` (people, in folder order), ``features`` (float32, people x D) and what it was built from:
 ``model`` (a digest of the weights file's path, size and modification time, its network and options),
 ``photos`` (a digest of every photo's relative path, size and modification time) and ``preparation``
-(how the photos were prepared, in words, so that a rebuild can say it was that which changed; a file
-written before it was recorded has none, and is rebuilt). Checking them costs one ``stat`` per photo,
-not a read.
+(how the photos were prepared, in words, so that a rebuild can say it was that which changed); and
+``nonmated`` (float32, one per photo): each photo's highest similarity to the templates of the *other*
+people, the gallery's own stranger scores, from which a search sets the similarity a face must pass to be
+called a known person (eval.identification.threshold_at_fpir). A file written before ``preparation`` or
+``nonmated`` was kept has none, and is rebuilt. Checking them costs one ``stat`` per photo, not a read.
 """
 from __future__ import annotations
 
@@ -34,8 +36,8 @@ from utils.errors import DataError, located
 from utils.progress import progress
 
 GALLERY_SUFFIX = ".gallery.npz"
-_KEYS = {"names", "features", "model", "photos", "preparation"}
-_KEYS_BEFORE_PREPARATION = _KEYS - {"preparation"}
+_KEYS = {"names", "features", "model", "photos", "preparation", "nonmated"}
+_KEYS_OF_EARLIER_FILES = (_KEYS - {"nonmated"}, _KEYS - {"nonmated", "preparation"})
 
 
 def gallery_file(folder: str | os.PathLike) -> Path:
@@ -107,6 +109,7 @@ class PersonGallery:
     model: str            # model_digest of the model that built it
     photos: str           # photos_digest of the photos it was built from
     preparation: str      # preparation_stamp of how they were prepared ("" in a file that predates it)
+    nonmated: np.ndarray | None = None  # float32 (photos,): see the module doc; None in a file that predates it
 
 
 def build_gallery(model: nn.Module, people: Sequence[tuple[str, Sequence[str]]], preparation: Preparation,
@@ -125,10 +128,20 @@ def build_gallery(model: nn.Module, people: Sequence[tuple[str, Sequence[str]]],
     embeddings = torch.cat(chunks).double().numpy()
     sums = np.zeros((len(people), embeddings.shape[1]))
     np.add.at(sums, owner, embeddings)
-    features = sums / np.maximum(np.linalg.norm(sums, axis=1, keepdims=True), 1e-12)
-    gallery = PersonGallery([name for name, _ in people], features.astype(np.float32), model_stamp, photos_stamp,
-                            preparation_stamp(preparation))
+    features = (sums / np.maximum(np.linalg.norm(sums, axis=1, keepdims=True), 1e-12)).astype(np.float32)
+    gallery = PersonGallery([name for name, _ in people], features, model_stamp, photos_stamp,
+                            preparation_stamp(preparation), nonmated_scores(embeddings, owner, features))
     return gallery, stretch_warning(stretched, len(paths))
+
+
+def nonmated_scores(embeddings: np.ndarray, owner: np.ndarray, features: np.ndarray) -> np.ndarray:
+    """Each photo's highest similarity to another person's template, as a search scores a query (float32): what
+    a face not in the gallery scores, as near as the gallery itself can tell (empty with one person)."""
+    if features.shape[0] < 2:
+        return np.zeros(0, np.float32)
+    similarity = embeddings.astype(np.float32) @ features.T
+    similarity[np.arange(owner.size), owner] = -np.inf  # its own person's template holds the photo itself
+    return similarity.max(axis=1)
 
 
 def save_gallery(gallery: PersonGallery, path: Path) -> None:
@@ -138,7 +151,7 @@ def save_gallery(gallery: PersonGallery, path: Path) -> None:
 
     atomic_save({"names": np.array(gallery.names, dtype=str), "features": gallery.features,
                  "model": np.array(gallery.model), "photos": np.array(gallery.photos),
-                 "preparation": np.array(gallery.preparation)}, path, write=write)
+                 "preparation": np.array(gallery.preparation), "nonmated": gallery.nonmated}, path, write=write)
 
 
 def load_gallery(path: Path) -> PersonGallery:
@@ -148,18 +161,20 @@ def load_gallery(path: Path) -> PersonGallery:
         with open(path, "rb") as f:
             data = f.read()
         with np.load(io.BytesIO(data), allow_pickle=False) as arrays:
-            if set(arrays.files) not in (_KEYS, _KEYS_BEFORE_PREPARATION):
+            if set(arrays.files) != _KEYS and set(arrays.files) not in _KEYS_OF_EARLIER_FILES:
                 raise ValueError(f"it holds {sorted(arrays.files)}, not {sorted(_KEYS)}")
             names, features = arrays["names"], arrays["features"]
             model, photos = str(arrays["model"][()]), str(arrays["photos"][()])
             preparation = str(arrays["preparation"][()]) if "preparation" in arrays.files else ""
+            nonmated = arrays["nonmated"] if "nonmated" in arrays.files else None
     except (OSError, ValueError, EOFError, zipfile.BadZipFile) as error:
         raise DataError(f"gallery file {path} cannot be read ({str(error).splitlines()[0] or type(error).__name__}); "
                         f"{fix}") from None
     if names.ndim != 1 or names.dtype.kind != "U" or features.dtype != np.float32 or features.ndim != 2 \
-            or len(features) != len(names) or not np.isfinite(features).all():
+            or len(features) != len(names) or not np.isfinite(features).all() or (nonmated is not None and (
+                nonmated.dtype != np.float32 or nonmated.ndim != 1 or not np.isfinite(nonmated).all())):
         raise DataError(f"gallery file {path} is damaged (its names and features do not fit together); {fix}")
-    return PersonGallery(names.tolist(), features, model, photos, preparation)
+    return PersonGallery(names.tolist(), features, model, photos, preparation, nonmated)
 
 
 def top_matches(features: np.ndarray, queries: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:

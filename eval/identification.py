@@ -69,13 +69,19 @@ def _check_open_set(outcome: SearchOutcome) -> None:
 def tpir_at_fpir(outcome: SearchOutcome, fpirs: Sequence[float] = FPIRS) -> dict[float, tuple[float, float]]:
     """``{fpir: (tpir, threshold)}`` with upstream's threshold placement (see the module doc)."""
     _check_open_set(outcome)
-    descending = np.sort(outcome.nonmated_top)[::-1]
     identified = outcome.mate_ranks == 1
     table = {}
     for fpir in fpirs:
-        threshold = float(descending[max(int(descending.size * fpir) - 1, 0)])
+        threshold = threshold_at_fpir(outcome.nonmated_top, fpir)
         table[fpir] = (float((identified & (outcome.mate_scores > threshold)).sum() / outcome.mated), threshold)
     return table
+
+
+def threshold_at_fpir(nonmated_top: np.ndarray, fpir: float) -> float:
+    """Upstream's threshold for FPIR ``fpir`` over the non-mated probes' top scores (see the module doc): a
+    probe passing strictly above it; with ``n * fpir < 2``, the highest score, which none passes."""
+    descending = np.sort(nonmated_top)[::-1]
+    return float(descending[max(int(descending.size * fpir) - 1, 0)])
 
 
 def det_curve(outcome: SearchOutcome) -> tuple[np.ndarray, np.ndarray]:

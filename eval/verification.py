@@ -27,7 +27,14 @@ import torch
 from PIL import Image
 from torch import nn
 
-from backbones.trained import far_words, forget_verification, record_verification
+from backbones.trained import (
+    THRESHOLD_SET_DEFAULT,
+    add_threshold_set_argument,
+    deciding_set,
+    far_words,
+    forget_verification,
+    record_verification,
+)
 from dataset import held_out, read_preparation
 from eval.cli import EvaluatedNetwork, add_network_arguments, check_positive, open_network, output_prefix
 from eval.embedding import embed_images
@@ -282,6 +289,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="take these sets' recorded thresholds out of the model's model.json (a set is named by "
                              "its file name without .bin, as model.json lists it), so that tools.inference and "
                              "tools.search no longer judge pairs by them")
+    add_threshold_set_argument(parser, "the set (of those model.json records after this evaluation) whose threshold "
+                               "the last line names as the one that decides the verdicts of tools.inference and "
+                               "tools.search, as their --threshold-set picks it; default, as theirs: "
+                               f"{THRESHOLD_SET_DEFAULT}")
     parser.add_argument("--batch-size", type=int, default=64,
                         help="images per forward pass (memory only: the scores do not depend on it)")
     parser.add_argument("--nfolds", type=int, default=10,
@@ -301,6 +312,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if not args.bins:
             return 0
         names = _set_names(args.bins)
+        if args.threshold_set is not None and network.saved is not None and args.threshold_set not in names:
+            deciding_set(network.saved.verification, args.threshold_set, network.saved.info_path)  # said before work
         prefix = output_prefix(network.path)
         curves, operating_points, unfit = {}, {}, []
         for path, name in zip(args.bins, names):
@@ -340,7 +353,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"threshold: none recorded for {', '.join(unfit)}: its photos were prepared unlike the training "
                   "photos (the warning above), so its threshold would misjudge pairs")
         if operating_points:
-            print(record_operating_points(network, operating_points))
+            print(record_operating_points(network, operating_points, args.threshold_set))
     return 0
 
 
@@ -380,19 +393,24 @@ def forget(network: EvaluatedNetwork, names: Sequence[str]) -> str:
     return f"forgot the threshold of {', '.join(names)} in {where}"
 
 
-def record_operating_points(network: EvaluatedNetwork, operating_points: dict[str, dict]) -> str:
-    """Record this evaluation's thresholds in the model.json beside PyTorch weights, for tools.inference's
-    verdicts; the line that says what happened."""
-    name, point = next(iter(operating_points.items()))
-    summary = (f"same person above cosine similarity {point['threshold']:.4f} ({far_words(point)} on {name})")
+def record_operating_points(network: EvaluatedNetwork, operating_points: dict[str, dict],
+                            threshold_set: str | None = None) -> str:
+    """Record this evaluation's thresholds in the model.json beside PyTorch weights, for the verdicts of
+    tools.inference and tools.search; the line that says what happened and which recorded set's threshold
+    decides (``threshold_set``, else the one backbones.trained.deciding_set picks, as those tools do)."""
+    recorded = {**(network.saved.verification if network.saved is not None else {}),
+                **{name: {**point, "by": "eval.verification"} for name, point in operating_points.items()}}
+    name, why = deciding_set(recorded, threshold_set, "this evaluation or the model's model.json")
+    point = recorded[name]
+    summary = (f"same person above cosine similarity {point['threshold']:.4f} ({far_words(point)} on {name}, "
+               f"{point['pairs']} pairs: {why})")
     if network.saved is None:
         return f"threshold: {summary}; not recorded for an --onnx model"
-    where = record_verification(network.saved, {name: {**point, "by": "eval.verification"}
-                                                for name, point in operating_points.items()})
+    where = record_verification(network.saved, {name: recorded[name] for name in operating_points})
     if where is None:
         return (f"threshold: {summary}; not recorded: {network.saved.weights} has no model.json beside it (pass the "
                 "run folder train.py wrote, so that tools.inference can judge pairs by it)")
-    return f"threshold recorded in {where} for tools.inference: {summary}"
+    return f"threshold recorded in {where} for tools.inference and tools.search: {summary}"
 
 
 if __name__ == "__main__":

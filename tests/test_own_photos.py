@@ -87,8 +87,8 @@ def test_evaluation_says_what_its_small_set_cannot_measure_and_records_its_thres
     recorded = json.loads((walked["folder"] / "output" / "my_faces" / "model.json").read_text())["verification"]
     point = recorded["my_faces_val"]
     assert point["by"] == "eval.verification" and point["pairs"] == 100
-    assert f"threshold recorded in output/my_faces/model.json for tools.inference: same person above cosine " \
-           f"similarity {point['threshold']:.4f}" in out
+    assert f"threshold recorded in output/my_faces/model.json for tools.inference and tools.search: same " \
+           f"person above cosine similarity {point['threshold']:.4f}" in out
 
 
 def test_inference_gives_a_verdict_that_agrees_with_the_similarity_and_the_recorded_threshold(walked):

@@ -13,9 +13,12 @@ the training photos were (model.json records the option tools.pack_rec packed th
 records none); an option that differs from the recorded one is used, with a warning naming both. Each
 embedding is the photo's and its mirror image's summed and L2-normalised, as verification scores them. One
 photo: its embedding is printed, or saved as a float32 .npy of shape (num_features,). Two photos: their
-cosine similarity, and the verdict at the threshold of the model's last verification (recorded in
-model.json by training or eval.verification: the similarity above which a pair is the same person, and the
-false-accept rate it gave on that set); --save writes both embeddings, shape (2, num_features).
+cosine similarity, the verdict at the threshold of every verification set recorded in model.json (by training
+or eval.verification: the similarity above which a pair is the same person, and the false-accept rate it gave
+on that set), and the one verdict that decides: by the set --threshold-set names, by default the largest (by
+pairs) of the recorded sets whose people were kept out of training, else the largest not known to hold
+training people, else the largest recorded (eval.verification and tools.search choose it the same way);
+--save writes both embeddings, shape (2, num_features).
 """
 from __future__ import annotations
 
@@ -28,7 +31,7 @@ import numpy as np
 import torch
 
 from backbones import flip_fused_embeddings, read_face_image
-from backbones.trained import far_words
+from backbones.trained import add_threshold_set_argument, deciding_set, far_words
 from dataset import add_preparation_arguments, preparation_following
 from eval.cli import EvaluatedNetwork, add_network_arguments, open_network
 from utils.cli import exit_on_user_error
@@ -40,6 +43,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("images", nargs="+", type=Path, help="one or two face photos")
     add_network_arguments(parser)
     parser.add_argument("--save", type=Path, help="write the embedding(s) to this .npy file")
+    add_threshold_set_argument(parser)
     add_preparation_arguments(parser, "the photo's path as given here", "the model's model.json")
     return parser.parse_args(argv)
 
@@ -52,20 +56,9 @@ def check_args(args: argparse.Namespace) -> None:
                           "first or choose another path")
 
 
-def verdict_set(verification: dict[str, dict]) -> tuple[str, str]:
-    """The recorded set whose threshold the verdict uses, and why: the first one of people kept out of
-    training, else the first whose people are not known to have been in training, else the first."""
-    for wanted, why in ((True, "its people were kept out of training"),
-                        (None, "the first recorded set not known to hold training people")):
-        for name, point in verification.items():
-            if point.get("held_out") is wanted:
-                return name, why
-    return next(iter(verification)), "every recorded set holds people the model was trained on"
-
-
-def verdicts(similarity: float, network: EvaluatedNetwork) -> list[str]:
+def verdicts(similarity: float, network: EvaluatedNetwork, threshold_set: str | None) -> list[str]:
     """One line per verification set recorded with the model: same person or not at its threshold; with more
-    than one set, a last line naming the set the verdict goes by, and why."""
+    than one set (or one named by --threshold-set), a last line naming the set the verdict goes by, and why."""
     saved = network.saved
     if saved is None:
         return [f"no threshold is known for {network.path}: an ONNX model records no verification; judge the "
@@ -78,13 +71,13 @@ def verdicts(similarity: float, network: EvaluatedNetwork) -> list[str]:
         said[name] = "same person" if similarity > point["threshold"] else "different people"
         lines.append(f"{said[name]} at threshold {point['threshold']:.4f} ({far_words(point)} on {name}, "
                      f"{point['pairs']} pairs; {point['by']})")
-    if len(lines) > 1:
-        name, why = verdict_set(saved.verification)
+    name, why = deciding_set(saved.verification, threshold_set, saved.info_path)
+    if len(lines) > 1 or threshold_set is not None:
         lines.append(f"verdict: {said[name]}, by the threshold of {name} ({why})")
     return lines
 
 
-def report(embeddings: np.ndarray, save: Path | None, network: EvaluatedNetwork) -> None:
+def report(embeddings: np.ndarray, save: Path | None, network: EvaluatedNetwork, threshold_set: str | None) -> None:
     """Save and/or print what the user asked for: the embedding, or the pair's similarity and verdict."""
     if save:
         saved_array = embeddings[0] if len(embeddings) == 1 else embeddings
@@ -93,7 +86,7 @@ def report(embeddings: np.ndarray, save: Path | None, network: EvaluatedNetwork)
     if len(embeddings) == 2:
         similarity = float(embeddings[0] @ embeddings[1])
         print(f"cosine similarity: {similarity:.6f}")
-        print("\n".join(verdicts(similarity, network)))
+        print("\n".join(verdicts(similarity, network, threshold_set)))
     elif not save:
         np.set_printoptions(threshold=sys.maxsize, precision=6, suppress=True)
         print(embeddings[0])
@@ -106,12 +99,14 @@ def main(argv: list[str] | None = None) -> int:
         check_args(args)
         network = open_network(args, torch.device("cpu"))
         saved = network.saved
+        if args.threshold_set is not None and saved is not None:  # a misspelt name is said before any work
+            deciding_set(saved.verification, args.threshold_set, saved.info_path)
         recorded = None if saved is None else saved.photo_preparation
         preparation, said = preparation_following(args, recorded, None if saved is None else str(saved.info_path))
         if said:
             print(said, file=sys.stderr if said.startswith("warning") else sys.stdout)
         images = torch.stack([read_face_image(path, preparation) for path in args.images])
-        report(flip_fused_embeddings(network.module, images).numpy(), args.save, network)
+        report(flip_fused_embeddings(network.module, images).numpy(), args.save, network, args.threshold_set)
     return 0
 
 

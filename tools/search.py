@@ -13,9 +13,17 @@ the training photos were (model.json records the option tools.pack_rec packed th
 it records none), as tools.inference does; a landmarks file names gallery photos relative to the gallery
 folder and queries as given here.
 
-For each query: the --top most similar people with their cosine similarity, then a verdict per
-threshold recorded in the model's model.json (by training or eval.verification, see tools.inference):
-"known person NAME" when the best similarity is above it, else "not in the gallery".
+Open-set search, as identification systems decide it: every query meets every person in the gallery, so a
+threshold chosen for one pair (verification's, at its false-accept rate) lets far too many strangers through.
+The search threshold is set on the gallery itself: each gallery photo searched among the *other* people is a
+face the gallery does not hold, and the threshold is the similarity that --fpir (default 0.01) of those best
+scores pass (eval.identification's placement, as the IJB 1:N evaluation places it; with fewer than 2/FPIR
+photos, their highest score, which none passes). A known person must also pass the pair threshold of the set
+--threshold-set names (by default the largest recorded set of people kept out of training, as tools.inference
+and eval.verification choose it): the higher of the two decides. The first lines say both and which decides.
+
+For each query: the --top most similar people with their cosine similarity, then "known person NAME" when the
+best similarity is above the deciding threshold, else "unknown".
 """
 from __future__ import annotations
 
@@ -30,7 +38,14 @@ import numpy as np
 import torch
 
 from backbones import flip_fused_embeddings, prepared_face
-from backbones.trained import SavedBackbone, add_backbone_arguments, far_words, load_backbone_from_args
+from backbones.trained import (
+    SavedBackbone,
+    add_backbone_arguments,
+    add_threshold_set_argument,
+    deciding_set,
+    far_words,
+    load_backbone_from_args,
+)
 from dataset import Preparation, add_preparation_arguments, preparation_following, stretch_warning
 from eval.gallery import (
     PersonGallery,
@@ -44,6 +59,7 @@ from eval.gallery import (
     save_gallery,
     top_matches,
 )
+from eval.identification import threshold_at_fpir
 from utils.cli import exit_on_user_error
 from utils.errors import ConfigError
 
@@ -57,6 +73,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--top", type=int, default=5, help="how many of the most similar people to list")
     parser.add_argument("--batch-size", type=int, default=64, help="gallery photos per forward pass")
     parser.add_argument("--rebuild", action="store_true", help="build the gallery file again even if it is current")
+    parser.add_argument("--fpir", type=float, default=0.01,
+                        help="the false-identification rate the search threshold is set for: the fraction of the "
+                             "gallery's own photos, each searched among the other people, whose best similarity "
+                             "passes it (default 0.01)")
+    add_threshold_set_argument(parser)
     add_preparation_arguments(parser, "a gallery photo's path relative to --gallery, or a query's path as given",
                               "the model's model.json")
     return parser.parse_args(argv)
@@ -71,14 +92,17 @@ def current_gallery(args: argparse.Namespace, model: torch.nn.Module, saved: Sav
     path = gallery_file(args.gallery)
     if path.exists() and not args.rebuild:
         gallery = load_gallery(path)
-        if (gallery.model, gallery.photos, gallery.preparation) == (model_stamp, photos_stamp, prepared):
+        if (gallery.model, gallery.photos, gallery.preparation) == (model_stamp, photos_stamp, prepared) \
+                and gallery.nonmated is not None:
             print(f"gallery: {len(gallery.names)} people from {path}", file=sys.stderr)
             return gallery
         was = f", was {gallery.preparation}" if gallery.preparation else ""
         changed = " and ".join(what for what, same in [
             ("the model", gallery.model == model_stamp), ("the photos", gallery.photos == photos_stamp),
             (f"the photos' preparation (now {prepared}{was})", gallery.preparation == prepared)] if not same)
-        print(f"gallery: {changed} changed since {path} was built; building it again", file=sys.stderr)
+        why = (f"{changed} changed since {path} was built" if changed else
+               f"{path} predates the gallery's own stranger scores, which set the search threshold")
+        print(f"gallery: {why}; building it again", file=sys.stderr)
     if not os.access(path.parent, os.W_OK):
         raise ConfigError(f"the gallery file {path} goes beside --gallery {args.gallery}, but folder {path.parent} is "
                           "not writable; copy the gallery to a folder you can write to")
@@ -94,29 +118,63 @@ def current_gallery(args: argparse.Namespace, model: torch.nn.Module, saved: Sav
     return gallery
 
 
-def verdicts(name: str, similarity: float, saved: SavedBackbone) -> list[str]:
-    """One line per threshold recorded with the model: the best match is that person, or nobody known."""
+def search_threshold(gallery: PersonGallery, fpir: float) -> str | tuple[float, str]:
+    """The threshold set on the gallery's own stranger scores at ``fpir`` and the line that says what it means,
+    or the line saying why the gallery cannot set one."""
+    scores = gallery.nonmated
+    if scores is None or scores.size == 0:
+        return "search threshold: none: a gallery of one person has no other people to set it on"
+    threshold = threshold_at_fpir(scores, fpir)
+    passed = int((scores > threshold).sum())
+    return threshold, (f"search threshold {threshold:.4f}: set so that about {fpir:g} of the faces not in the gallery "
+                       f"pass it (--fpir): of the gallery's {scores.size} photos, each searched among the other "
+                       f"people only, {passed} passed it")
+
+
+def pair_threshold(saved: SavedBackbone, threshold_set: str | None) -> str | tuple[float, str]:
+    """The pair threshold of the deciding recorded set and the line that says it, or the line saying there is
+    none."""
     if not saved.verification:
-        return [f"no threshold is known for {saved.weights}: its model.json records no verification; run "
-                f"python -m eval.verification --model {saved.weights.parent} --bins YOUR_SET.bin to record one"]
-    lines = []
-    for set_name, point in saved.verification.items():
-        verdict = f"known person {name}" if similarity > point["threshold"] else "not in the gallery"
-        lines.append(f"{verdict} at threshold {point['threshold']:.4f} ({far_words(point)} on {set_name}, "
-                     f"{point['pairs']} pairs; {point['by']})")
-    return lines
+        return (f"pair threshold: none: {saved.info_path} records no verification (python -m eval.verification "
+                f"--model {saved.weights.parent} --bins YOUR_SET.bin records one)")
+    name, why = deciding_set(saved.verification, threshold_set, saved.info_path)
+    point = saved.verification[name]
+    return point["threshold"], (f"pair threshold {point['threshold']:.4f} of {name} ({far_words(point)} on "
+                                f"{point['pairs']} pairs; {point['by']}): {why}")
+
+
+def deciding_threshold(gallery: PersonGallery, saved: SavedBackbone, fpir: float, threshold_set: str | None
+                       ) -> tuple[float | None, list[str]]:
+    """The similarity a known person's best match must pass (the higher of the search and the pair threshold;
+    None when there is neither), and the lines that say so."""
+    found = [search_threshold(gallery, fpir), pair_threshold(saved, threshold_set)]
+    lines = [line if isinstance(line, str) else line[1] for line in found]
+    thresholds = [item[0] for item in found if not isinstance(item, str)]
+    if not thresholds:
+        return None, [*lines, "known person: no threshold to decide by; the list above says who is most similar"]
+    threshold = max(thresholds)
+    which = "the one threshold there is" if len(thresholds) == 1 else "the higher of the two"
+    return threshold, [*lines, f"known person: a best similarity above {threshold:.4f} ({which}); below it, unknown"]
+
+
+def verdict(name: str, similarity: float, threshold: float | None) -> str | None:
+    if threshold is None:
+        return None
+    if similarity > threshold:
+        return f"known person {name} ({similarity:.4f} > {threshold:.4f})"
+    return f"unknown: not in the gallery (the most similar, {name}, scores {similarity:.4f}, not above {threshold:.4f})"
 
 
 def report(queries: list[Path], embeddings: np.ndarray, gallery: PersonGallery, top: int,
-           saved: SavedBackbone) -> None:
+           threshold: float | None) -> None:
     indices, scores = top_matches(gallery.features, embeddings, top)
     for query, best, similarities in zip(queries, indices, scores):
         print(f"{query}:")
         width = max(len(gallery.names[i]) for i in best)
         for rank, (i, similarity) in enumerate(zip(best, similarities), 1):
             print(f"  {rank}. {gallery.names[i]:<{width}}  {similarity:.4f}")
-        for line in verdicts(gallery.names[best[0]], float(similarities[0]), saved):
-            print(f"  {line}")
+        if said := verdict(gallery.names[best[0]], float(similarities[0]), threshold):
+            print(f"  {said}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -126,7 +184,11 @@ def main(argv: list[str] | None = None) -> int:
         for value, option in [(args.top, "--top"), (args.batch_size, "--batch-size")]:
             if value < 1:
                 raise ConfigError(f"{option} {value} is not a positive number; pass {option} 1 or more")
+        if not 0 < args.fpir < 1:
+            raise ConfigError(f"--fpir {args.fpir} is not a rate between 0 and 1; pass e.g. --fpir 0.01")
         model, saved = load_backbone_from_args(args)
+        if args.threshold_set is not None:  # a misspelt name is said before any work
+            deciding_set(saved.verification, args.threshold_set, saved.info_path)
         recorded, where = saved.photo_preparation, str(saved.info_path)
         # Queries are read before the gallery: a photo that cannot be read is reported before a long build.
         query_preparation, said = preparation_following(args, recorded, where)
@@ -138,7 +200,9 @@ def main(argv: list[str] | None = None) -> int:
             print(warning, file=sys.stderr)
         images = torch.stack([image for image, _ in faces])
         gallery = current_gallery(args, model, saved, preparation_following(args, recorded, where, args.gallery)[0])
-        report(args.queries, flip_fused_embeddings(model, images).numpy(), gallery, args.top, saved)
+        threshold, said = deciding_threshold(gallery, saved, args.fpir, args.threshold_set)
+        print("\n".join(said))
+        report(args.queries, flip_fused_embeddings(model, images).numpy(), gallery, args.top, threshold)
     return 0
 
 
