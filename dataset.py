@@ -19,8 +19,11 @@ from facedata.photos import (
     Preparation,
     PreparedFace,
     add_preparation_arguments,
+    add_skip_bad_argument,
     preparation_following,
     preparation_from_args,
+    prepare_or_skip,
+    skipped_line,
     stretch_warning,
 )
 from facedata.preparation_record import (
@@ -35,7 +38,8 @@ from facedata.sources import classes_in_header
 from facedata.synthetic import identity_records, verification_pairs
 
 __all__ = ["FaceLoader", "IRHeader", "InsightfaceWriter", "Preparation", "PreparedFace", "RecordReader",
-           "add_preparation_arguments", "build_dataset", "build_loader", "check_output", "classes_in_header",
-           "empty_folders", "encode", "held_out", "identity_records", "pack_identity", "preparation_following",
-           "preparation_from_args", "read_preparation", "read_record", "recorded_preparation", "scan_identities",
-           "skipped_folders_line", "stretch_warning", "unpack", "verification_pairs", "write_preparation"]
+           "add_preparation_arguments", "add_skip_bad_argument", "build_dataset", "build_loader", "check_output",
+           "classes_in_header", "empty_folders", "encode", "held_out", "identity_records", "pack_identity",
+           "prepare_or_skip", "preparation_following", "preparation_from_args", "read_preparation", "read_record",
+           "recorded_preparation", "scan_identities", "skipped_folders_line", "skipped_line", "stretch_warning",
+           "unpack", "verification_pairs", "write_preparation"]

@@ -7,11 +7,11 @@ inference copy.
 """
 from backbones.base import FaceBackbone
 from backbones.fusion import fuse_batchnorm
-from backbones.inference import flip_fused_embeddings, prepared_face, read_face_image
+from backbones.inference import face_tensor, flip_fused_embeddings, prepared_face, read_face_image
 from backbones.registry import NETWORKS, get_model
 from backbones.weights import WeightsError, load_backbone, read_state_dict, suggest_network
 
 __all__ = [
-    "NETWORKS", "FaceBackbone", "WeightsError", "flip_fused_embeddings", "fuse_batchnorm",
+    "NETWORKS", "FaceBackbone", "WeightsError", "face_tensor", "flip_fused_embeddings", "fuse_batchnorm",
     "get_model", "load_backbone", "prepared_face", "read_face_image", "read_state_dict", "suggest_network",
 ]

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from facedata.photos import Preparation, stretch_warning
+from facedata.photos import Preparation, PreparedFace, stretch_warning
 from utils.image import normalize
 
 logger = logging.getLogger(__name__)
@@ -19,7 +19,11 @@ def prepared_face(path: str | Path, preparation: Preparation | None = None
     """A face photo file -> (3, 112, 112) float32 RGB in [-1, 1], prepared as every tool prepares photos
     (facedata/photos.py), and the photo's (width, height) when ``resize`` stretched it out of its aspect ratio
     (None otherwise): a tool reading many photos says that once, with their count (``stretch_warning``)."""
-    face = (preparation or Preparation()).face(path)
+    return face_tensor((preparation or Preparation()).face(path))
+
+
+def face_tensor(face: PreparedFace) -> tuple[torch.Tensor, tuple[int, int] | None]:
+    """``prepared_face``'s pair, from a face already prepared."""
     return normalize(torch.from_numpy(face.pixels.copy()).permute(2, 0, 1)), face.stretched_from
 
 

@@ -10,7 +10,8 @@ The gallery file (``<folder>.gallery.npz``) holds plain arrays, read with ``allo
 ``nonmated`` (float32, one per photo): each photo's highest similarity to the templates of the *other*
 people, the gallery's own stranger scores, from which a search sets the similarity a face must pass to be
 called a known person (eval.identification.threshold_at_fpir). A file written before ``preparation`` or
-``nonmated`` was kept has none, and is rebuilt. Checking them costs one ``stat`` per photo, not a read.
+``nonmated`` was kept has none, and is rebuilt. ``skipped``: the sentence of each photo tools.search --skip-bad
+left out, so that a search reusing the file names them again. Checking them costs one ``stat`` per photo, not a read.
 """
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ import io
 import os
 import zipfile
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TextIO
 
@@ -27,17 +28,17 @@ import numpy as np
 import torch
 from torch import nn
 
-from backbones import flip_fused_embeddings, prepared_face
+from backbones import face_tensor, flip_fused_embeddings
 from backbones.trained import SavedBackbone
 from facedata.packing import PACKABLE_SAID, PACKABLE_SUFFIXES
-from facedata.photos import Preparation, stretch_warning
+from facedata.photos import Preparation, prepare_or_skip, stretch_warning
 from utils.atomic import atomic_save
 from utils.errors import DataError, located
 from utils.progress import progress
 
 GALLERY_SUFFIX = ".gallery.npz"
-_KEYS = {"names", "features", "model", "photos", "preparation", "nonmated"}
-_KEYS_OF_EARLIER_FILES = (_KEYS - {"nonmated"}, _KEYS - {"nonmated", "preparation"})
+_KEYS = {"names", "features", "model", "photos", "preparation", "nonmated", "skipped"}
+_KEYS_OF_EARLIER_FILES = (_KEYS - {"nonmated", "skipped"}, _KEYS - {"nonmated", "skipped", "preparation"})
 
 
 def gallery_file(folder: str | os.PathLike) -> Path:
@@ -110,28 +111,41 @@ class PersonGallery:
     photos: str           # photos_digest of the photos it was built from
     preparation: str      # preparation_stamp of how they were prepared ("" in a file that predates it)
     nonmated: np.ndarray | None = None  # float32 (photos,): see the module doc; None in a file that predates it
+    skipped: list[str] = field(default_factory=list)  # why each photo --skip-bad left out could not be prepared
 
 
 def build_gallery(model: nn.Module, people: Sequence[tuple[str, Sequence[str]]], preparation: Preparation,
-                  model_stamp: str, photos_stamp: str, batch_size: int = 64,
-                  stream: TextIO | None = None) -> tuple[PersonGallery, str | None]:
+                  model_stamp: str, photos_stamp: str, batch_size: int = 64, stream: TextIO | None = None,
+                  skip_bad: bool = False) -> tuple[PersonGallery, str | None]:
     """Embed every photo (flip-fused, unit length) and average each person's into their template; with it, the
-    one warning line for the photos ``resize`` stretched out of their aspect ratio (None when none was)."""
+    one warning line for the photos ``resize`` stretched out of their aspect ratio (None when none was). A photo
+    that cannot be prepared raises its FaceImageError, or, with ``skip_bad``, is left out and named in the
+    gallery's ``skipped`` (a person left without photos is left out too)."""
     paths = [photo for _, photos in people for photo in photos]
     owner = np.repeat(np.arange(len(people)), [len(photos) for _, photos in people])
-    batches = [paths[start:start + batch_size] for start in range(0, len(paths), batch_size)]
-    chunks, stretched = [], []
+    batches = [range(start, min(start + batch_size, len(paths))) for start in range(0, len(paths), batch_size)]
+    chunks, stretched, kept = [], [], []
+    skipped: list[str] | None = [] if skip_bad else None
     for batch in progress(batches, len(batches), "embedding gallery photos", stream):
-        faces = [prepared_face(path, preparation) for path in batch]
-        stretched += [(path, size) for path, (_, size) in zip(batch, faces) if size is not None]
-        chunks.append(flip_fused_embeddings(model, torch.stack([image for image, _ in faces])))
+        prepared = [(index, prepare_or_skip(preparation, paths[index], skipped)) for index in batch]
+        faces = [(index, face_tensor(face)) for index, face in prepared if face is not None]
+        stretched += [(paths[index], size) for index, (_, size) in faces if size is not None]
+        kept += [index for index, _ in faces]
+        if faces:
+            chunks.append(flip_fused_embeddings(model, torch.stack([image for _, (image, _) in faces])))
+    if not kept:
+        raise DataError(f"--skip-bad left out every one of the gallery's {len(paths)} photos (e.g. "
+                        f"{(skipped or ['?'])[0]}); replace them")
+    # People left without a photo are left out: the others renumbered in their order.
+    present, owner = np.unique(owner[kept], return_inverse=True)
     embeddings = torch.cat(chunks).double().numpy()
-    sums = np.zeros((len(people), embeddings.shape[1]))
+    sums = np.zeros((present.size, embeddings.shape[1]))
     np.add.at(sums, owner, embeddings)
     features = (sums / np.maximum(np.linalg.norm(sums, axis=1, keepdims=True), 1e-12)).astype(np.float32)
-    gallery = PersonGallery([name for name, _ in people], features, model_stamp, photos_stamp,
-                            preparation_stamp(preparation), nonmated_scores(embeddings, owner, features))
-    return gallery, stretch_warning(stretched, len(paths))
+    gallery = PersonGallery([people[person][0] for person in present], features, model_stamp, photos_stamp,
+                            preparation_stamp(preparation), nonmated_scores(embeddings, owner, features),
+                            skipped or [])
+    return gallery, stretch_warning(stretched, len(kept))
 
 
 def nonmated_scores(embeddings: np.ndarray, owner: np.ndarray, features: np.ndarray) -> np.ndarray:
@@ -151,7 +165,8 @@ def save_gallery(gallery: PersonGallery, path: Path) -> None:
 
     atomic_save({"names": np.array(gallery.names, dtype=str), "features": gallery.features,
                  "model": np.array(gallery.model), "photos": np.array(gallery.photos),
-                 "preparation": np.array(gallery.preparation), "nonmated": gallery.nonmated}, path, write=write)
+                 "preparation": np.array(gallery.preparation), "nonmated": gallery.nonmated,
+                 "skipped": np.array(gallery.skipped, dtype=str)}, path, write=write)
 
 
 def load_gallery(path: Path) -> PersonGallery:
@@ -167,6 +182,7 @@ def load_gallery(path: Path) -> PersonGallery:
             model, photos = str(arrays["model"][()]), str(arrays["photos"][()])
             preparation = str(arrays["preparation"][()]) if "preparation" in arrays.files else ""
             nonmated = arrays["nonmated"] if "nonmated" in arrays.files else None
+            skipped = arrays["skipped"].tolist() if "skipped" in arrays.files else []
     except (OSError, ValueError, EOFError, zipfile.BadZipFile) as error:
         raise DataError(f"gallery file {path} cannot be read ({str(error).splitlines()[0] or type(error).__name__}); "
                         f"{fix}") from None
@@ -174,7 +190,7 @@ def load_gallery(path: Path) -> PersonGallery:
             or len(features) != len(names) or not np.isfinite(features).all() or (nonmated is not None and (
                 nonmated.dtype != np.float32 or nonmated.ndim != 1 or not np.isfinite(nonmated).all())):
         raise DataError(f"gallery file {path} is damaged (its names and features do not fit together); {fix}")
-    return PersonGallery(names.tolist(), features, model, photos, preparation, nonmated)
+    return PersonGallery(names.tolist(), features, model, photos, preparation, nonmated, skipped)
 
 
 def top_matches(features: np.ndarray, queries: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:

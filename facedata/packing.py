@@ -8,7 +8,7 @@ from collections.abc import Sequence
 import numpy as np
 from PIL import Image, ImageFile
 
-from facedata.photos import Preparation
+from facedata.photos import Preparation, prepare_or_skip
 from facedata.recordio import IRHeader, RecordWriter, encode_parts, pack
 from utils.errors import DataError, located
 
@@ -157,11 +157,16 @@ def group_views(paths: list[str], views: int) -> list[list[str]]:
     return groups
 
 
-def pack_identity(paths: list[str], views: int, preparation: Preparation, image_format: str, quality: int
-                  ) -> tuple[list[bytes], list[tuple[str, tuple[int, int]]]]:
-    """One identity's encoded records, and the photos ``resize`` stretched out of their aspect ratio
-    (name, (width, height)), each once."""
-    faces = {path: preparation.face(path) for path in paths}
+def pack_identity(paths: list[str], views: int, preparation: Preparation, image_format: str, quality: int,
+                  skip_bad: bool = False) -> tuple[list[bytes], list[tuple[str, tuple[int, int]]], list[str]]:
+    """One identity's encoded records, the photos ``resize`` stretched out of their aspect ratio
+    (name, (width, height)), each once, and, with ``skip_bad``, why each photo left out could not be prepared
+    (without it, the first such photo raises its FaceImageError). No records when fewer than ``views`` photos
+    are left."""
+    skipped: list[str] | None = [] if skip_bad else None
+    prepared = {path: prepare_or_skip(preparation, path, skipped) for path in paths}
+    faces = {path: face for path, face in prepared.items() if face is not None}
+    kept = [path for path in paths if path in faces]
     records = [encode(side_by_side([faces[path].pixels for path in group]), image_format, quality)
-               for group in group_views(paths, views)]
-    return records, [(path, face.stretched_from) for path, face in faces.items() if face.stretched_from]
+               for group in group_views(kept, views)] if len(kept) >= views else []
+    return records, [(path, face.stretched_from) for path, face in faces.items() if face.stretched_from], skipped or []

@@ -168,6 +168,37 @@ def stretch_warning(stretched: Sequence[tuple[str, tuple[int, int]]], total: int
             "Prepare training, .bin and inference photos with the same option")
 
 
+def prepare_or_skip(preparation: Preparation, path: str | os.PathLike, skipped: list[str] | None
+                    ) -> PreparedFace | None:
+    """``preparation.face(path)``; when it cannot be read or prepared, the FaceImageError raised, or, with
+    ``skipped`` a list (--skip-bad), its sentence added there and None returned. Callers read each photo once,
+    so that ``skipped_line`` names each once."""
+    try:
+        return preparation.face(path)
+    except FaceImageError as error:
+        if skipped is None:
+            raise
+        skipped.append(str(error))
+        return None
+
+
+def add_skip_bad_argument(parser: argparse.ArgumentParser, left_out: str) -> None:
+    """``--skip-bad``, the same in every tool that reads many photos; ``left_out`` says what goes with a bad one."""
+    parser.add_argument("--skip-bad", action="store_true",
+                        help=f"leave out every photo that cannot be read or prepared ({left_out}) and name each one "
+                             "once at the end, instead of stopping at the first; the output is still written only "
+                             "when the job ends")
+
+
+def skipped_line(skipped: Sequence[str]) -> str | None:
+    """One line naming every photo --skip-bad left out, with why (each FaceImageError's sentence, its advice
+    left off), or None when none was."""
+    if not skipped:
+        return None
+    reasons = "; ".join(reason.rpartition("; ")[0] or reason for reason in skipped)
+    return f"warning: --skip-bad left out {len(skipped)} photo(s) that could not be prepared: {reasons}"
+
+
 class _FitOption(argparse.Action):
     """``--resize``/``--crop``/``--pad``: sets ``fit``, and ``fit_given`` so that a tool can tell an option given
     from the default (a recorded preparation wins over the default, not over an option given)."""

@@ -43,12 +43,15 @@ from dataset import (
     Preparation,
     PreparedFace,
     add_preparation_arguments,
+    add_skip_bad_argument,
     encode,
     preparation_following,
+    prepare_or_skip,
     read_preparation,
     read_record,
     scan_identities,
     skipped_folders_line,
+    skipped_line,
     stretch_warning,
     write_preparation,
 )
@@ -74,6 +77,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--force", "--overwrite", dest="force", action="store_true", help="replace OUT.bin")
     add_preparation_arguments(parser, "the photo's path relative to IMAGE_FOLDER, e.g. Ann_Lee/Ann_Lee_0001.jpg",
                               "the train.rec.preparation.json beside the .bin")
+    add_skip_bad_argument(parser, "with the pairs it is in")
     return parser.parse_args(argv)
 
 
@@ -181,10 +185,14 @@ def random_pairs(folder: Path, count: int, seed: int) -> list[Pair]:
 # --- images --------------------------------------------------------------------------------------
 
 
-def encode_face(path: Path, preparation: Preparation) -> tuple[bytes, PreparedFace | None]:
+def encode_face(path: Path, preparation: Preparation, skipped: list[str] | None = None
+                ) -> tuple[bytes, PreparedFace | None] | None:
     """``(what the .bin stores for this photo, the prepared face when it was re-encoded, else None)``;
-    see the module doc."""
-    face = preparation.face(path)  # decodes it all: a truncated file fails here, not in an evaluation
+    see the module doc. A photo that cannot be prepared raises its FaceImageError, or, with ``skipped`` a list
+    (--skip-bad), gives None and its sentence is added there."""
+    face = prepare_or_skip(preparation, path, skipped)  # decodes it all: a truncated file fails here, not later
+    if face is None:
+        return None
     data = path.read_bytes()
     with Image.open(io.BytesIO(data)) as image:
         size, source_format = image.size, image.format
@@ -193,17 +201,23 @@ def encode_face(path: Path, preparation: Preparation) -> tuple[bytes, PreparedFa
     return encode(face.pixels, "jpeg" if source_format == "JPEG" else "png", JPEG_QUALITY), face
 
 
-def encode_pairs(pairs: Sequence[Pair], preparation: Preparation, stream: TextIO | None = None
-                 ) -> tuple[list[bytes], dict[Path, PreparedFace | None]]:
-    """``(2N encoded images in pair order, each photo's prepared face when re-encoded)``; each file is read once."""
-    encoded: dict[Path, tuple[bytes, PreparedFace | None]] = {}
+def encode_pairs(pairs: Sequence[Pair], preparation: Preparation, stream: TextIO | None = None,
+                 skipped: list[str] | None = None
+                 ) -> tuple[list[bytes], list[bool], dict[Path, PreparedFace | None]]:
+    """``(2N encoded images in pair order, the N pairs' issame, each photo's prepared face when re-encoded)``;
+    each file is read once. With ``skipped`` a list (--skip-bad), a pair holding a photo that cannot be prepared
+    is left out, and each such photo's sentence is added there once."""
+    encoded: dict[Path, tuple[bytes, PreparedFace | None] | None] = {}
     paths = [path for first, second, _ in pairs for path in (first, second)]
-    bins = []
     for path in progress(paths, len(paths), "encoding photos", stream):
         if path not in encoded:
-            encoded[path] = encode_face(path, preparation)
-        bins.append(encoded[path][0])
-    return bins, {path: face for path, (_, face) in encoded.items()}
+            encoded[path] = encode_face(path, preparation, skipped)
+    bins, issame = [], []
+    for first, second, same in pairs:
+        if encoded[first] is not None and encoded[second] is not None:
+            bins += [encoded[first][0], encoded[second][0]]
+            issame.append(same)
+    return bins, issame, {path: done[1] for path, done in encoded.items() if done is not None}
 
 
 def write_bin(path: Path, bins: list[bytes], issame: list[bool]) -> None:
@@ -255,8 +269,13 @@ def main(argv: Sequence[str] | None = None) -> int:
                   "never seen, and tools.inference prefers a set of people kept out of training")
         if args.random is not None and (skipped := skipped_folders_line(str(args.images))):
             print(skipped)
-        bins, faces = encode_pairs(pairs, preparation, sys.stderr)
-        issame = [same for _, _, same in pairs]
+        skipped: list[str] | None = [] if args.skip_bad else None
+        bins, issame, faces = encode_pairs(pairs, preparation, sys.stderr, skipped)
+        if skipped and len(set(issame)) < 2:
+            print(skipped_line(skipped), file=sys.stderr)
+            kind = "no pair" if not issame else f"only {'same' if issame[0] else 'different'}-person pairs"
+            raise DataError(f"with the pairs holding the {len(skipped)} photo(s) --skip-bad left out (named above), "
+                            f"{args.output} would hold {kind}, which no evaluation can score; replace those photos")
         write_bin(args.output, bins, issame)
         write_preparation(args.output, preparation, "tools.make_bin",
                           None if in_training is None else {"people_in_training": len(in_training)})
@@ -265,6 +284,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     stretched = [(str(path), face.stretched_from) for path, face in faces.items() if face and face.stretched_from]
     if warning := stretch_warning(stretched, len(faces)):
         print(warning, file=sys.stderr)
+    if said := skipped_line(skipped or []):  # last: every photo left out, named once
+        print(f"{said}; the {len(pairs) - len(issame)} pair(s) holding them are not in {args.output}",
+              file=sys.stderr)
     return 0
 
 

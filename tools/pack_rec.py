@@ -27,11 +27,13 @@ from multiprocessing import Pool
 from dataset import (
     InsightfaceWriter,
     add_preparation_arguments,
+    add_skip_bad_argument,
     check_output,
     pack_identity,
     preparation_from_args,
     scan_identities,
     skipped_folders_line,
+    skipped_line,
     stretch_warning,
     write_preparation,
 )
@@ -51,6 +53,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--overwrite", "--force", dest="overwrite", action="store_true",
                         help="replace a train.rec/.idx already in output")
     add_preparation_arguments(parser, "the photo's path relative to the input folder, e.g. anna/001.jpg")
+    add_skip_bad_argument(parser, "an identity left with fewer than --views photos is left out and listed")
     return parser.parse_args(argv)
 
 
@@ -69,24 +72,38 @@ def main(argv: list[str] | None = None) -> int:
                             "lower --views or add images")
         preparation = preparation_from_args(args, args.input)
         encode_one = partial(pack_identity, views=args.views, preparation=preparation, image_format=args.format,
-                             quality=args.quality)
-        stretched = []
+                             quality=args.quality, skip_bad=args.skip_bad)
+        stretched, unreadable, packed_people = [], [], []
         with InsightfaceWriter(args.output) as writer, Pool(max(1, args.workers), ignore_ctrl_c) as pool:
-            packed = pool.imap(encode_one, [paths for _, paths in kept], chunksize=4)
-            for records, identity_stretched in progress(packed, len(kept), "packing identities", sys.stderr):
-                writer.write_identity(records)
+            packed = zip(kept, pool.imap(encode_one, [paths for _, paths in kept], chunksize=4))
+            for (name, _), (records, identity_stretched, identity_unreadable) in progress(
+                    packed, len(kept), "packing identities", sys.stderr):
+                unreadable += identity_unreadable
                 stretched += identity_stretched
+                if records:  # --skip-bad may leave an identity too few photos: it gets no class
+                    writer.write_identity(records)
+                    packed_people.append(name)
+                else:
+                    left_out.append(name)
+            if not packed_people:
+                print(skipped_line(unreadable), file=sys.stderr)
+                raise DataError(f"no identity in {args.input} has the {args.views} readable images --views needs; "
+                                "replace the photos named above or lower --views")
         # Once the records are whole; the people, so that tools.make_bin can tell whether a set holds others.
-        write_preparation(writer.rec_path, preparation, "tools.pack_rec", {"people": [name for name, _ in kept]})
+        write_preparation(writer.rec_path, preparation, "tools.pack_rec", {"people": packed_people})
     if warning := stretch_warning(stretched, sum(len(paths) for _, paths in kept)):
         print(warning, file=sys.stderr)
     if skipped := skipped_folders_line(args.input):
         print(skipped)
     if left_out:
-        print(f"left out {len(left_out)} identities with fewer than {args.views} images: "
+        readable = " readable" if args.skip_bad else ""
+        print(f"left out {len(left_out)} identities with fewer than {args.views}{readable} images: "
               f"{', '.join(left_out[:10])}{' ...' if len(left_out) > 10 else ''}")
-    print(f"{args.output}: {writer.num_records} records of {args.views} view(s), {len(kept)} identities "
-          f"(classes 0..{len(kept) - 1}), {preparation.describe()}, {args.format} ({time.time() - start:.1f} s)")
+    print(f"{args.output}: {writer.num_records} records of {args.views} view(s), {len(packed_people)} identities "
+          f"(classes 0..{len(packed_people) - 1}), {preparation.describe()}, {args.format} "
+          f"({time.time() - start:.1f} s)")
+    if said := skipped_line(unreadable):  # last: every photo left out, named once
+        print(said, file=sys.stderr)
     return 0
 
 

@@ -37,7 +37,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from backbones import flip_fused_embeddings, prepared_face
+from backbones import face_tensor, flip_fused_embeddings
 from backbones.trained import (
     SavedBackbone,
     add_backbone_arguments,
@@ -46,7 +46,15 @@ from backbones.trained import (
     far_words,
     load_backbone_from_args,
 )
-from dataset import Preparation, add_preparation_arguments, preparation_following, stretch_warning
+from dataset import (
+    Preparation,
+    add_preparation_arguments,
+    add_skip_bad_argument,
+    preparation_following,
+    prepare_or_skip,
+    skipped_line,
+    stretch_warning,
+)
 from eval.gallery import (
     PersonGallery,
     build_gallery,
@@ -61,7 +69,7 @@ from eval.gallery import (
 )
 from eval.identification import threshold_at_fpir
 from utils.cli import exit_on_user_error
-from utils.errors import ConfigError
+from utils.errors import ConfigError, DataError
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -78,6 +86,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                              "gallery's own photos, each searched among the other people, whose best similarity "
                              "passes it (default 0.01)")
     add_threshold_set_argument(parser)
+    add_skip_bad_argument(parser, "a gallery person left without photos is left out of the gallery; a query, of "
+                                  "the search")
     add_preparation_arguments(parser, "a gallery photo's path relative to --gallery, or a query's path as given",
                               "the model's model.json")
     return parser.parse_args(argv)
@@ -108,13 +118,14 @@ def current_gallery(args: argparse.Namespace, model: torch.nn.Module, saved: Sav
                           "not writable; copy the gallery to a folder you can write to")
     start = time.perf_counter()
     gallery, stretched = build_gallery(model, people, preparation, model_stamp, photos_stamp, args.batch_size,
-                                       sys.stderr)
+                                       sys.stderr, args.skip_bad)
     save_gallery(gallery, path)
     if stretched:
         print(stretched, file=sys.stderr)
-    photos = sum(len(photos) for _, photos in people)
-    print(f"gallery: {len(people)} people ({photos} photos) embedded in {time.perf_counter() - start:.1f} s, "
-          f"saved to {path}", file=sys.stderr)
+    photos = sum(len(photos) for _, photos in people) - len(gallery.skipped)
+    left_out = f", {len(gallery.skipped)} left out by --skip-bad" if gallery.skipped else ""
+    print(f"gallery: {len(gallery.names)} people ({photos} photos{left_out}) embedded in "
+          f"{time.perf_counter() - start:.1f} s, saved to {path}", file=sys.stderr)
     return gallery
 
 
@@ -194,15 +205,24 @@ def main(argv: list[str] | None = None) -> int:
         query_preparation, said = preparation_following(args, recorded, where)
         if said:
             print(said, file=sys.stderr)
-        faces = [prepared_face(path, query_preparation) for path in args.queries]
-        if warning := stretch_warning([(str(path), size) for path, (_, size) in zip(args.queries, faces) if size],
+        skipped: list[str] | None = [] if args.skip_bad else None
+        prepared = [(path, prepare_or_skip(query_preparation, path, skipped)) for path in args.queries]
+        queries = [path for path, face in prepared if face is not None]
+        if not queries:
+            print(skipped_line(skipped or []), file=sys.stderr)
+            raise DataError(f"--skip-bad left out every one of the {len(args.queries)} queries (named above); give "
+                            "photos that can be read")
+        faces = [face_tensor(face) for _, face in prepared if face is not None]
+        if warning := stretch_warning([(str(path), size) for path, (_, size) in zip(queries, faces) if size],
                                       len(faces)):
             print(warning, file=sys.stderr)
         images = torch.stack([image for image, _ in faces])
         gallery = current_gallery(args, model, saved, preparation_following(args, recorded, where, args.gallery)[0])
         threshold, said = deciding_threshold(gallery, saved, args.fpir, args.threshold_set)
         print("\n".join(said))
-        report(args.queries, flip_fused_embeddings(model, images).numpy(), gallery, args.top, threshold)
+        report(queries, flip_fused_embeddings(model, images).numpy(), gallery, args.top, threshold)
+    if said := skipped_line([*gallery.skipped, *(skipped or [])]):  # last: every photo left out, named once
+        print(said, file=sys.stderr)
     return 0
 
 
