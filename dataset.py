@@ -27,7 +27,9 @@ from facedata.photos import (
     stretch_warning,
 )
 from facedata.preparation_record import (
+    TRAINING_RECORDS,
     held_out,
+    preparation_note,
     read_preparation,
     read_record,
     recorded_preparation,
@@ -37,9 +39,9 @@ from facedata.recordio import IRHeader, RecordReader, unpack
 from facedata.sources import classes_in_header
 from facedata.synthetic import identity_records, verification_pairs
 
-__all__ = ["FaceLoader", "IRHeader", "InsightfaceWriter", "Preparation", "PreparedFace", "RecordReader",
-           "add_preparation_arguments", "add_skip_bad_argument", "build_dataset", "build_loader", "check_output",
-           "classes_in_header", "empty_folders", "encode", "held_out", "identity_records", "pack_identity",
-           "prepare_or_skip", "preparation_following", "preparation_from_args", "read_preparation", "read_record",
-           "recorded_preparation", "scan_identities", "skipped_folders_line", "skipped_line", "stretch_warning",
-           "unpack", "verification_pairs", "write_preparation"]
+__all__ = ["TRAINING_RECORDS", "FaceLoader", "IRHeader", "InsightfaceWriter", "Preparation", "PreparedFace",
+           "RecordReader", "add_preparation_arguments", "add_skip_bad_argument", "build_dataset", "build_loader",
+           "check_output", "classes_in_header", "empty_folders", "encode", "held_out", "identity_records",
+           "pack_identity", "prepare_or_skip", "preparation_following", "preparation_from_args", "preparation_note",
+           "read_preparation", "read_record", "recorded_preparation", "scan_identities", "skipped_folders_line",
+           "skipped_line", "stretch_warning", "unpack", "verification_pairs", "write_preparation"]

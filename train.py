@@ -24,7 +24,7 @@ from typing import NoReturn
 
 import torch
 
-from backbones.trained import BACKBONE_NAME
+from backbones.trained import BACKBONE_NAME, MODEL_INFO_NAME, find_saved_backbone
 from checkpoint.checkpointer import Checkpointer, Renumbering, last_good
 from checkpoint.restored import Restored
 from checkpoint.run_dir import (
@@ -36,7 +36,16 @@ from checkpoint.run_dir import (
     resolve_resume,
     resumed_overrides,
 )
-from dataset import FaceLoader, build_dataset, build_loader, classes_in_header, recorded_preparation
+from checkpoint.sources import BareBackbone
+from dataset import (
+    TRAINING_RECORDS,
+    FaceLoader,
+    build_dataset,
+    build_loader,
+    classes_in_header,
+    preparation_note,
+    recorded_preparation,
+)
 from eval.callback import VerificationCallback, check_keep_best, check_val_targets
 from training.best_model import BestModel
 from training.memory_plan import describe, describe_fit, device_bytes, fit, memory_plan
@@ -330,6 +339,8 @@ def _train_in_folder(cfg: SimpleNamespace, device: torch.device, source, restart
         _log_restart(restored, counter, cfg.save_every_steps)
     wrap_for_the_step(state, cfg, device)
     _log_fine_tuning(cfg)
+    if source is not None and isinstance(source.importer, BareBackbone):
+        _log_backbone_preparation(source.path, cfg.rec)
     total_steps = counter.steps_per_epoch * cfg.num_epoch
     stop = min(total_steps, cfg.max_steps) if cfg.max_steps else total_steps
     log.info("%d records, %d classes, %d process(es), %d steps per epoch, %d steps in all, starting at step %d",
@@ -360,6 +371,20 @@ def _log_fine_tuning(cfg: SimpleNamespace) -> None:
     if cfg.freeze_backbone_steps:
         log.info("steps 1 to %d of the LR schedule train the class centres alone (freeze_backbone_steps): the "
                  "backbone's weights and BatchNorm statistics stay as they are", cfg.freeze_backbone_steps)
+
+
+def _log_backbone_preparation(weights: Path, rec: str) -> None:
+    """Fine-tuning a backbone whose model.json records how its training photos were prepared: whether the
+    training records give it the same faces, said as eval.verification says it of a .bin."""
+    info = weights.parent / MODEL_INFO_NAME
+    if not is_main() or not info.is_file():
+        return
+    note = preparation_note(Path(rec) / TRAINING_RECORDS, find_saved_backbone(weights).photo_preparation, info,
+                            ("fine-tuning shows the backbone faces unlike those it learned from", "tools.pack_rec"))
+    if note and note.startswith("warning: "):
+        log.warning("%s", note.removeprefix("warning: "))
+    elif note:
+        log.info("%s", note)
 
 
 def _log_restart(restored: Restored | None, counter: StepCounter, save_every_steps: int) -> None:

@@ -8,6 +8,7 @@ from collections.abc import Mapping, Sequence
 from torch import nn
 
 from eval.verification import VerificationSet, flip_fused, kept_out, load_bin, operating_point, test
+from facedata.preparation_record import TRAINING_RECORDS, preparation_note, record_path, recorded_preparation
 from utils.distributed import agreed, is_main
 from utils.errors import ConfigError, located
 from utils.image import IMAGE_SIZE
@@ -67,6 +68,7 @@ class VerificationCallback:
         self.highest: dict[str, float] = {}
         self.operating_points: dict[str, dict] = {}
         self.kept_out: dict[str, dict[str, bool]] = {}
+        self.unfit: set[str] = set()  # sets prepared unlike the training photos
         self.last_step = 0
         agreed(lambda: check_val_targets(val_targets, rec_prefix))
         # Read on rank 0 alone, agreed: a damaged .bin stops every rank with its own line.
@@ -74,11 +76,19 @@ class VerificationCallback:
 
     def _load(self, val_targets: Sequence[str], rec_prefix: str, image_size: tuple[int, int],
               highest: Mapping[str, float]) -> None:
+        trained, where = recorded_preparation(rec_prefix), record_path(os.path.join(rec_prefix, TRAINING_RECORDS))
         for target in val_targets:
             name, path = resolve_target(target, rec_prefix)
             self.sets[name] = load_bin(path, image_size)
             self.kept_out[name] = kept_out(path)
             self.highest[name] = highest.get(name, 0.0)
+            # As eval.verification checks it: a set whose faces differ from the training photos' gets no threshold.
+            note = preparation_note(path, trained, where)
+            if note and note.startswith("warning: "):
+                self.unfit.add(name)
+                logger.warning("%s; model.json records no threshold of it", note.removeprefix("warning: "))
+            elif note:
+                logger.info("%s", note)
 
     def __call__(self, global_step: int, backbone: nn.Module) -> dict[str, float] | None:
         """``{name: Accuracy-Flip}`` when ``global_step`` is a positive multiple of ``every``, else None."""
@@ -97,8 +107,9 @@ class VerificationCallback:
         for name, data_set in self.sets.items():
             _, _, accuracy, std, xnorm, embeddings = test(data_set, backbone, self.batch_size, 10)
             self.highest[name] = max(self.highest[name], accuracy)
-            self.operating_points[name] = {**operating_point(flip_fused(embeddings), data_set[1]),
-                                           **self.kept_out[name], "by": f"training, step {step}"}
+            if name not in self.unfit:
+                self.operating_points[name] = {**operating_point(flip_fused(embeddings), data_set[1]),
+                                               **self.kept_out[name], "by": f"training, step {step}"}
             logger.info("[%s][%d]XNorm: %f", name, step, xnorm)
             logger.info("[%s][%d]Accuracy-Flip: %1.5f+-%1.5f", name, step, accuracy, std)
             logger.info("[%s][%d]Accuracy-Highest: %1.5f", name, step, self.highest[name])

@@ -35,7 +35,7 @@ from backbones.trained import (
     forget_verification,
     record_verification,
 )
-from dataset import held_out, read_preparation
+from dataset import held_out, preparation_note
 from eval.cli import EvaluatedNetwork, add_network_arguments, check_positive, open_network, output_prefix
 from eval.embedding import embed_images
 from eval.roc import roc_points, save_roc_plot, tar_at_far
@@ -318,7 +318,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         curves, operating_points, unfit = {}, {}, []
         for path, name in zip(args.bins, names):
             data_set = load_bin(path)
-            note = preparation_note(path, network)
+            note = model_preparation_note(path, network)
             if note:
                 print(note, file=sys.stderr if note.startswith("warning") else sys.stdout)
             labels = _labels(path, data_set[1])
@@ -364,18 +364,11 @@ def kept_out(path: str | os.PathLike) -> dict[str, bool]:
     return {} if known is None else {"held_out": known}
 
 
-def preparation_note(path: Path, network: EvaluatedNetwork) -> str | None:
-    """One line comparing how the set's photos were prepared (recorded beside it by tools.make_bin) with the
-    model's training photos (its model.json), or None when either is unknown."""
-    trained = network.saved.photo_preparation if network.saved is not None else None
-    recorded = read_preparation(path)
-    if trained is None or recorded is None:
-        return None
-    if recorded == trained:
-        return f"{path}: photos prepared with --{recorded}, as the model's training photos ({network.saved.info_path})"
-    return (f"warning: {path} holds photos prepared with --{recorded}, but {network.saved.info_path} records "
-            f"--{trained} for the training photos, so its scores understate the model; make it again with "
-            f"tools.make_bin --{trained}")
+def model_preparation_note(path: Path, network: EvaluatedNetwork) -> str | None:
+    """``preparation_note`` for a set and the model's training photos (its model.json), None when either is
+    unknown."""
+    saved = network.saved
+    return None if saved is None else preparation_note(path, saved.photo_preparation, saved.info_path)
 
 
 def forget(network: EvaluatedNetwork, names: Sequence[str]) -> str:

@@ -19,7 +19,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -39,11 +39,12 @@ LANDMARK_NUMBERS = 10  # five (x, y) points
 
 @dataclass(frozen=True)
 class PreparedFace:
-    """A photo as a face: uint8 RGB (112, 112, 3), and the photo's (width, height) when ``resize``
-    stretched it out of its aspect ratio (None otherwise)."""
+    """A photo as a face: uint8 RGB (112, 112, 3), the photo's (width, height) when ``resize``
+    stretched it out of its aspect ratio (None otherwise), and its size."""
 
     pixels: np.ndarray
     stretched_from: tuple[int, int] | None = None
+    photo_size: tuple[int, int] | None = None  # (width, height) of the photo a fit prepared (None: aligned)
 
 
 @dataclass(frozen=True)
@@ -91,25 +92,53 @@ class Preparation:
         return os.path.normpath(path if self.root is None else os.path.relpath(path, self.root))
 
 
+Box = tuple[int, int, int, int]  # left, top, right, bottom
+
+
+def fit_geometry(fit: str, width: int, height: int, size: int = IMAGE_SIZE) -> tuple[Box, Box]:
+    """``(the part of a width x height photo that ``fit`` uses, the part of the size x size face it fills)``:
+    ``fit_photo`` resamples the one onto the other (bilinear), so two fits with the same geometry for a photo
+    give it the same pixels (``resize`` and ``crop`` on a square photo, say)."""
+    whole = (0, 0, width, height)
+    if fit == "resize":
+        return whole, (0, 0, size, size)
+    if fit == "crop":
+        side = min(width, height)
+        left, top = (width - side) // 2, (height - side) // 2
+        return (left, top, left + side, top + side), (0, 0, size, size)
+    if fit != "pad":
+        raise ValueError(f"fit {fit!r} is not one of {FITS}")
+    ratio = min(1.0, size / max(width, height))
+    fitted = (max(1, round(width * ratio)), max(1, round(height * ratio))) if ratio < 1.0 else (width, height)
+    left, top = (size - fitted[0]) // 2, (size - fitted[1]) // 2
+    return whole, (left, top, left + fitted[0], top + fitted[1])
+
+
+def same_pixels_as(fit: str, photo_sizes: Iterable[tuple[int, int]]) -> list[str]:
+    """The fits (``fit`` among them) that give every photo of these (width, height) sizes the pixels ``fit``
+    gives it: what a preparation record keeps, so that a check compares the faces a model sees, not the option's
+    name (--crop and --resize on square photos are one preparation)."""
+    sizes = set(photo_sizes)
+    return [other for other in FITS
+            if all(fit_geometry(other, *size) == fit_geometry(fit, *size) for size in sizes)]
+
+
 def fit_photo(image: Image.Image, fit: str = "resize", size: int = IMAGE_SIZE) -> PreparedFace:
     """Any PIL image (grayscale, palette, alpha...) fitted to uint8 RGB (size, size, 3); see the module doc."""
     image = image.convert("RGB")
     width, height = image.size
-    if fit == "crop":
-        side = min(width, height)
-        left, top = (width - side) // 2, (height - side) // 2
-        image = image.crop((left, top, left + side, top + side))
-    if fit in ("resize", "crop"):
-        stretched = (width, height) if fit == "resize" and width != height else None
-        return PreparedFace(np.asarray(image.resize((size, size), Image.BILINEAR)), stretched)
-    if fit != "pad":
-        raise ValueError(f"fit {fit!r} is not one of {FITS}")
-    ratio = min(1.0, size / max(image.size))
-    if ratio < 1.0:
-        image = image.resize((max(1, round(width * ratio)), max(1, round(height * ratio))), Image.BILINEAR)
+    source, target = fit_geometry(fit, width, height, size)
+    if source != (0, 0, width, height):
+        image = image.crop(source)
+    filled = (target[2] - target[0], target[3] - target[1])
+    if image.size != filled:
+        image = image.resize(filled, Image.BILINEAR)
+    stretched = (width, height) if fit == "resize" and width != height else None
+    if target == (0, 0, size, size):
+        return PreparedFace(np.asarray(image), stretched, (width, height))
     canvas = Image.new("RGB", (size, size))
-    canvas.paste(image, ((size - image.width) // 2, (size - image.height) // 2))
-    return PreparedFace(np.asarray(canvas))
+    canvas.paste(image, target[:2])
+    return PreparedFace(np.asarray(canvas), stretched, (width, height))
 
 
 def _aligned(image: Image.Image, points: np.ndarray) -> np.ndarray:

@@ -464,8 +464,8 @@ def test_evaluation_compares_the_sets_preparation_with_the_models_and_keeps_othe
     captured = capsys.readouterr()
     warnings = [line for line in captured.err.splitlines() if line.startswith("warning")]
     assert warnings == [f"warning: {held_out} holds photos prepared with --pad, but {folder / 'model.json'} records "
-                        "--crop for the training photos, so its scores understate the model; make it again with "
-                        "tools.make_bin --crop"]
+                        "--crop for the model's training photos, and on these photos the two give different faces, so "
+                        "its scores understate the model; make it again with tools.make_bin --crop"]
     # A threshold from photos prepared unlike the training photos would misjudge pairs: none is recorded.
     assert ("threshold: none recorded for noise: its photos were prepared unlike the training photos (the warning "
             "above), so its threshold would misjudge pairs") in captured.out.splitlines()

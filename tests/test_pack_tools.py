@@ -214,7 +214,8 @@ def test_pack_records_its_preparation_beside_the_records_and_lists_folders_witho
             ".webp, .bmp, .tif, .pgm, ...): cy, dee") in out.splitlines()
     assert "2 identities (classes 0..1), crop to 112x112" in out
     assert json.loads((tmp_path / "data" / "train.rec.preparation.json").read_text()) == {
-        "photo_preparation": "crop", "landmarks_file": None, "written_by": "tools.pack_rec", "people": ["anna", "bo"]}
+        "photo_preparation": "crop", "landmarks_file": None, "written_by": "tools.pack_rec", "people": ["anna", "bo"],
+        "same_pixels_as": ["crop"]}  # of a 92x112 photo, stretching or padding the whole differs from its square
 
 
 def ctrl_c_once_it_says(arguments: list[str], console: Path, text: str) -> tuple[int, str]:

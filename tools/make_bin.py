@@ -40,6 +40,7 @@ import numpy as np
 from PIL import Image
 
 from dataset import (
+    TRAINING_RECORDS,
     Preparation,
     PreparedFace,
     add_preparation_arguments,
@@ -61,7 +62,6 @@ from utils.image import IMAGE_SIZE
 from utils.progress import progress
 
 JPEG_QUALITY = 95
-TRAINING_RECORDS = "train.rec"  # beside the .bin, as val_targets look sets up: its preparation is the default
 
 Pair = tuple[Path, Path, bool]  # first image, second image, same person
 
@@ -186,10 +186,10 @@ def random_pairs(folder: Path, count: int, seed: int) -> list[Pair]:
 
 
 def encode_face(path: Path, preparation: Preparation, skipped: list[str] | None = None
-                ) -> tuple[bytes, PreparedFace | None] | None:
-    """``(what the .bin stores for this photo, the prepared face when it was re-encoded, else None)``;
-    see the module doc. A photo that cannot be prepared raises its FaceImageError, or, with ``skipped`` a list
-    (--skip-bad), gives None and its sentence is added there."""
+                ) -> tuple[bytes, PreparedFace, bool] | None:
+    """``(what the .bin stores for this photo, the prepared face, whether it was re-encoded)``; see the module
+    doc. A photo that cannot be prepared raises its FaceImageError, or, with ``skipped`` a list (--skip-bad),
+    gives None and its sentence is added there."""
     face = prepare_or_skip(preparation, path, skipped)  # decodes it all: a truncated file fails here, not later
     if face is None:
         return None
@@ -197,17 +197,17 @@ def encode_face(path: Path, preparation: Preparation, skipped: list[str] | None 
     with Image.open(io.BytesIO(data)) as image:
         size, source_format = image.size, image.format
     if preparation.landmarks is None and size == (IMAGE_SIZE, IMAGE_SIZE) and source_format in ("JPEG", "PNG"):
-        return data, None
-    return encode(face.pixels, "jpeg" if source_format == "JPEG" else "png", JPEG_QUALITY), face
+        return data, face, False
+    return encode(face.pixels, "jpeg" if source_format == "JPEG" else "png", JPEG_QUALITY), face, True
 
 
 def encode_pairs(pairs: Sequence[Pair], preparation: Preparation, stream: TextIO | None = None,
                  skipped: list[str] | None = None
-                 ) -> tuple[list[bytes], list[bool], dict[Path, PreparedFace | None]]:
-    """``(2N encoded images in pair order, the N pairs' issame, each photo's prepared face when re-encoded)``;
-    each file is read once. With ``skipped`` a list (--skip-bad), a pair holding a photo that cannot be prepared
-    is left out, and each such photo's sentence is added there once."""
-    encoded: dict[Path, tuple[bytes, PreparedFace | None] | None] = {}
+                 ) -> tuple[list[bytes], list[bool], dict[Path, tuple[PreparedFace, bool]]]:
+    """``(2N encoded images in pair order, the N pairs' issame, each photo's prepared face and whether it was
+    re-encoded)``; each file is read once. With ``skipped`` a list (--skip-bad), a pair holding a photo that
+    cannot be prepared is left out, and each such photo's sentence is added there once."""
+    encoded: dict[Path, tuple[bytes, PreparedFace, bool] | None] = {}
     paths = [path for first, second, _ in pairs for path in (first, second)]
     for path in progress(paths, len(paths), "encoding photos", stream):
         if path not in encoded:
@@ -217,7 +217,7 @@ def encode_pairs(pairs: Sequence[Pair], preparation: Preparation, stream: TextIO
         if encoded[first] is not None and encoded[second] is not None:
             bins += [encoded[first][0], encoded[second][0]]
             issame.append(same)
-    return bins, issame, {path: done[1] for path, done in encoded.items() if done is not None}
+    return bins, issame, {path: done[1:] for path, done in encoded.items() if done is not None}
 
 
 def write_bin(path: Path, bins: list[bytes], issame: list[bool]) -> None:
@@ -228,9 +228,9 @@ def write_bin(path: Path, bins: list[bytes], issame: list[bool]) -> None:
     os.replace(partial, path)
 
 
-def stored_line(faces: dict[Path, PreparedFace | None], preparation: Preparation) -> str:
+def stored_line(faces: dict[Path, tuple[PreparedFace, bool]], preparation: Preparation) -> str:
     """How the .bin stores its photos: prepared and re-encoded, or byte for byte (see the module doc)."""
-    reencoded = sum(face is not None for face in faces.values())
+    reencoded = sum(again for _, again in faces.values())
     if reencoded == len(faces):
         return f"every one of the {len(faces)} photos prepared ({preparation.describe()}) and re-encoded"
     if reencoded == 0:
@@ -256,7 +256,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             pairs = read_pairs(args.pairs, args.images)
         else:
             pairs = random_pairs(args.images, args.random, args.seed)
-        records = args.output.parent / TRAINING_RECORDS
+        records = args.output.parent / TRAINING_RECORDS  # beside the .bin, as val_targets look sets up
         preparation, said = preparation_following(args, read_preparation(records), str(records), args.images)
         if said:
             print(said, file=sys.stderr if said.startswith("warning") else sys.stdout)
@@ -278,10 +278,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                             f"{args.output} would hold {kind}, which no evaluation can score; replace those photos")
         write_bin(args.output, bins, issame)
         write_preparation(args.output, preparation, "tools.make_bin",
+                          {face.photo_size for face, _ in faces.values() if face.photo_size},
                           None if in_training is None else {"people_in_training": len(in_training)})
     print(f"wrote {args.output}: {len(issame)} pairs ({sum(issame)} same person, {len(issame) - sum(issame)} "
           f"different), {len(bins)} images, {stored_line(faces, preparation)}")
-    stretched = [(str(path), face.stretched_from) for path, face in faces.items() if face and face.stretched_from]
+    stretched = [(str(path), face.stretched_from) for path, (face, _) in faces.items() if face.stretched_from]
     if warning := stretch_warning(stretched, len(faces)):
         print(warning, file=sys.stderr)
     if said := skipped_line(skipped or []):  # last: every photo left out, named once
