@@ -33,6 +33,7 @@ from checkpoint.run_dir import (
     ResumeCommand,
     continues_torchrun_run,
     lock_run_dir,
+    remove_started_folder,
     resolve_resume,
     resumed_overrides,
 )
@@ -55,6 +56,7 @@ from training.state import (
     StepCounter,
     TrainingState,
     architecture,
+    backbone_frozen,
     build_training_state,
     describe_margin,
     exported_backbone,
@@ -296,9 +298,17 @@ def train(cfg: SimpleNamespace, device: torch.device, settings: RunSettings,
     restarted = agreed(lambda: continues_torchrun_run(cfg.output, torchrun_run_id()))
     source = agreed(lambda: resolve_resume(cfg.output, AUTO if restarted else cfg.resume,
                                            settings.resume_command.with_sets))
+    made = not os.path.isdir(cfg.output)
     lock = agreed(lambda: lock_run_dir(cfg.output, torchrun_run_id()), share=False)
     try:
         return _train_in_folder(cfg, device, source, restarted, settings, signals)
+    except UserError:
+        # One process alone: another one's error line may still be on its way into training.log.
+        if lock is not None and made and world() == 1:
+            lock.close()
+            lock = None
+            remove_started_folder(cfg.output)
+        raise
     finally:
         if lock is not None:
             lock.close()
@@ -338,7 +348,7 @@ def _train_in_folder(cfg: SimpleNamespace, device: torch.device, source, restart
     if restarted:
         _log_restart(restored, counter, cfg.save_every_steps)
     wrap_for_the_step(state, cfg, device)
-    _log_fine_tuning(cfg)
+    _log_fine_tuning(cfg, state)
     if source is not None and isinstance(source.importer, BareBackbone):
         _log_backbone_preparation(source.path, cfg.rec)
     total_steps = counter.steps_per_epoch * cfg.num_epoch
@@ -364,13 +374,14 @@ def _train_in_folder(cfg: SimpleNamespace, device: torch.device, source, restart
     return results
 
 
-def _log_fine_tuning(cfg: SimpleNamespace) -> None:
+def _log_fine_tuning(cfg: SimpleNamespace, state: TrainingState) -> None:
     if cfg.backbone_lr_mult != 1.0:
         log.info("the backbone's lr is backbone_lr_mult=%g times the scheduled lr (the class centres')",
                  cfg.backbone_lr_mult)
-    if cfg.freeze_backbone_steps:
-        log.info("steps 1 to %d of the LR schedule train the class centres alone (freeze_backbone_steps): the "
-                 "backbone's weights and BatchNorm statistics stay as they are", cfg.freeze_backbone_steps)
+    if backbone_frozen(state, cfg):  # not after a resume past those steps: they are behind it
+        log.info("steps %d to %d of the LR schedule train the class centres alone (freeze_backbone_steps): the "
+                 "backbone's weights and BatchNorm statistics stay as they are", state.scheduler.last_epoch + 1,
+                 cfg.freeze_backbone_steps)
 
 
 def _log_backbone_preparation(weights: Path, rec: str) -> None:

@@ -39,6 +39,7 @@ from training.components import rank_components
 from training.state import CENTRES_GROUP, StepCounter, TrainingState, exported_backbone, group_lrs
 from utils.device import use_device_in_this_thread
 from utils.distributed import agreed, checkpoint_group, world
+from utils.log import FILE_ONLY
 from utils.lr_scheduler import jump_to_step
 
 log = logging.getLogger(__name__)
@@ -94,10 +95,10 @@ class Checkpointer:
         self._waiting = False  # a save fell inside a non-finite streak
         self._staging = HostStaging() if async_save and save_all_states else None
         self._group = checkpoint_group() if self._staging else None  # the writer thread's own collectives
-        self._in_flight: tuple[BackgroundSave, int, int] | None = None  # the save, its shown step, its log level
+        self._in_flight: tuple[BackgroundSave, int, bool] | None = None  # the save, its shown step, on the terminal
         self.config_file, self.overrides = str(config_file), list(overrides)
         self.continue_with = continue_with  # the command line that continues the run, for its stop lines
-        self._logged_save_at: int | None = None  # the step of the last save logged at info level
+        self._logged_save_at: int | None = None  # the step of the last save said on the terminal
         self.renumbering: Renumbering | None = None  # how resume() renumbered the saved step, if it did
 
     def resume(self, source: Source, counter: StepCounter) -> Restored | None:
@@ -168,10 +169,12 @@ class Checkpointer:
         """Save the state at this step (`final`: the run's last save, which returns only once it is
         published, before the process exits). A save still in flight is waited for first."""
         self.wait_for_save()
-        step, level = counter.global_step, self._save_log_level(counter, final)
+        step, on_terminal = counter.global_step, self._save_on_terminal(counter, final)
         if not self.save_all_states:
-            agreed(lambda: save_backbone(exported_backbone(self.state), self.output, self.architecture,
-                                         counter.verification))
+            path = agreed(lambda: save_backbone(exported_backbone(self.state), self.output, self.architecture,
+                                                counter.verification))
+            log.info("saved %s at global step %d (save_all_states=False: the backbone alone)", path,
+                     counter.shown_step, extra=None if on_terminal else FILE_ONLY)
         else:
             sharded = _sharded()
             staged = sharded.stage_state(self.state, counter.saved(), self.loader, self.architecture,
@@ -179,9 +182,9 @@ class Checkpointer:
             if self._staging:
                 self._in_flight = (BackgroundSave(lambda: sharded.write_state(self.output, staged, self._group),
                                                   self.state.pfc.weight.device),
-                                   counter.shown_step, level)
+                                   counter.shown_step, on_terminal)
             else:
-                self._published(sharded.write_state(self.output, staged), counter.shown_step, level)
+                self._published(sharded.write_state(self.output, staged), counter.shown_step, on_terminal)
         self.saved_at = step
         if final:
             self.wait_for_save()
@@ -191,22 +194,23 @@ class Checkpointer:
         rank) if it failed, the previous checkpoint then still published. Collective."""
         if self._in_flight is None:
             return
-        save, shown_step, level = self._in_flight
+        save, shown_step, on_terminal = self._in_flight
         self._in_flight = None
-        self._published(save.wait(), shown_step, level)
+        self._published(save.wait(), shown_step, on_terminal)
 
-    def _published(self, folder: Path, shown_step: int, level: int) -> None:
-        log.log(level, "saved %s at global step %d", folder, shown_step)
+    def _published(self, folder: Path, shown_step: int, on_terminal: bool) -> None:
+        log.info("saved %s at global step %d", folder, shown_step, extra=None if on_terminal else FILE_ONLY)
         agreed(lambda: write_run_config(self.output, self.config_file, self.overrides), share=False)
 
-    def _save_log_level(self, counter: StepCounter, final: bool) -> int:
-        """INFO for the last save and at most one save per ten log lines (`frequent` steps each); DEBUG for
-        the others, which would otherwise crowd the log when epochs are short."""
+    def _save_on_terminal(self, counter: StepCounter, final: bool) -> bool:
+        """Every save is said in training.log (a stopped run's last line names the last one, and the log must
+        show it); on the terminal, the last save and at most one per ten log lines (`frequent` steps each): the
+        others would crowd it when epochs are short."""
         every = 10 * self.config["frequent"]
         if final or self._logged_save_at is None or counter.global_step - self._logged_save_at >= every:
             self._logged_save_at = counter.global_step
-            return logging.INFO
-        return logging.DEBUG
+            return True
+        return False
 
     def settle(self) -> None:
         """For a run stopping (on an error, a Ctrl-C): let a save in flight publish or fail as it would (its

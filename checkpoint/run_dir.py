@@ -22,6 +22,7 @@ from utils.atomic import atomic_save, write_bytes
 from utils.config import override_key
 from utils.errors import CheckpointError, ConfigError, RunDirError, located
 from utils.launcher import launch_words
+from utils.log import LOG_NAME
 
 LOCK_NAME = ".lock"
 RUN_CONFIG_NAME = "config.json"
@@ -167,6 +168,21 @@ def lock_run_dir(output: str, torchrun_run: str | None = None) -> IO:
     handle.write(f"pid {os.getpid()} on {os.uname().nodename}{run}\n")
     handle.flush()
     return handle
+
+
+def remove_started_folder(output: str) -> bool:
+    """For a run that stopped on an error before it wrote anything but its lock and training.log, in an output
+    folder it made itself: remove those two and the folder, so that a failed start leaves no empty run folder
+    (whose training.log says only the error the terminal said). Anything else in it stays, and so does the
+    folder; whether it was removed."""
+    folder = Path(output)
+    started = {LOCK_NAME, LOG_NAME}
+    if not folder.is_dir() or {path.name for path in folder.iterdir()} - started:
+        return False
+    for name in started:
+        (folder / name).unlink(missing_ok=True)
+    folder.rmdir()
+    return True
 
 
 def resumed_overrides(output: str, resume: bool | str, said_now: Sequence[str]) -> list[str]:

@@ -7,7 +7,15 @@ from collections.abc import Mapping, Sequence
 
 from torch import nn
 
-from eval.verification import VerificationSet, flip_fused, kept_out, load_bin, operating_point, test
+from eval.verification import (
+    VerificationSet,
+    flip_fused,
+    kept_out,
+    load_bin,
+    operating_point,
+    test,
+    threshold_accuracy_line,
+)
 from facedata.preparation_record import TRAINING_RECORDS, preparation_note, record_path, recorded_preparation
 from utils.distributed import agreed, is_main
 from utils.errors import ConfigError, located
@@ -107,12 +115,13 @@ class VerificationCallback:
         for name, data_set in self.sets.items():
             _, _, accuracy, std, xnorm, embeddings = test(data_set, backbone, self.batch_size, 10)
             self.highest[name] = max(self.highest[name], accuracy)
-            if name not in self.unfit:
-                self.operating_points[name] = {**operating_point(flip_fused(embeddings), data_set[1]),
-                                               **self.kept_out[name], "by": f"training, step {step}"}
             logger.info("[%s][%d]XNorm: %f", name, step, xnorm)
             logger.info("[%s][%d]Accuracy-Flip: %1.5f+-%1.5f", name, step, accuracy, std)
             logger.info("[%s][%d]Accuracy-Highest: %1.5f", name, step, self.highest[name])
+            if name not in self.unfit:
+                self.operating_points[name] = {**operating_point(flip_fused(embeddings), data_set[1]),
+                                               **self.kept_out[name], "by": f"training, step {step}"}
+                logger.info("%s", threshold_accuracy_line(name, self.operating_points[name], step))
             if self.metrics is not None:
                 self.metrics.add_scalar(name, accuracy, step)
                 self.metrics.add_scalar(f"xnorm/{name}", xnorm, step)

@@ -73,13 +73,15 @@ def arguments(data: Path, output: Path, *overrides: str, resume: bool = False, c
 
 
 def run_here(data: Path, output: Path, *overrides: str, resume: bool = False, config: str = CONFIG,
-             base: Sequence[str] = QUIET) -> tuple[int, str]:
-    """train.main in this process: (exit status, what it wrote to stderr)."""
+             base: Sequence[str] = QUIET, stdout: io.StringIO | None = None) -> tuple[int, str]:
+    """train.main in this process: (exit status, what it wrote to stderr); what it wrote to stdout (the
+    terminal's log lines) goes to ``stdout`` when given."""
     root = logging.getLogger()
     handlers, level = list(root.handlers), root.level
     stderr = io.StringIO()
     try:
-        with contextlib.chdir(ROOT), contextlib.redirect_stderr(stderr), contextlib.redirect_stdout(io.StringIO()):
+        with contextlib.chdir(ROOT), contextlib.redirect_stderr(stderr), \
+                contextlib.redirect_stdout(stdout or io.StringIO()):
             status = train.main(arguments(data, output, *overrides, resume=resume, config=config, base=base))
     finally:
         # train.py's logging setup replaced the root handlers (pytest's among them): put them back.

@@ -17,6 +17,11 @@ from utils.metrics import Metrics
 
 LOG_NAME = "training.log"
 LOG_FORMAT = "Training: %(asctime)s-%(message)s"
+FILE_ONLY = {"file_only": True}  # `extra=` of a line for training.log alone: what would crowd the terminal
+
+
+def _not_file_only(record: logging.LogRecord) -> bool:
+    return not getattr(record, "file_only", False)
 
 
 class _RunLog(logging.FileHandler):
@@ -32,7 +37,9 @@ def setup_logging(output_dir: str) -> logging.Logger:
     run_log = _RunLog(os.path.join(output_dir, LOG_NAME), delay=True)  # other ranks open it for an error only
     if is_main():
         root.setLevel(logging.INFO)
-        handlers = [run_log, logging.StreamHandler(sys.stdout)]
+        terminal = logging.StreamHandler(sys.stdout)
+        terminal.addFilter(_not_file_only)
+        handlers = [run_log, terminal]
         formatter = logging.Formatter(LOG_FORMAT)
     else:
         root.setLevel(logging.WARNING)
