@@ -287,6 +287,8 @@ UPSTREAM_LINES = [
     r"\[(lfw|verify_np)\]\[(\d+)\]XNorm: \d+\.\d{6}$",
     r"\[(lfw|verify_np)\]\[(\d+)\]Accuracy-Flip: \d\.\d{5}\+-\d\.\d{5}$",
     r"\[(lfw|verify_np)\]\[(\d+)\]Accuracy-Highest: \d\.\d{5}$",
+    # ours, after upstream's three: the accuracy model.json records with the threshold, named apart
+    r"\[(lfw|verify_np)\]\[(\d+)\]Accuracy-At-Threshold: \d\.\d{5} at cosine similarity ",
 ]
 
 
@@ -305,7 +307,7 @@ def test_callback_logs_upstream_lines_writes_tensorboard_and_restores_modes(tmp_
     results = callback(3, model)
     assert set(results) == {"lfw", "verify_np"} and model.training and model.bn.training
     lines = lines()
-    assert len(lines) == 6
+    assert len(lines) == 8
     for line, pattern in zip(lines, UPSTREAM_LINES * 2):
         match = re.match(pattern, line)
         assert match and match.group(2) == "3", line
@@ -313,7 +315,7 @@ def test_callback_logs_upstream_lines_writes_tensorboard_and_restores_modes(tmp_
 
     final = callback.evaluate_now(model)
     assert final == results  # same weights, same numbers; logged at the last step seen
-    assert "[lfw][3]XNorm" in caplog.records[-6].getMessage()
+    assert "[lfw][3]XNorm" in caplog.records[-8].getMessage()
     writer.close()
     events = EventAccumulator(str(tmp_path / "tb"))
     events.Reload()
