@@ -159,5 +159,6 @@ def test_the_last_verification_threshold_is_recorded_with_the_model(run):
             best = (threshold, right, float(np.mean(similarity[~issame] > threshold)))
     recorded = json.loads((run.output / "model.json").read_text())["verification"]["synthetic_val"]
     assert recorded["threshold"] == pytest.approx(best[0], abs=1e-9)
-    assert recorded["accuracy_at_threshold"] == pytest.approx(best[1] / len(issame)) and recorded["far"] == pytest.approx(best[2])
+    assert recorded["accuracy_at_threshold"] == pytest.approx(best[1] / len(issame))
+    assert recorded["far"] == pytest.approx(best[2])
     assert recorded["pairs"] == len(issame) and recorded["by"] == "training, step 7"

@@ -129,12 +129,12 @@ def current_gallery(args: argparse.Namespace, model: torch.nn.Module, saved: Sav
     return gallery
 
 
-def search_threshold(gallery: PersonGallery, fpir: float) -> str | tuple[float, str]:
-    """The threshold set on the gallery's own stranger scores at ``fpir`` and the line that says what it means,
-    or the line saying why the gallery cannot set one."""
+def search_threshold(gallery: PersonGallery, fpir: float) -> tuple[float | None, str]:
+    """The threshold set on the gallery's own stranger scores at ``fpir`` (None when the gallery cannot set one)
+    and the line that says what it means, or why there is none."""
     scores = gallery.nonmated
     if scores is None or scores.size == 0:
-        return "search threshold: none: a gallery of one person has no other people to set it on"
+        return None, "search threshold: none: a gallery of one person has no other people to set it on"
     threshold = threshold_at_fpir(scores, fpir)
     passed = int((scores > threshold).sum())
     return threshold, (f"search threshold {threshold:.4f}: set so that about {fpir:g} of the faces not in the gallery "
@@ -142,12 +142,12 @@ def search_threshold(gallery: PersonGallery, fpir: float) -> str | tuple[float, 
                        f"people only, {passed} passed it")
 
 
-def pair_threshold(saved: SavedBackbone, threshold_set: str | None) -> str | tuple[float, str]:
-    """The pair threshold of the deciding recorded set and the line that says it, or the line saying there is
-    none."""
+def pair_threshold(saved: SavedBackbone, threshold_set: str | None) -> tuple[float | None, str]:
+    """The pair threshold of the deciding recorded set (None when none is recorded) and the line that says it,
+    or that there is none."""
     if not saved.verification:
-        return (f"pair threshold: none: {saved.info_path} records no verification (python -m eval.verification "
-                f"--model {saved.weights.parent} --bins YOUR_SET.bin records one)")
+        return None, (f"pair threshold: none: {saved.info_path} records no verification (python -m eval.verification "
+                      f"--model {saved.weights.parent} --bins YOUR_SET.bin records one)")
     name, why = deciding_set(saved.verification, threshold_set, saved.info_path)
     point = saved.verification[name]
     return point["threshold"], (f"pair threshold {point['threshold']:.4f} of {name} ({far_words(point)} on "
@@ -159,8 +159,8 @@ def deciding_threshold(gallery: PersonGallery, saved: SavedBackbone, fpir: float
     """The similarity a known person's best match must pass (the higher of the search and the pair threshold;
     None when there is neither), and the lines that say so."""
     found = [search_threshold(gallery, fpir), pair_threshold(saved, threshold_set)]
-    lines = [line if isinstance(line, str) else line[1] for line in found]
-    thresholds = [item[0] for item in found if not isinstance(item, str)]
+    lines = [line for _, line in found]
+    thresholds = [threshold for threshold, _ in found if threshold is not None]
     if not thresholds:
         return None, [*lines, "known person: no threshold to decide by; the list above says who is most similar"]
     threshold = max(thresholds)
