@@ -7,7 +7,7 @@ from collections.abc import Mapping, Sequence
 
 from torch import nn
 
-from eval.verification import VerificationSet, flip_fused, kept_out, load_bin, operating_point, test
+from eval.verification import VerificationSet, flip_fused, fold_note, kept_out, load_bin, operating_point, test
 from utils.distributed import agreed, is_main
 from utils.errors import ConfigError, located
 from utils.image import IMAGE_SIZE
@@ -77,6 +77,8 @@ class VerificationCallback:
         for target in val_targets:
             name, path = resolve_target(target, rec_prefix)
             self.sets[name] = load_bin(path, image_size)
+            if folds := fold_note(path, self.sets[name][1]):
+                logger.info(folds)
             self.kept_out[name] = kept_out(path)
             self.highest[name] = highest.get(name, 0.0)
 
