@@ -14,7 +14,10 @@ option that differs gets a warning). The preparation is recorded beside OUT.bin 
 --pairs FILE: LFW's pairs.txt format. A header line (``folds pairs_per_fold``: 2 x folds x
 pairs_per_fold pairs follow, or a single count N: 2N follow), then ``name n1 n2`` for photos n1 and n2
 of one person and ``name1 n1 name2 n2`` for photos of two people; photo n of name is
-``IMAGE_FOLDER/name/name_%04d.jpg``. Pairs keep the file's order.
+``IMAGE_FOLDER/name/name_%04d.jpg``. A ``folds pairs_per_fold`` file keeps its order (pairs.txt: 10 folds of
+300 same then 300 different). A single-count file lists its N same-person pairs first (LFW's pairsDevTest.txt):
+its pairs are laid out as 10 folds of N/10 same then N/10 different, as pairs.txt is, so that each of the ten
+contiguous folds evaluation cuts holds both kinds.
 
 --random N: N same-person and N different-person pairs drawn from the folder with ``--seed``, each
 possible pair equally likely and none twice, same and different alternating (so every one of the
@@ -105,8 +108,9 @@ def _expected_pairs(header: list[str], where: str) -> int:
                     "or one count, as in LFW's pairs.txt")
 
 
-def read_pairs(pairs_file: Path, folder: Path) -> list[Pair]:
-    """The pairs of an LFW-format pairs file, their photos looked up in ``folder``."""
+def read_pairs(pairs_file: Path, folder: Path) -> tuple[list[Pair], str | None]:
+    """The pairs of an LFW-format pairs file, their photos looked up in ``folder``, and the line saying how they
+    were laid out in folds (None: in the file's order)."""
     try:
         lines = [(number, line.split()) for number, line in enumerate(pairs_file.read_text().splitlines(), 1)]
     except (OSError, UnicodeDecodeError) as error:
@@ -131,7 +135,22 @@ def read_pairs(pairs_file: Path, folder: Path) -> list[Pair]:
     if len(pairs) != expected:
         raise DataError(f"{pairs_file} lists {len(pairs)} pairs but its header promises {expected}; the file is "
                         "truncated or its first line is wrong")
-    return pairs
+    if len(lines[0][1]) == 2:
+        return pairs, None
+    pairs = in_folds(pairs)
+    return pairs, (f"{pairs_file} lists one count: its pairs are laid out as LFW's pairs.txt is, in folds of "
+                   "same-person then different-person pairs, so that each evaluation fold holds both kinds")
+
+
+def in_folds(pairs: list[Pair], folds: int = 10) -> list[Pair]:
+    """``pairs`` as ``folds`` blocks, block i the i-th contiguous run of the same-person pairs then the i-th run of
+    the different-person pairs (both kept in order), as LFW's pairs.txt lays out its ten folds."""
+    same = [pair for pair in pairs if pair[2]]
+    different = [pair for pair in pairs if not pair[2]]
+    runs = min(folds, len(same), len(different)) or 1
+    blocks = zip(np.array_split(np.arange(len(same)), runs), np.array_split(np.arange(len(different)), runs))
+    return [pair for same_run, different_run in blocks
+            for pair in [same[i] for i in same_run] + [different[i] for i in different_run]]
 
 
 def _draw_unique(rng: np.random.Generator, count: int, draw) -> list[tuple[int, int]]:
@@ -239,7 +258,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.random is not None and args.random < 1:
             raise ConfigError(f"--random {args.random} is not a positive number; pass --random 1 or more")
         if args.pairs is not None:
-            pairs = read_pairs(args.pairs, args.images)
+            pairs, laid_out = read_pairs(args.pairs, args.images)
+            if laid_out:
+                print(laid_out)
         else:
             pairs = random_pairs(args.images, args.random, args.seed)
         records = args.output.parent / TRAINING_RECORDS
