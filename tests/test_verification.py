@@ -24,8 +24,8 @@ from torch import nn
 from torch.utils.tensorboard import SummaryWriter
 
 from eval.callback import VerificationCallback
-from eval.roc import roc_points, tar_at_far
 from eval.folds import verification_folds
+from eval.roc import roc_points, tar_at_far
 from eval.verification import evaluate, fold_note, load_bin
 from eval.verification import test as verification_test
 from tests.distributed_helpers import run_world
