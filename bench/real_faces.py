@@ -17,24 +17,31 @@ The DevTrain people (4,038, 9,525 photos) are packed one photo per record (``lfw
 pairsDevTest (500 same-person, 500 different-person pairs of 1,711 people none of whom is trained on) becomes
 ``lfw_devtrain/lfw_devtest.bin``.
 
-Each row is one train.py run of configs/lfw_r18_pair.py with the row's ``--set`` values, all rows seeing the same
-number of images (``--images``): a row of V views takes batch_size / V records a step, so every row takes the
-same steps of the same number of images. Rows:
-- ``one_view``: arcface_torch's one-GPU recipe, ArcFace (1, 0.5, 0) at s = 64 under SGD, one photo per sample;
-- ``two_view``: the same with two views (``view_source="identity"``: another photo of the same person; a
-  person with one photo gets it twice, flipped independently): configs/lfw_r18_pair.py as it is;
+Each row is train.py runs of configs/lfw_r18_pair.py (the recipe) with the row's ``--set`` values and nothing
+else different, one run per seed (``--seeds``, three by default). Every run sees the same images (``--images``) in
+the same steps under one LR schedule: a row of V views takes batch / V records a step, and each row's schedule spans
+whole epochs of its own, so the schedule is the shortest that is a whole number of epochs for every row (on
+DevTrain at 128 images a step: a multiple of 148 steps). Rows:
+- ``one_view``: one photo per sample; ``two_view``: two photos of the person per sample (``view_source =
+  "identity"``; a person with one photo gets it twice, flipped independently); ``two_view_augment``: two
+  augmented copies of one photo; ``power_1``: the recipe with the LR decaying at power 1 (train_v2's);
+- ``arcface_sgd``: arcface_torch's one-GPU recipe (ArcFace at s = 64, SGD lr 0.02), one view;
 - one row per margin family on two views (``cosface``, ``arcface``, ``subcenter``, ``adaface``, ``curricular``,
   ``elastic_arc``, ``elastic_cos``) at s = 32 under AdamW, with each family's own keys as configs/base.py has them.
-Columns: held-out Accuracy-Flip (10 folds, with the folds' spread) and TAR at FAR 1e-2, of the best verification
-(kept by ``keep_best``) and of the last; the CPU time the run took (minutes of CPU over every process, so the
-figure does not depend on what else the machine runs) and its wall time. Differences smaller than the spread are
-noise, and the table says which rows beat one_view by more than that. A PNG beside the table draws held-out
-accuracy against images seen, one curve per row.
+Accuracy is Accuracy-Flip on 10 folds that each hold 50 same and 50 different pairs (eval.folds). The table gives
+each row's mean over its seeds of the last model's accuracy (and the seeds' spread), TAR at FAR 1e-2, the best
+verification's accuracy (kept by ``keep_best``: chosen on the held-out set itself, so optimistic), the CPU minutes
+of a run (over every process: the figure does not depend on what else the machine runs), and the verdict against
+the first row: a paired bootstrap over the held-out pairs and the seeds of the last models' difference
+(eval.paired: better, worse or can't tell, with its 95% interval). One line per run follows. A PNG beside the
+table draws each row's held-out accuracy against images seen: the mean over its seeds, shaded from the lowest
+seed to the highest.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import re
 import subprocess
@@ -48,6 +55,8 @@ from pathlib import Path
 
 import numpy as np
 
+from eval.paired import paired_verdict
+
 ROOT = Path(__file__).resolve().parent.parent
 CONFIG = "configs/lfw_r18_pair.py"
 VAL_SET = "lfw_devtest"
@@ -56,14 +65,18 @@ IMAGES = "images_deepfunneled"
 # of the mean image's eyes and mouth, and the nose tip between them.
 MEAN_LANDMARKS = (104, 111, 146, 111, 125, 135, 109, 157, 141, 157)
 FAR_TARGET = 1e-2
-# arcface_torch's one-GPU recipe (its ms1mv3_r50_onegpu config: batch 128, lr 0.02, SGD with momentum 0.9).
+# Each row is configs/lfw_r18_pair.py (the recipe: two views of arcface_torch's one-GPU recipe) with these values,
+# nothing else: rows differ in what their names say.
 ARCFACE_SGD = {"optimizer": "'sgd'", "lr": "0.02", "momentum": "0.9", "weight_decay": "5e-4",
                "margin_list": "(1.0, 0.5, 0.0)", "margin_scale": "64.0"}
 # The margin families' rows: CosFace's scale and AdamW (the demo's optimizer), which learn from few classes at once.
-ADAMW = {"optimizer": "'adamw'", "lr": "0.002", "weight_decay": "0.05", "margin_scale": "32.0"}
+ADAMW = {"optimizer": "'adamw'", "lr": "0.002", "weight_decay": "0.05", "margin_scale": "32.0", "num_views": "2"}
 ROWS: dict[str, dict[str, str]] = {
-    "one_view": {**ARCFACE_SGD, "num_views": "1"},
-    "two_view": {**ARCFACE_SGD, "num_views": "2"},
+    "one_view": {"num_views": "1"},
+    "two_view": {"num_views": "2", "view_source": "'identity'"},
+    "two_view_augment": {"num_views": "2", "view_source": "'augment'"},
+    "power_1": {"num_views": "2", "lr_power": "1.0"},
+    "arcface_sgd": {**ARCFACE_SGD, "num_views": "1"},
     "cosface": {**ADAMW, "margin_family": "'combined'", "margin_list": "(1.0, 0.0, 0.35)"},
     "arcface": {**ADAMW, "margin_family": "'combined'", "margin_list": "(1.0, 0.5, 0.0)"},
     "subcenter": {**ADAMW, "margin_family": "'subcenter'", "margin_list": "(1.0, 0.0, 0.35)"},
@@ -168,17 +181,23 @@ class Result:
     curve: list[tuple[int, float, float]]  # (images seen, Accuracy-Flip, fold spread) per verification
     best: tuple[float, float, float]       # Accuracy-Flip, spread, TAR at FAR_TARGET of the kept best model
     last: tuple[float, float, float]       # the same of the last model
+    right: np.ndarray                      # whether the last model judged each held-out pair right (Accuracy-Flip)
     cpu_minutes: float
     wall_minutes: float
 
 
-def row_settings(name: str, size: Size, data: Path, output: Path, seed: int, extra: Sequence[str]) -> list[str]:
-    views = int(ROWS[name].get("num_views", "2"))
+def views_of(name: str) -> int:
+    return int(ROWS[name]["num_views"])
+
+
+def row_settings(name: str, schedule: Schedule, data: Path, output: Path, seed: int,
+                 extra: Sequence[str]) -> list[str]:
+    views = views_of(name)
     settings = {"rec": repr(str(data)), "output": repr(str(output)), "seed": str(seed),
-                "batch_size": str(size.batch_images // views), "max_steps": str(size.steps),
-                "num_epoch": str(epochs_for(size, data, views)),
-                "verbose": str(max(1, size.steps // size.verifications)), "frequent": str(max(1, size.steps // 20)),
-                **ROWS[name]}
+                "batch_size": str(schedule.batch_images // views), "max_steps": str(schedule.steps),
+                "num_epoch": str(schedule.epochs[name]),
+                "verbose": str(max(1, schedule.steps // schedule.verifications)),
+                "frequent": str(max(1, schedule.steps // 20)), **ROWS[name]}
     return [item for key, value in settings.items() for item in ("--set", f"{key}={value}")] + \
         [item for setting in extra for item in ("--set", setting)]
 
@@ -192,7 +211,39 @@ def steps_per_epoch(data: Path, records_per_step: int) -> int:
     return (int(header.label[0]) - 1) // records_per_step
 
 
-def train_row(name: str, size: Size, data: Path, runs: Path, seed: int, extra: Sequence[str],
+@dataclass(frozen=True)
+class Schedule:
+    """One LR schedule for every row: ``steps`` optimizer steps of ``batch_images`` images, each row's whole
+    ``epochs[row]`` epochs long, so that rows of one and of two views decay their learning rate alike."""
+
+    steps: int
+    batch_images: int
+    verifications: int
+    epochs: dict[str, int]
+
+    @property
+    def images(self) -> int:
+        return self.steps * self.batch_images
+
+
+def common_schedule(size: Size, data: Path, rows: Sequence[str]) -> Schedule:
+    """The shortest schedule of at least ``size.steps`` steps that is a whole number of epochs for every row: a
+    multiple of each row's steps per epoch (DevTrain at 128 images: 74 steps an epoch of one view, 148 of two)."""
+    per_epoch = {name: steps_per_epoch(data, size.batch_images // views_of(name)) for name in rows}
+    if min(per_epoch.values()) < 1:
+        raise SystemExit(f"error: --batch {size.batch_images} is more images than {data} holds for one step; pass a "
+                         "smaller --batch")
+    period = math.lcm(*per_epoch.values())
+    steps = period * -(-size.steps // period)
+    if steps > 2 * size.steps:
+        raise SystemExit(f"error: the rows' epochs are {', '.join(map(str, sorted(set(per_epoch.values()))))} steps "
+                         f"long, so one schedule for all of them takes {steps} steps, more than twice the "
+                         f"{size.steps} asked for; pass --images {period * size.batch_images} or a multiple of it")
+    return Schedule(steps, size.batch_images, size.verifications,
+                    {name: steps // count for name, count in per_epoch.items()})
+
+
+def train_row(name: str, schedule: Schedule, data: Path, runs: Path, seed: int, extra: Sequence[str],
               threads: int) -> Result:
     output = runs / f"{name}-seed{seed}"
     timing = output / TIMING
@@ -204,7 +255,7 @@ def train_row(name: str, size: Size, data: Path, runs: Path, seed: int, extra: S
         wall_seconds = (stamps[-1] - stamps[0]).total_seconds()
         cpu_seconds = json.loads(timing.read_text())["cpu_seconds"] if timing.is_file() else float("nan")
     else:
-        command = [sys.executable, "train.py", CONFIG, *row_settings(name, size, data, output, seed, extra)]
+        command = [sys.executable, "train.py", CONFIG, *row_settings(name, schedule, data, output, seed, extra)]
         output.parent.mkdir(parents=True, exist_ok=True)
         start = time.perf_counter()
         with open(output.parent / f"{output.name}.stderr", "w+") as stderr:
@@ -218,29 +269,24 @@ def train_row(name: str, size: Size, data: Path, runs: Path, seed: int, extra: S
                 raise SystemExit(f"error: the {name} run failed ({' '.join(command)}):\n{stderr.read()[-3000:]}")
         timing.write_text(json.dumps({"cpu_seconds": cpu_seconds, "wall_seconds": wall_seconds}))
     log = (output / "training.log").read_text()
-    views = int(ROWS[name].get("num_views", "2"))
-    batch_images = size.batch_images // views * views
-    curve = [(int(step) * batch_images, float(accuracy), float(spread))
+    curve = [(int(step) * schedule.batch_images, float(accuracy), float(spread))
              for step, accuracy, spread in ACCURACY.findall(log)]
-    return Result(name, seed, curve, evaluate(output / "best", data), evaluate(output, data),
+    *last, right = evaluate(output, data)
+    return Result(name, seed, curve, evaluate(output / "best", data)[:3], tuple(last), right,
                   cpu_seconds / 60, wall_seconds / 60)
 
 
-def epochs_for(size: Size, data: Path, views: int) -> int:
-    """num_epoch such that the LR schedule spans the row's steps, or a little more (max_steps stops it there)."""
-    per_epoch = steps_per_epoch(data, size.batch_images // views)
-    return max(1, -(-size.steps // per_epoch))
-
-
-def evaluate(model_folder: Path, data: Path) -> tuple[float, float, float]:
-    """Accuracy-Flip, its fold spread and TAR at FAR_TARGET of the backbone.pth in ``model_folder``."""
+def evaluate(model_folder: Path, data: Path) -> tuple[float, float, float, np.ndarray]:
+    """Accuracy-Flip, its fold spread, TAR at FAR_TARGET of the backbone.pth in ``model_folder``, and whether it
+    judged each pair right."""
     from backbones.trained import load_saved_backbone  # noqa: PLC0415
-    from eval.verification import flip_fused, load_bin, test  # noqa: PLC0415
+    from eval.verification import flip_fused, load_bin, pairs_right, test  # noqa: PLC0415
 
     backbone, _ = load_saved_backbone(model_folder)
     data_set = load_bin(str(data / f"{VAL_SET}.bin"))
     _, _, accuracy, spread, _, embeddings = test(data_set, backbone, 64)
-    return accuracy, spread, tar_at_far(flip_fused(embeddings), data_set[1], FAR_TARGET)
+    fused = flip_fused(embeddings)
+    return accuracy, spread, tar_at_far(fused, data_set[1], FAR_TARGET), pairs_right(fused, data_set[1])
 
 
 def tar_at_far(fused: np.ndarray, issame: Sequence[bool], far: float) -> float:
@@ -257,39 +303,55 @@ def tar_at_far(fused: np.ndarray, issame: Sequence[bool], far: float) -> float:
 # --- report --------------------------------------------------------------------------------------
 
 
-def table(results: Sequence[Result], size: Size) -> str:
-    lines = [f"LFW DevTrain -> pairsDevTest, {size.images:,} images seen per row ({size.steps} steps of "
-             f"{size.batch_images}), load average {os.getloadavg()[0]:.1f} at the end",
-             f"{'row':<12}{'seed':>5}{'best acc':>10}{'+-':>7}{'TAR@1e-2':>10}{'at images':>11}"
-             f"{'last acc':>10}{'+-':>7}{'TAR@1e-2':>10}{'CPU min':>9}{'wall min':>10}  vs one_view"]
-    reference = next((result for result in results if result.name == "one_view"), None)
+def by_row(results: Sequence[Result]) -> dict[str, list[Result]]:
+    rows: dict[str, list[Result]] = {}
     for result in results:
-        best_images = max(result.curve, key=lambda point: point[1])[0] if result.curve else 0
-        verdict = ""
-        if reference is not None and result is not reference:
-            difference = result.best[0] - reference.best[0]
-            noise = max(result.best[1], reference.best[1])
-            kind = "noise: within the spread" if abs(difference) <= noise else "beyond the spread"
-            verdict = f"{100 * difference:+.1f}p ({kind})"
-        lines.append(f"{result.name:<12}{result.seed:>5}{result.best[0]:>10.4f}{result.best[1]:>7.3f}"
-                     f"{result.best[2]:>10.3f}{best_images:>11,}{result.last[0]:>10.4f}{result.last[1]:>7.3f}"
-                     f"{result.last[2]:>10.3f}{result.cpu_minutes:>9.1f}{result.wall_minutes:>10.1f}  {verdict}")
+        rows.setdefault(result.name, []).append(result)
+    return rows
+
+
+def table(results: Sequence[Result], schedule: Schedule) -> str:
+    """One line per row (means over its seeds, the last model's verdict against the first row's), then one per
+    run."""
+    rows = by_row(results)
+    reference, *_ = rows
+    seeds = sorted({result.seed for result in results})
+    lines = [f"LFW DevTrain -> pairsDevTest, {schedule.images:,} images per run ({schedule.steps} steps of "
+             f"{schedule.batch_images}, one LR schedule for every row), seeds {' '.join(map(str, seeds))}, load "
+             f"average {os.getloadavg()[0]:.1f} at the end",
+             f"{'row':<18}{'seeds':>6}{'last acc':>10}{'sd':>7}{'TAR@1e-2':>10}{'best acc':>10}{'CPU min':>9}"
+             f"  vs {reference} (last models; paired bootstrap over pairs and seeds)"]
+    for name, runs in rows.items():
+        last = np.array([run.last for run in runs])
+        verdict = "" if name == reference else str(paired_verdict(np.stack([run.right for run in runs]),
+                                                                  np.stack([run.right for run in rows[reference]])))
+        lines.append(f"{name:<18}{len(runs):>6}{last[:, 0].mean():>10.4f}{last[:, 0].std():>7.3f}"
+                     f"{last[:, 2].mean():>10.3f}{np.mean([run.best[0] for run in runs]):>10.4f}"
+                     f"{np.mean([run.cpu_minutes for run in runs]):>9.1f}  {verdict}")
+    lines += ["", f"{'run':<18}{'seed':>6}{'last acc':>10}{'+-':>7}{'TAR@1e-2':>10}{'best acc':>10}{'CPU min':>9}"
+                  f"{'wall min':>10}  (+-: the spread of the 10 folds)"]
+    lines += [f"{run.name:<18}{run.seed:>6}{run.last[0]:>10.4f}{run.last[1]:>7.3f}{run.last[2]:>10.3f}"
+              f"{run.best[0]:>10.4f}{run.cpu_minutes:>9.1f}{run.wall_minutes:>10.1f}" for run in results]
     return "\n".join(lines)
 
 
 def plot(results: Sequence[Result], path: Path) -> None:
+    """Held-out accuracy against images seen: each row's mean over its seeds, shaded from its lowest to its
+    highest seed."""
     import matplotlib  # noqa: PLC0415
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt  # noqa: PLC0415
 
     figure, axes = plt.subplots(figsize=(7, 4.5))
-    for result in results:
-        images, accuracy, spread = (np.array(column) for column in zip(*result.curve))
-        axes.plot(images, accuracy, marker="o", label=f"{result.name} (seed {result.seed})")
-        axes.fill_between(images, accuracy - spread, accuracy + spread, alpha=0.1)
+    for name, runs in by_row(results).items():
+        length = min(len(run.curve) for run in runs)
+        images = np.array([point[0] for point in runs[0].curve[:length]])
+        accuracy = np.array([[point[1] for point in run.curve[:length]] for run in runs])
+        axes.plot(images, accuracy.mean(axis=0), marker="o", label=f"{name} ({len(runs)} seeds)")
+        axes.fill_between(images, accuracy.min(axis=0), accuracy.max(axis=0), alpha=0.15)
     axes.set_xlabel("images seen by the backbone")
-    axes.set_ylabel(f"{VAL_SET} Accuracy-Flip (10 folds)")
+    axes.set_ylabel(f"{VAL_SET} Accuracy-Flip (10 balanced folds)")
     axes.set_title("LFW: trained on DevTrain people, verified on pairsDevTest")
     axes.grid(alpha=0.3)
     axes.legend(fontsize=8)
@@ -303,8 +365,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("lfw", type=Path, metavar="LFW_FOLDER", help=f"holds {IMAGES}/ and LFW's protocol files")
     parser.add_argument("--work", type=Path, default=Path("data/lfw_bench"),
                         help="where the records, the .bin, the runs, the table and the PNG go")
-    parser.add_argument("--rows", nargs="+", default=["one_view", "two_view", "cosface"], choices=list(ROWS))
-    parser.add_argument("--seeds", nargs="+", type=int, default=[2048])
+    parser.add_argument("--rows", nargs="+", default=["one_view", "two_view", "two_view_augment"], choices=list(ROWS),
+                        help="the first row is the one the others are compared with")
+    parser.add_argument("--seeds", nargs="+", type=int, default=[2048, 2049, 2050])
     parser.add_argument("--quick", action="store_true",
                         help=f"{QUICK.images:,} images a row instead of {FULL.images:,}")
     parser.add_argument("--images", type=int, help="images seen per row (overrides --quick)")
@@ -320,17 +383,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     size = Size(args.images or size.images, args.batch, size.verifications)
     work = args.work.resolve()
     data = prepare(args.lfw.resolve(), work, args.workers)
-    runs = work / f"runs-{size.images}"
+    schedule = common_schedule(size, data, args.rows)
+    runs = work / f"runs-{schedule.images}"
     threads = max(1, (os.cpu_count() or 1) // args.parallel)
 
     def run(row: tuple[str, int]) -> Result:
-        result = train_row(row[0], size, data, runs, row[1], args.extra, threads)
+        result = train_row(row[0], schedule, data, runs, row[1], args.extra, threads)
         print(f"{result.name} seed {result.seed}: best {result.best[0]:.4f}, last {result.last[0]:.4f}", flush=True)
         return result
 
     with ThreadPoolExecutor(args.parallel) as pool:  # each run its own process: side by side, threads split
         results = list(pool.map(run, [(name, seed) for name in args.rows for seed in args.seeds]))
-    report = table(results, size)
+    report = table(results, schedule)
     print(report)
     (runs / "table.txt").write_text(report + "\n")
     plot(results, runs / "accuracy.png")

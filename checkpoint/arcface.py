@@ -33,7 +33,7 @@ from partial_fc import PartialFC, class_range
 from training.state import TrainingState
 from utils.distributed import agreed, is_main
 from utils.errors import CheckpointError
-from utils.lr_scheduler import POLY_POWER
+from utils.lr_scheduler import schedule_power
 from utils.progress import progress
 from utils.torch_files import load_torch_file
 
@@ -328,7 +328,9 @@ def restore_arcface(marker: Path, architecture: dict, state: TrainingState, stre
     # goes back as Restored.config, and the resume logs where the two differ.
     state.optimizer.load_state_dict({"state": optimizer_state,
                                      "param_groups": state.optimizer.state_dict()["param_groups"]})
-    _log_import(layout, centre_state)
+    # The converter restores into networks and an optimizer alone: no schedule to compare with.
+    scheduler = getattr(state, "scheduler", None)
+    _log_import(layout, centre_state, None if scheduler is None else schedule_power(scheduler))
     return Restored(progress={"global_step": layout.global_step, "steps_per_epoch": layout.steps_per_epoch,
                               "nonfinite_total": 0},
                     world_size=layout.world_size, config=layout.settings, rank_state=None,
@@ -364,7 +366,7 @@ def _read_rows(layout: Layout, pfc: PartialFC, stream: TextIO | None) -> dict[st
     return targets
 
 
-def _log_import(layout: Layout, centre_state: dict) -> None:
+def _log_import(layout: Layout, centre_state: dict, power: float | None) -> None:
     what = ["backbone", f"{layout.num_classes} class centres"]
     if centre_state:
         what.append(f"{layout.optimizer} {'momentum' if layout.optimizer == 'SGD' else 'moments'}")
@@ -374,7 +376,7 @@ def _log_import(layout: Layout, centre_state: dict) -> None:
              layout.world_size, layout.global_step, ", ".join(what),
              "" if layout.kind == TRAIN_V2 else "; the 2021 layout holds no step, LR schedule or backbone optimizer "
              "state: training starts at step 0, as arcface_torch restarted it")
-    if layout.schedule and layout.schedule["power"] != POLY_POWER and is_main():
+    if layout.schedule and power is not None and layout.schedule["power"] != power and is_main():
         log.warning("arcface_torch's LR schedule in %s decays with power %g (train_v2's default), pairface's with "
-                    "power %g: from here on the learning rate follows pairface's curve", layout.folder,
-                    layout.schedule["power"], POLY_POWER)
+                    "power %g: from here on the learning rate follows pairface's curve (set lr_power=%g to keep "
+                    "arcface_torch's)", layout.folder, layout.schedule["power"], power, layout.schedule["power"])

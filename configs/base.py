@@ -96,9 +96,11 @@ ema_decay: float = 0.0            # an exponential moving average of the backbon
                                   # warmed up as (1 + n) / (10 + n) over the first steps): backbone.pth and verification
                                   # then use the averaged weights, saved and resumed with the rest; 0: off
 num_epoch: int = 20               # passes over the data
-warmup_epoch: int = 0             # linear warmup from 0 to lr, then polynomial (power 2) decay to 0 at the end;
+warmup_epoch: int = 0             # linear warmup from 0 to lr, then polynomial decay (power lr_power) to 0 at the end;
                                   # negative (arcface_torch's 3millions.py: -1): no warmup, and its PolyScheduler
-                                  # then starts the decay below lr, at ((T - step) / (T - warmup steps)) ** 2
+                                  # then starts the decay below lr, at ((T - step) / (T - warmup steps)) ** lr_power
+lr_power: float = 2.0             # the decay's power: 2 is arcface_torch's PolyScheduler (its train.py), 1 the
+                                  # PolynomialLRWarmup of its train_v2.py (docs/training.md: which to choose)
 max_steps: int = 0                # stop after this many optimizer steps (0: run num_epoch); the LR schedule still
                                   # spans num_epoch. Steps of that schedule: renumbered by a resume on another
                                   # batch size or world size (the log says which shown step it is then)

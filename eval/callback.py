@@ -10,6 +10,7 @@ from torch import nn
 from eval.verification import (
     VerificationSet,
     flip_fused,
+    fold_note,
     kept_out,
     load_bin,
     operating_point,
@@ -88,6 +89,8 @@ class VerificationCallback:
         for target in val_targets:
             name, path = resolve_target(target, rec_prefix)
             self.sets[name] = load_bin(path, image_size)
+            if folds := fold_note(path, self.sets[name][1]):
+                logger.info(folds)
             self.kept_out[name] = kept_out(path)
             self.highest[name] = highest.get(name, 0.0)
             # As eval.verification checks it: a set whose faces differ from the training photos' gets no threshold.

@@ -25,7 +25,7 @@ def roc_points(scores: np.ndarray, labels: np.ndarray) -> tuple[np.ndarray, np.n
         # sklearn would only warn and return NaN rates, which every TAR would then silently inherit.
         raise ValueError(f"an ROC needs both genuine and impostor pairs; got {num_genuine} genuine and "
                          f"{num_impostor} impostor pairs")
-    from sklearn.metrics import roc_curve  # noqa: PLC0415 (~2 s to import: see eval.verification._fold_splits)
+    from sklearn.metrics import roc_curve  # noqa: PLC0415 (~2 s to import, and every training process imports eval.verification)
 
     # Every point, not sklearn's default thinning: the plot and tests see each threshold.
     return roc_curve(labels, scores, drop_intermediate=False)

@@ -38,6 +38,7 @@ from backbones.trained import (
 from dataset import held_out, preparation_note
 from eval.cli import EvaluatedNetwork, add_network_arguments, check_positive, open_network, output_prefix
 from eval.embedding import embed_images
+from eval.folds import verification_folds
 from eval.roc import roc_points, save_roc_plot, tar_at_far
 from utils.cli import exit_on_user_error
 from utils.errors import ConfigError, DataError, located
@@ -124,22 +125,6 @@ def load_bin(path: str | os.PathLike, image_size: tuple[int, int] = (IMAGE_SIZE,
     return [original, original.flip(3)], issame
 
 
-def _fold_splits(num_pairs: int, nrof_folds: int) -> list[tuple[np.ndarray, np.ndarray]]:
-    """Upstream's folds: sklearn's unshuffled KFold (contiguous, the first folds one larger).
-
-    Fewer pairs than folds: one fold per pair; a single pair is its own train and test set (upstream's
-    LFold for one split).
-    """
-    # scikit-learn takes ~2 s to import, and every training process imports this module (eval.callback).
-    from sklearn.model_selection import KFold  # noqa: PLC0415
-
-    indices = np.arange(num_pairs)
-    folds = min(nrof_folds, num_pairs)
-    if folds < 2:
-        return [(indices, indices)]
-    return list(KFold(n_splits=folds, shuffle=False).split(indices))
-
-
 def _accepts_below(dist: np.ndarray, thresholds: np.ndarray) -> np.ndarray:
     """For each threshold, how many of ``dist`` are strictly below it (the pairs called "same")."""
     return np.searchsorted(np.sort(dist), thresholds, side="left")
@@ -156,16 +141,47 @@ def _rate(count: np.ndarray, total: int) -> np.ndarray:
     return count / total if total else np.zeros(count.shape)
 
 
+def _fold_thresholds(dist: np.ndarray, issame: np.ndarray, folds) -> list[float]:
+    """Each fold's distance threshold: the first with the most pairs right on the other folds."""
+    thresholds = []
+    for train, _ in folds:
+        tp, fp, _, n_diff = _confusion(dist[train], issame[train], ACCURACY_THRESHOLDS)
+        thresholds.append(float(ACCURACY_THRESHOLDS[int(np.argmax(tp + n_diff - fp))]))
+    return thresholds
+
+
 def _roc_and_accuracy(dist: np.ndarray, issame: np.ndarray, folds) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    tprs, fprs, accuracy = [], [], []
-    for train, test in folds:
-        tp, fp, n_same, n_diff = _confusion(dist[train], issame[train], ACCURACY_THRESHOLDS)
-        best = int(np.argmax(tp + n_diff - fp))  # the first threshold with the most correct pairs
+    tprs, fprs = [], []
+    for _, test in folds:
         tp, fp, n_same, n_diff = _confusion(dist[test], issame[test], ACCURACY_THRESHOLDS)
         tprs.append(_rate(tp, n_same))
         fprs.append(_rate(fp, n_diff))
-        accuracy.append((tp[best] + n_diff - fp[best]) / test.size)
-    return np.mean(tprs, axis=0), np.mean(fprs, axis=0), np.asarray(accuracy, dtype=np.float64)
+    right = _pairs_right(dist, issame, folds)
+    accuracy = np.asarray([right[test].mean() for _, test in folds], dtype=np.float64)
+    return np.mean(tprs, axis=0), np.mean(fprs, axis=0), accuracy
+
+
+def _pairs_right(dist: np.ndarray, issame: np.ndarray, folds) -> np.ndarray:
+    """Whether each pair is judged right at its test fold's threshold (a single fold tests the whole set)."""
+    right = np.zeros(issame.size, dtype=bool)
+    for (_, test), threshold in zip(folds, _fold_thresholds(dist, issame, folds)):
+        right[test] = (dist[test] < threshold) == issame[test]
+    return right
+
+
+def _distances(embeddings: np.ndarray, issame: np.ndarray) -> np.ndarray:
+    if embeddings.shape[0] != 2 * issame.size:
+        raise ValueError(f"{embeddings.shape[0]} embeddings for {issame.size} pairs; need two per pair")
+    return np.sum(np.square(embeddings[0::2] - embeddings[1::2]), axis=1)
+
+
+def pairs_right(embeddings: np.ndarray, issame: Sequence[bool], nrof_folds: int = 10) -> np.ndarray:
+    """Accuracy-Flip pair by pair: whether each pair ``(embeddings[2i], embeddings[2i+1])`` is judged right at the
+    threshold chosen on the folds it is not in. Its mean over a fold is that fold's accuracy; two models' arrays on
+    one set compare them pair by pair (eval.paired)."""
+    issame = np.asarray(issame, dtype=bool)
+    dist = _distances(np.asarray(embeddings, dtype=np.float64), issame)
+    return _pairs_right(dist, issame, verification_folds(issame, nrof_folds).splits)
 
 
 def _threshold_at_far(far: np.ndarray, far_target: float) -> float:
@@ -201,14 +217,12 @@ def evaluate(embeddings: np.ndarray, issame: Sequence[bool], nrof_folds: int = 1
     """``(tpr, fpr, accuracy, val, val_std, far)`` of pairs ``(embeddings[2i], embeddings[2i+1])``.
 
     tpr/fpr: per accuracy threshold, averaged over test folds; accuracy: one value per fold;
-    val/val_std/far: VAL at FAR 1e-3 as upstream computes it.
+    val/val_std/far: VAL at FAR 1e-3 as upstream computes it. The folds are upstream's contiguous ones wherever
+    each holds both kinds of pair, stratified otherwise (eval.folds).
     """
-    embeddings = np.asarray(embeddings, dtype=np.float64)
     issame = np.asarray(issame, dtype=bool)
-    if embeddings.shape[0] != 2 * issame.size:
-        raise ValueError(f"{embeddings.shape[0]} embeddings for {issame.size} pairs; need two per pair")
-    dist = np.sum(np.square(embeddings[0::2] - embeddings[1::2]), axis=1)
-    folds = _fold_splits(issame.size, nrof_folds)
+    dist = _distances(np.asarray(embeddings, dtype=np.float64), issame)
+    folds = verification_folds(issame, nrof_folds).splits
     tpr, fpr, accuracy = _roc_and_accuracy(dist, issame, folds)
     val, val_std, far = _val_at_far(dist, issame, folds, VAL_FAR)
     return tpr, fpr, accuracy, val, val_std, far
@@ -285,12 +299,15 @@ def _set_names(paths: Sequence[Path]) -> list[str]:
     return names
 
 
-def _labels(path: Path, issame: Sequence[bool]) -> np.ndarray:
-    labels = np.asarray(issame, dtype=bool)
-    if labels.all() or not labels.any():
-        raise DataError(f"{path} holds only {'genuine' if labels.all() else 'impostor'} pairs; TAR@FAR and the ROC "
-                        "need both: use a set with same-person and different-person pairs")
-    return labels
+def fold_note(path: str | os.PathLike, issame: Sequence[bool], nrof_folds: int = 10) -> str | None:
+    """The line saying how the pairs of the set at ``path`` are cut into folds when not as arcface_torch cuts them;
+    None when they are. A set holding one kind of pair only is a DataError naming it."""
+    try:
+        note = verification_folds(np.asarray(issame, dtype=bool), nrof_folds).note
+    except ValueError as error:
+        raise DataError(f"{path}: {error}; use a set with same-person and different-person pairs "
+                        "(tools.make_bin writes both)") from None
+    return None if note is None else f"{path}: {note}"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -333,7 +350,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             note = model_preparation_note(path, network)
             if note:
                 print(note, file=sys.stderr if note.startswith("warning") else sys.stdout)
-            labels = _labels(path, data_set[1])
+            labels = np.asarray(data_set[1], dtype=bool)
+            if folds := fold_note(path, labels, args.nfolds):
+                print(folds)
             acc1, std1, acc2, std2, xnorm, embeddings_list = test(data_set, network.module, args.batch_size,
                                                                   args.nfolds, sys.stderr, name)
             fused = flip_fused(embeddings_list)

@@ -29,6 +29,7 @@ from tests.distributed_helpers import run_world
 from tests.run_helpers import INFO, QUIET, load_run, run_cli, run_here, same_tensors, scalars
 from tools import convert_checkpoint
 from utils.errors import CheckpointError, RunDirError
+from utils.lr_scheduler import build_scheduler
 
 NUM_CLASSES, DIM, LR = 21, 32, 0.1
 INFO21 = {**INFO, "num_classes": NUM_CLASSES}
@@ -518,3 +519,18 @@ def test_arcface_torch_centres_into_sub_centres_are_refused_in_one_line(sources,
         "class (margin_family='subcenter'); continue it with margin_family='combined', or start from its backbone "
         "alone (--set resume=<its model.pt>)\n")
     assert not (tmp_path / "new").exists()
+
+
+@pytest.mark.parametrize("warmup, total", [(0, 40), (5, 40)])
+def test_lr_power_1_follows_train_v2_s_polynomial_lr_warmup_step_by_step(warmup, total):
+    """lr_power = 1: the learning rate of every step equals upstream's PolynomialLRWarmup (its recursive get_lr), but
+    step 0 of a warmup, where upstream starts at the base LR and pairface, as its PolyScheduler, at 0."""
+    ours = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
+    upstream = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
+    schedule = build_scheduler(ours, warmup, total, power=1.0)
+    reference = PolynomialLRWarmup(optimizer=upstream, warmup_iters=warmup, total_iters=total)
+    for step in range(total + 2):
+        if step or not warmup:
+            assert ours.param_groups[0]["lr"] == pytest.approx(upstream.param_groups[0]["lr"], rel=1e-9, abs=1e-12)
+        ours.step(), upstream.step()
+        schedule.step(), reference.step()

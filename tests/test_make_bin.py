@@ -17,6 +17,7 @@ import pytest
 import torch
 from PIL import Image
 
+from eval.folds import verification_folds
 from eval.verification import load_bin
 from tools import make_bin
 
@@ -263,3 +264,21 @@ def test_the_summary_says_how_many_photos_were_stored_as_they_were(photos, tmp_p
     assert make_bin.main([str(square), str(tmp_path / "square.bin"), "--random", "1"]) == 0
     assert re.search(r"4 images, every one of the [34] photos already 112x112, stored as it was$",
                      capsys.readouterr().out.splitlines()[0])
+
+
+def test_a_single_count_pairs_file_is_laid_out_as_ten_folds_holding_both_kinds(photos, tmp_path):
+    """pairsDevTest's layout (N same-person lines, then N different): 10 blocks of N/10 same then N/10 different,
+    each kind in file order, so that evaluation's contiguous folds are arcface_torch's and each holds both."""
+    same = [("Ann_Lee", a, b) for a, b in [(1, 2), (1, 3), (2, 3), (2, 1)] * 5]
+    different = [("Ann_Lee", a, "Bo_Chen", b) for a, b in [(1, 1), (1, 2), (2, 1), (3, 2)] * 5]
+    lines = ["\t".join(map(str, fields)) for fields in same + different]
+    (tmp_path / "pairs.txt").write_text("20\n" + "\n".join(lines) + "\n")
+    pairs, said = make_bin.read_pairs(tmp_path / "pairs.txt", photos)
+    assert said.endswith("laid out as LFW's pairs.txt is, in folds of same-person then different-person pairs, so "
+                         "that each evaluation fold holds both kinds")
+    assert [flag for _, _, flag in pairs] == [True, True, False, False] * 10
+    assert [(a, b) for a, b, flag in pairs if flag] == [
+        (photo(photos, name, first), photo(photos, name, second)) for name, first, second in same]
+    assert [(a, b) for a, b, flag in pairs if not flag] == [
+        (photo(photos, name1, first), photo(photos, name2, second)) for name1, first, name2, second in different]
+    assert verification_folds(np.array([flag for _, _, flag in pairs]), 10).note is None

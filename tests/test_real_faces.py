@@ -53,8 +53,8 @@ def bench_run(lfw, tmp_path_factory) -> tuple[Path, str]:
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
         assert real_faces.main([str(lfw), "--work", str(work), "--images", "48", "--batch", "8", "--rows",
-                                "one_view", "two_view", "--workers", "1", "--set", "embedding_size=32",
-                                "--set", "network_kwargs={'width_mult': 0.0625}"]) == 0
+                                "one_view", "two_view", "--seeds", "1", "2", "--workers", "1", "--set",
+                                "embedding_size=32", "--set", "network_kwargs={'width_mult': 0.0625}"]) == 0
     return work, out.getvalue()
 
 
@@ -65,26 +65,47 @@ def test_only_devtrain_people_are_packed_and_the_held_out_set_is_pairs_dev_test(
     assert packed["people"] == [person(index) for index in range(TRAIN_PEOPLE)]
     assert packed["photo_preparation"] == "landmarks"
     _, issame = verification.load_bin(str(data / "lfw_devtest.bin"))
-    assert issame == [True] * TEST_PEOPLE + [False] * TEST_PEOPLE  # the file's pairs, in its order
+    # pairsDevTest's layout, laid out as pairs.txt's: TEST_PEOPLE folds of one same and one different pair.
+    assert issame == [True, False] * TEST_PEOPLE
 
 
-def test_every_row_trains_the_same_images_and_the_table_reports_what_its_models_score(bench_run):
+def test_every_run_trains_the_same_images_under_one_schedule_and_the_table_reports_its_models(bench_run):
+    """18 records: 2 steps an epoch of 8 one-view samples, 4 of 4 two-view ones; 48 images asked for (6 steps):
+    8 steps, 4 epochs of one view and 2 of two, for both seeds."""
     work, printed = bench_run
-    runs = work / "runs-48"
+    runs = work / "runs-64"
     table = (runs / "table.txt").read_text()
     assert table in printed
-    rows = {fields[0]: fields for fields in (line.split() for line in table.splitlines()[2:])}
+    summary, per_run = table.split("\n\n")
+    rows = {fields[0]: fields for fields in (line.split() for line in summary.splitlines()[2:])}
     assert set(rows) == {"one_view", "two_view"}
-    for name, views in (("one_view", 1), ("two_view", 2)):
-        log = (runs / f"{name}-seed2048" / "training.log").read_text()
-        assert f"batch_size={8 // views}," in log and f"num_views={views}," in log
-        assert re.search(r"6 steps in all|Global Step: 6\b", log), "48 images of 8 a step: 6 steps"
-        for column, folder in ((2, runs / f"{name}-seed2048" / "best"), (6, runs / f"{name}-seed2048")):
-            data_set = verification.load_bin(str(work / "lfw_devtrain" / "lfw_devtest.bin"))
-            accuracy = verification.test(data_set, load_backbone_strict(folder / "backbone.pth"), 8)[2]
-            assert float(rows[name][column]) == pytest.approx(accuracy, abs=5e-5)
-    assert "vs one_view" in table.splitlines()[1] and "spread" in rows["two_view"][-1]
+    data_set = verification.load_bin(str(work / "lfw_devtrain" / "lfw_devtest.bin"))
+    accuracies = {}
+    for name, views, epochs in (("one_view", 1, 4), ("two_view", 2, 2)):
+        for seed in (1, 2):
+            log = (runs / f"{name}-seed{seed}" / "training.log").read_text()
+            assert f"batch_size={8 // views}," in log and f"num_views={views}," in log
+            assert f"num_epoch={epochs}," in log and "8 steps in all" in log
+            model = load_backbone_strict(runs / f"{name}-seed{seed}" / "backbone.pth")
+            accuracies[name, seed] = verification.test(data_set, model, 8)[2]
+            line = next(line.split() for line in per_run.splitlines() if line.split()[:2] == [name, str(seed)])
+            assert float(line[2]) == pytest.approx(accuracies[name, seed], abs=5e-5)
+        mean = (accuracies[name, 1] + accuracies[name, 2]) / 2
+        assert float(rows[name][2]) == pytest.approx(mean, abs=5e-5)
+    assert "vs one_view" in summary.splitlines()[1]
+    assert re.search(r"(better|worse|can't tell): [+-]\d+\.\dp \[[+-]\d+\.\d, [+-]\d+\.\d\] \(95%\)$",
+                     summary.splitlines()[3])
     assert (runs / "accuracy.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_rows_whose_epochs_share_no_schedule_near_the_images_asked_for_are_one_error_line(lfw, bench_run):
+    """An epoch of 2 and of 4 steps share a schedule every 4 steps: one step asked for would take 4."""
+    work, _ = bench_run
+    with pytest.raises(SystemExit) as stopped:
+        real_faces.main([str(lfw), "--work", str(work), "--images", "8", "--batch", "8", "--rows", "one_view",
+                         "two_view"])
+    assert str(stopped.value) == ("error: the rows' epochs are 2, 4 steps long, so one schedule for all of them takes "
+                                  "4 steps, more than twice the 1 asked for; pass --images 32 or a multiple of it")
 
 
 def test_tar_at_far_equals_the_roc_curve_s_operating_point():

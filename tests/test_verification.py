@@ -24,8 +24,9 @@ from torch import nn
 from torch.utils.tensorboard import SummaryWriter
 
 from eval.callback import VerificationCallback
+from eval.folds import verification_folds
 from eval.roc import roc_points, tar_at_far
-from eval.verification import evaluate, load_bin
+from eval.verification import evaluate, fold_note, load_bin
 from eval.verification import test as verification_test
 from tests.distributed_helpers import run_world
 from utils.errors import ConfigError, DataError
@@ -68,10 +69,22 @@ def _reference_threshold_at_far(far, thresholds, target):
     return thresholds[-1]
 
 
-def reference_evaluate(embeddings, issame, nrof_folds=10):
+def reference_stratified_folds(issame, nrof_folds):
+    """Fold i tests the i-th of KFold's contiguous runs of the same-person pairs and the i-th of the
+    different-person pairs."""
+    same, different = np.flatnonzero(issame), np.flatnonzero(~np.asarray(issame))
+    runs = [[kind[test] for _, test in KFold(n_splits=nrof_folds).split(kind)] for kind in (same, different)]
+    tests = [np.sort(np.r_[a, b]) for a, b in zip(*runs)]
+    return [(np.setdiff1d(np.arange(len(issame)), test), test) for test in tests]
+
+
+def reference_evaluate(embeddings, issame, nrof_folds=10, folds=None):
+    """Upstream's evaluate on KFold's contiguous folds, or on ``folds`` when given."""
     issame = np.asarray(issame)
     dist = np.sum((embeddings[0::2] - embeddings[1::2]) ** 2, axis=1)
-    folds = list(KFold(n_splits=nrof_folds, shuffle=False).split(np.arange(issame.size)))
+    if folds is None:
+        folds = list(KFold(n_splits=nrof_folds, shuffle=False).split(np.arange(issame.size)))
+    nrof_folds = len(folds)
     thresholds = np.arange(0, 4, 0.01)
     tprs = np.zeros((nrof_folds, thresholds.size))
     fprs = np.zeros((nrof_folds, thresholds.size))
@@ -143,11 +156,62 @@ def test_evaluate_is_perfect_on_separable_pairs_and_chance_on_random_ones():
 
 
 def test_evaluate_handles_fewer_pairs_than_folds():
-    embeddings, issame = planted_pairs(3, 8, 0.0, 5)
+    """Two same and one different pair: one fold, its threshold chosen and scored on the whole set."""
+    embeddings, _ = planted_pairs(3, 8, 0.0, 5)
+    issame = [True, False, True]
     accuracy = evaluate(embeddings, issame, nrof_folds=10)[2]
-    assert accuracy.shape == (3,) and np.all((accuracy >= 0) & (accuracy <= 1))
+    everything = np.arange(3)
+    assert accuracy.tolist() == reference_evaluate(embeddings, issame, folds=[(everything, everything)])[2].tolist()
+    assert verification_folds(np.array(issame), 10).note.startswith("1 pairs of one kind cannot fill 10 folds")
     with pytest.raises(ValueError, match="two per pair"):
         evaluate(embeddings[:5], issame)
+
+
+def lfw_ordered(blocks, per_kind):
+    """issame of lfw.bin's layout: ``blocks`` runs of ``per_kind`` same-person then ``per_kind`` different pairs."""
+    return np.tile(np.r_[np.ones(per_kind, bool), np.zeros(per_kind, bool)], blocks)
+
+
+def test_sets_in_arcface_torch_s_layout_keep_its_contiguous_folds_exactly():
+    issame = lfw_ordered(10, 6)
+    folds = verification_folds(issame, 10)
+    want = list(KFold(n_splits=10, shuffle=False).split(np.arange(issame.size)))
+    assert folds.note is None
+    for (train, test), (want_train, want_test) in zip(folds.splits, want, strict=True):
+        assert train.tolist() == want_train.tolist() and test.tolist() == want_test.tolist()
+    embeddings, _ = planted_pairs(issame.size, 16, 1.0, 7)
+    np.testing.assert_allclose(evaluate(embeddings, issame)[2], reference_evaluate(embeddings, issame)[2], atol=1e-12)
+
+
+def test_a_set_listing_its_same_pairs_first_is_scored_on_folds_holding_both_kinds():
+    """pairsDevTest's order (all same-person pairs, then all different): 10 folds of 5 + 5, not 10 of one kind."""
+    issame = np.r_[np.ones(50, bool), np.zeros(50, bool)]
+    folds = verification_folds(issame, 10)
+    for _, test in folds.splits:
+        assert issame[test].sum() == 5 and (~issame[test]).sum() == 5
+    assert folds.note == ("contiguous folds would hold one kind of pair only: scored on 10 stratified folds of "
+                          "5 same + 5 different pairs")
+    embeddings, _ = planted_pairs(issame.size, 16, 1.0, 8)
+    got = evaluate(embeddings, issame)
+    want = reference_evaluate(embeddings, issame, folds=reference_stratified_folds(issame, 10))
+    for name, g, w in zip(("tpr", "fpr", "accuracy", "val", "val_std", "far"), got, want):
+        np.testing.assert_allclose(g, w, rtol=0, atol=1e-12, err_msg=name)
+
+
+def test_a_collapsed_model_reads_chance_not_zero_on_a_same_pairs_first_set():
+    """Every embedding equal (the seed report's failure): each fold's threshold accepts nothing or everything,
+    and half of every balanced fold is then right."""
+    issame = np.r_[np.ones(50, bool), np.zeros(50, bool)]
+    collapsed = np.tile([[1.0, 0.0]], (200, 1))
+    assert evaluate(collapsed, issame)[2].tolist() == [0.5] * 10
+
+
+def test_a_set_of_one_kind_of_pair_is_refused_in_one_line(tmp_path):
+    with pytest.raises(ValueError, match="4 same-person pairs and no others"):
+        verification_folds(np.ones(4, bool), 10)
+    with pytest.raises(DataError, match=r"^only_same.bin: the set holds 4 same-person pairs and no others; .*"
+                                        "tools.make_bin"):
+        fold_note("only_same.bin", [True] * 4)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -251,8 +315,11 @@ def test_three_pairs_embed_with_batch_ten_and_match_a_direct_forward():
         np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-5)
     np.testing.assert_allclose(xnorm, np.linalg.norm(np.concatenate(want), axis=1).mean(), rtol=1e-5)
     fused = want[0] + want[1]
-    accuracy2 = reference_evaluate(fused / np.linalg.norm(fused, axis=1, keepdims=True), issame[:3], 3)[2]
-    accuracy1 = reference_evaluate(want[0] / np.linalg.norm(want[0], axis=1, keepdims=True), issame[:3], 3)[2]
+    whole_set = [(np.arange(3), np.arange(3))]  # a single different pair: one fold, the whole set
+    accuracy2 = reference_evaluate(fused / np.linalg.norm(fused, axis=1, keepdims=True), issame[:3],
+                                   folds=whole_set)[2]
+    accuracy1 = reference_evaluate(want[0] / np.linalg.norm(want[0], axis=1, keepdims=True), issame[:3],
+                                   folds=whole_set)[2]
     assert (acc2, std2) == pytest.approx((accuracy2.mean(), accuracy2.std()))
     assert (acc1, std1) == pytest.approx((accuracy1.mean(), accuracy1.std()))
 

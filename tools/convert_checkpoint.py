@@ -155,12 +155,13 @@ def to_arcface_torch(src: Path, dst: Path, world_size: int, steps_per_epoch: int
     step = epoch * steps
     warmup, total = steps * config["warmup_epoch"], steps * config["num_epoch"]
     base_lrs = [group["initial_lr"] for group in groups]
-    lrs = [base * poly_factor(step, warmup, total) for base in base_lrs]
+    power = config.get("lr_power", POLY_POWER)  # a run from before the key decayed with POLY_POWER
+    lrs = [base * poly_factor(step, warmup, total, power) for base in base_lrs]
     # train_v2 loads this into its PolynomialLRWarmup (__dict__.update): the keys its torch.optim scheduler
-    # keeps, then the class's own three. The power is pairface's, so the LR goes on along the same curve.
+    # keeps, then the class's own three. The power is the run's, so the LR goes on along the same curve.
     scheduler = {"base_lrs": base_lrs, "last_epoch": step, "verbose": False, "_step_count": step + 1,
                  "_is_initial": False, "_get_lr_called_within_step": False, "_last_lr": lrs,
-                 "total_iters": total, "power": POLY_POWER, "warmup_iters": warmup}
+                 "total_iters": total, "power": power, "warmup_iters": warmup}
     param_groups = [{**group, "lr": lr} for group, lr in zip(groups, lrs)]
     for rank, stale in rank_files(dst, V2_FILE).items():
         if rank >= world_size:

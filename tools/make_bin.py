@@ -14,7 +14,10 @@ option that differs gets a warning). The preparation is recorded beside OUT.bin 
 --pairs FILE: LFW's pairs.txt format. A header line (``folds pairs_per_fold``: 2 x folds x
 pairs_per_fold pairs follow, or a single count N: 2N follow), then ``name n1 n2`` for photos n1 and n2
 of one person and ``name1 n1 name2 n2`` for photos of two people; photo n of name is
-``IMAGE_FOLDER/name/name_%04d.jpg``. Pairs keep the file's order.
+``IMAGE_FOLDER/name/name_%04d.jpg``. A ``folds pairs_per_fold`` file keeps its order (pairs.txt: 10 folds of
+300 same then 300 different). A single-count file lists its N same-person pairs first (LFW's pairsDevTest.txt):
+its pairs are laid out as 10 folds of N/10 same then N/10 different, as pairs.txt is, so that each of the ten
+contiguous folds evaluation cuts holds both kinds.
 
 --random N: N same-person and N different-person pairs drawn from the folder with ``--seed``, each
 possible pair equally likely and none twice, same and different alternating (so every one of the
@@ -109,8 +112,9 @@ def _expected_pairs(header: list[str], where: str) -> int:
                     "or one count, as in LFW's pairs.txt")
 
 
-def read_pairs(pairs_file: Path, folder: Path) -> list[Pair]:
-    """The pairs of an LFW-format pairs file, their photos looked up in ``folder``."""
+def read_pairs(pairs_file: Path, folder: Path) -> tuple[list[Pair], str | None]:
+    """The pairs of an LFW-format pairs file, their photos looked up in ``folder``, and the line saying how they
+    were laid out in folds (None: in the file's order)."""
     try:
         lines = [(number, line.split()) for number, line in enumerate(pairs_file.read_text().splitlines(), 1)]
     except (OSError, UnicodeDecodeError) as error:
@@ -135,7 +139,22 @@ def read_pairs(pairs_file: Path, folder: Path) -> list[Pair]:
     if len(pairs) != expected:
         raise DataError(f"{pairs_file} lists {len(pairs)} pairs but its header promises {expected}; the file is "
                         "truncated or its first line is wrong")
-    return pairs
+    if len(lines[0][1]) == 2:
+        return pairs, None
+    pairs = in_folds(pairs)
+    return pairs, (f"{pairs_file} lists one count: its pairs are laid out as LFW's pairs.txt is, in folds of "
+                   "same-person then different-person pairs, so that each evaluation fold holds both kinds")
+
+
+def in_folds(pairs: list[Pair], folds: int = 10) -> list[Pair]:
+    """``pairs`` as ``folds`` blocks, block i the i-th contiguous run of the same-person pairs then the i-th run of
+    the different-person pairs (both kept in order), as LFW's pairs.txt lays out its ten folds."""
+    same = [pair for pair in pairs if pair[2]]
+    different = [pair for pair in pairs if not pair[2]]
+    runs = min(folds, len(same), len(different)) or 1
+    blocks = zip(np.array_split(np.arange(len(same)), runs), np.array_split(np.arange(len(different)), runs))
+    return [pair for same_run, different_run in blocks
+            for pair in [same[i] for i in same_run] + [different[i] for i in different_run]]
 
 
 def _draw_unique(rng: np.random.Generator, count: int, draw) -> list[tuple[int, int]]:
@@ -253,7 +272,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.random is not None and args.random < 1:
             raise ConfigError(f"--random {args.random} is not a positive number; pass --random 1 or more")
         if args.pairs is not None:
-            pairs = read_pairs(args.pairs, args.images)
+            pairs, laid_out = read_pairs(args.pairs, args.images)
+            if laid_out:
+                print(laid_out)
         else:
             pairs = random_pairs(args.images, args.random, args.seed)
         records = args.output.parent / TRAINING_RECORDS  # beside the .bin, as val_targets look sets up
@@ -269,12 +290,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                   "never seen, and tools.inference prefers a set of people kept out of training")
         if args.random is not None and (skipped := skipped_folders_line(str(args.images))):
             print(skipped)
-        skipped: list[str] | None = [] if args.skip_bad else None
-        bins, issame, faces = encode_pairs(pairs, preparation, sys.stderr, skipped)
-        if skipped and len(set(issame)) < 2:
-            print(skipped_line(skipped), file=sys.stderr)
+        unreadable: list[str] | None = [] if args.skip_bad else None
+        bins, issame, faces = encode_pairs(pairs, preparation, sys.stderr, unreadable)
+        if unreadable and len(set(issame)) < 2:
+            print(skipped_line(unreadable), file=sys.stderr)
             kind = "no pair" if not issame else f"only {'same' if issame[0] else 'different'}-person pairs"
-            raise DataError(f"with the pairs holding the {len(skipped)} photo(s) --skip-bad left out (named above), "
+            raise DataError(f"with the pairs holding the {len(unreadable)} photo(s) --skip-bad left out (named above), "
                             f"{args.output} would hold {kind}, which no evaluation can score; replace those photos")
         write_bin(args.output, bins, issame)
         write_preparation(args.output, preparation, "tools.make_bin",
@@ -285,7 +306,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     stretched = [(str(path), face.stretched_from) for path, (face, _) in faces.items() if face.stretched_from]
     if warning := stretch_warning(stretched, len(faces)):
         print(warning, file=sys.stderr)
-    if said := skipped_line(skipped or []):  # last: every photo left out, named once
+    if said := skipped_line(unreadable or []):  # last: every photo left out, named once
         print(f"{said}; the {len(pairs) - len(issame)} pair(s) holding them are not in {args.output}",
               file=sys.stderr)
     return 0

@@ -231,7 +231,8 @@ def build_training_state(cfg: SimpleNamespace, num_classes: int, device: torch.d
     """Everything a step needs, single-process (`wrap_for_the_step` makes it distributed)."""
     backbone, pfc = build_networks(cfg, num_classes, device)
     optimizer = build_optimizer(cfg, backbone, pfc)
-    scheduler = build_scheduler(optimizer, steps_per_epoch * cfg.warmup_epoch, steps_per_epoch * cfg.num_epoch)
+    scheduler = build_scheduler(optimizer, steps_per_epoch * cfg.warmup_epoch, steps_per_epoch * cfg.num_epoch,
+                                cfg.lr_power)
     scaler = torch.amp.GradScaler(device.type, enabled=cfg.fp16, growth_interval=100)
     state = TrainingState(backbone=backbone, ddp_backbone=backbone, pfc=pfc, optimizer=optimizer,
                           scheduler=scheduler, scaler=scaler, precision=precision(cfg))

@@ -208,8 +208,8 @@ NETWORK_OPTION_TYPES = {"num_features": int, "dropout": float, "fp16": bool, "wi
 _POSITIVE = ("num_views", "embedding_size", "batch_size", "gradient_acc", "num_epoch", "frequent", "verbose")
 # torch.optim and the loop refuse these below zero (a traceback from deep inside): checked here first
 # (warmup_epoch may be: arcface_torch's 3millions.py sets -1, a schedule without warmup, see utils/lr_scheduler.py)
-_NOT_NEGATIVE = ("lr", "momentum", "weight_decay", "max_grad_norm", "num_workers", "max_steps", "save_every_steps",
-                 "dropout", "backbone_lr_mult", "freeze_backbone_steps")
+_NOT_NEGATIVE = ("lr", "lr_power", "momentum", "weight_decay", "max_grad_norm", "num_workers", "max_steps",
+                 "save_every_steps", "dropout", "backbone_lr_mult", "freeze_backbone_steps")
 
 
 def _check_values(values: dict) -> None:

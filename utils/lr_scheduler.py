@@ -1,4 +1,4 @@
-"""arcface_torch's learning-rate schedule: linear warmup, then polynomial (power 2) decay to zero.
+"""arcface_torch's learning-rate schedule: linear warmup, then polynomial decay to zero (config key lr_power).
 
 The schedule is a pure function of the optimizer-step count, so a resumed run (whatever its
 world size) lands on exactly the learning rate the uninterrupted run would have used.
@@ -10,7 +10,7 @@ from functools import partial
 import torch
 from torch.optim.lr_scheduler import LambdaLR
 
-POLY_POWER = 2.0  # arcface_torch's PolyScheduler; its train_v2 PolynomialLRWarmup defaults to 1
+POLY_POWER = 2.0  # configs/base.py's lr_power: arcface_torch's PolyScheduler; its train_v2 PolynomialLRWarmup uses 1
 
 
 def poly_factor(step: int, warmup_steps: int, total_steps: int, power: float = POLY_POWER) -> float:
@@ -29,11 +29,17 @@ def poly_factor(step: int, warmup_steps: int, total_steps: int, power: float = P
     return (1.0 - (step - warmup_steps) / (total_steps - warmup_steps)) ** power
 
 
-def build_scheduler(optimizer: torch.optim.Optimizer, warmup_steps: int, total_steps: int) -> LambdaLR:
+def build_scheduler(optimizer: torch.optim.Optimizer, warmup_steps: int, total_steps: int,
+                    power: float = POLY_POWER) -> LambdaLR:
     """A scheduler stepped once per optimizer step; its state_dict is just the step count."""
     if total_steps < 1:
         raise ValueError(f"the LR schedule needs at least one step, got total_steps={total_steps}")
-    return LambdaLR(optimizer, partial(poly_factor, warmup_steps=warmup_steps, total_steps=total_steps))
+    return LambdaLR(optimizer, partial(poly_factor, warmup_steps=warmup_steps, total_steps=total_steps, power=power))
+
+
+def schedule_power(scheduler: LambdaLR) -> float:
+    """The decay power of a scheduler build_scheduler made."""
+    return scheduler.lr_lambdas[0].keywords["power"]
 
 
 def jump_to_step(scheduler: LambdaLR, step: int) -> None:
