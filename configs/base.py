@@ -25,6 +25,13 @@ num_image: int | None = None      # samples in the data, as arcface_torch's conf
 dali: bool = False                # decode JPEG on the GPU (nvJPEG, batched) instead of in the data workers
 dali_aug: bool = False            # arcface_torch's DALI augmentations, drawn per view: low resolution, blur,
                                   # hue/saturation, grey
+crop_scale: tuple[float, float] = (1.0, 1.0)  # random resized crop per view (small data: scale and shift
+                                  # jitter): a square of area fraction uniform in (low, high), e.g. (0.7, 1.0), at a
+                                  # uniform position in the view, resized back to 112x112 (bilinear, antialiased);
+                                  # (1.0, 1.0): off. Applied after the flip, before dali_aug
+erase_p: float = 0.0              # random erasing per view (Zhong et al.; torchvision's RandomErasing): with this
+                                  # probability a rectangle of area fraction in [0.02, 0.33] and aspect ratio in
+                                  # [0.3, 3.3] is set to black (0); applied last, e.g. 0.5 on small data; 0: off
 
 # --- model --------------------------------------------------------------------------------
 network: str = "r50"              # backbone: r18 r34 r50 r100 r200 r2060 mbf mbf_large vit_t vit_s vit_b, and

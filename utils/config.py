@@ -226,6 +226,7 @@ def _check_values(values: dict) -> None:
                           "needs two or more; raise batch_size")
     if values["fp16"] and values["bf16"]:
         raise ConfigError("config keys 'fp16' and 'bf16' are both True; choose one (--set bf16=False)")
+    _check_augmentations(values["crop_scale"], values["erase_p"])
     _check_margins(values["margin_list"], values["margin_scale"])
     _check_family(values)
     if not 0.0 <= values["sample_rate"] <= 1.0:
@@ -239,6 +240,16 @@ def _check_values(values: dict) -> None:
     if values["warmup_epoch"] > values["num_epoch"]:
         raise ConfigError(f"config key 'warmup_epoch' ({values['warmup_epoch']}) exceeds num_epoch "
                           f"({values['num_epoch']})")
+
+
+def _check_augmentations(crop_scale: tuple[float, ...], erase_p: float) -> None:
+    """crop_scale is two area fractions (low, high), 0 < low <= high <= 1; erase_p a probability."""
+    if len(crop_scale) != 2 or not 0.0 < crop_scale[0] <= crop_scale[1] <= 1.0:
+        raise ConfigError(f"config key 'crop_scale' must be two area fractions (low, high) with 0 < low <= high <= 1, "
+                          f"not {crop_scale!r}; e.g. crop_scale=(0.7, 1.0), or (1.0, 1.0) for no crop")
+    if not 0.0 <= erase_p <= 1.0:
+        raise ConfigError(f"config key 'erase_p' is a probability and must be in [0, 1], not {erase_p}; e.g. "
+                          "erase_p=0.5, or 0 for no erasing")
 
 
 def _check_margins(margin_list: tuple[float, ...], scale: float) -> None:
