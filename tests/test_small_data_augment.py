@@ -13,7 +13,7 @@ import torch
 from PIL import Image
 
 from facedata.augment import SampleRandom, coins
-from facedata.crop_erase import CropErase, crop_resize, draw_crop_erase, erase
+from facedata.crop_erase import CropErase, crop_resize, draw_crop_erase, erase, resize
 from facedata.dali_aug import dali_augment, draw_augments
 from facedata.faces import build_dataset
 from facedata.loader import build_loader
@@ -48,6 +48,15 @@ def test_crop_is_pils_crop_and_bilinear_resize():
         difference = np.abs(out[n].numpy().astype(int) - pil_crop_resize(views[n], *crop))
         # both round fixed-point sums, each its own way: a level, now and then
         assert difference.max() <= 1 and (difference > 0).mean() < 0.03, crop
+
+
+def test_resize_is_torchvisions():
+    import torchvision.transforms.v2.functional as tvf  # noqa: PLC0415 (a second to import)
+
+    generator = torch.Generator().manual_seed(1)
+    for side in (1, 56, 89, 111):
+        squares = torch.randint(0, 256, (2, 3, side, side), dtype=torch.uint8, generator=generator)
+        assert torch.equal(resize(squares, SIZE, SIZE), tvf.resize(squares, [SIZE, SIZE], antialias=True))
 
 
 def test_crop_shows_the_square_it_names():
