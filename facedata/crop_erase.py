@@ -82,6 +82,11 @@ def resize(views: torch.Tensor, height: int, width: int) -> torch.Tensor:
     if views.device.type == "cpu":
         return nnf.interpolate(views.contiguous(memory_format=torch.channels_last), size=(height, width),
                                mode="bilinear", antialias=True, align_corners=False).contiguous()
+    return resize_in_float(views, height, width)
+
+
+def resize_in_float(views: torch.Tensor, height: int, width: int) -> torch.Tensor:
+    """:func:`resize` off the CPU (torch has no uint8 kernel there): in float32, rounded to uint8."""
     resized = nnf.interpolate(views.float(), size=(height, width), mode="bilinear", antialias=True, align_corners=False)
     return resized.round_().clamp_(0, 255).to(torch.uint8)
 

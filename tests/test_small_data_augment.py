@@ -13,7 +13,7 @@ import torch
 from PIL import Image
 
 from facedata.augment import SampleRandom, coins
-from facedata.crop_erase import CropErase, crop_resize, draw_crop_erase, erase, resize
+from facedata.crop_erase import CropErase, crop_resize, draw_crop_erase, erase, resize, resize_in_float
 from facedata.dali_aug import dali_augment, draw_augments
 from facedata.faces import build_dataset
 from facedata.loader import build_loader
@@ -57,6 +57,15 @@ def test_resize_is_torchvisions():
     for side in (1, 56, 89, 111):
         squares = torch.randint(0, 256, (2, 3, side, side), dtype=torch.uint8, generator=generator)
         assert torch.equal(resize(squares, SIZE, SIZE), tvf.resize(squares, [SIZE, SIZE], antialias=True))
+
+
+def test_the_gpus_float_resize_is_the_cpus_within_a_level_and_batch_invariant():
+    """The path a GPU takes, run here on the CPU: a level off now and then, and a batch is its views."""
+    squares = faces(4)[:, :, 3:93, 10:100]
+    in_float, in_uint8 = resize_in_float(squares, SIZE, SIZE), resize(squares, SIZE, SIZE)
+    difference = (in_float.int() - in_uint8.int()).abs()
+    assert difference.max() <= 1 and (difference > 0).float().mean() < 0.3
+    assert all(torch.equal(in_float[n:n + 1], resize_in_float(squares[n:n + 1], SIZE, SIZE)) for n in range(4))
 
 
 def test_crop_shows_the_square_it_names():
