@@ -77,8 +77,8 @@ def crop_resize(views: torch.Tensor, draws: Sequence[CropErase]) -> torch.Tensor
 def resize(views: torch.Tensor, height: int, width: int) -> torch.Tensor:
     """uint8 (N, 3, h, w) -> (N, 3, height, width), bilinear and antialiased, each view on its own (a batch
     gives what its views give one at a time), as torchvision's ``resize`` does it: on the CPU torch's uint8
-    kernel (PIL's fixed-point arithmetic; given channels-last memory, its vectorised path: 3x faster per
-    view, the same pixels), elsewhere in float32, rounded."""
+    kernel (PIL's fixed-point arithmetic; given channels-last memory, its vectorised path, with the same
+    pixels), elsewhere in float32, rounded."""
     if views.device.type == "cpu":
         return nnf.interpolate(views.contiguous(memory_format=torch.channels_last), size=(height, width),
                                mode="bilinear", antialias=True, align_corners=False).contiguous()
