@@ -247,15 +247,18 @@ def train_row(name: str, schedule: Schedule, data: Path, runs: Path, seed: int, 
               threads: int) -> Result:
     output = runs / f"{name}-seed{seed}"
     timing = output / TIMING
-    if (output / "backbone.pth").is_file():
-        print(f"{name} (seed {seed}): using the finished run in {output}")
+    log_path = output / "training.log"
+    if log_path.is_file() and f"training finished at global step {schedule.steps}:" in log_path.read_text():
+        print(f"{name} (seed {seed}): using the finished run in {output}", flush=True)
         # Its wall time from its own log; its CPU time as this command measured it, when it trained the run.
-        stamps = [datetime.strptime(stamp, "%Y-%m-%d %H:%M:%S,%f")
-                  for stamp in LOG_TIME.findall((output / "training.log").read_text())]
+        stamps = [datetime.strptime(stamp, "%Y-%m-%d %H:%M:%S,%f") for stamp in LOG_TIME.findall(log_path.read_text())]
         wall_seconds = (stamps[-1] - stamps[0]).total_seconds()
         cpu_seconds = json.loads(timing.read_text())["cpu_seconds"] if timing.is_file() else float("nan")
     else:
-        command = [sys.executable, "train.py", CONFIG, *row_settings(name, schedule, data, output, seed, extra)]
+        # A run stopped before its end (Ctrl-C, a kill: its last checkpoint and backbone.pth are there) goes on.
+        resume = ["--resume"] if (output / "checkpoint.json").is_file() else []
+        command = [sys.executable, "train.py", CONFIG, *row_settings(name, schedule, data, output, seed, extra),
+                   *resume]
         output.parent.mkdir(parents=True, exist_ok=True)
         start = time.perf_counter()
         with open(output.parent / f"{output.name}.stderr", "w+") as stderr:
@@ -267,6 +270,8 @@ def train_row(name: str, schedule: Schedule, data: Path, runs: Path, seed: int, 
             if process.returncode:
                 stderr.seek(0)
                 raise SystemExit(f"error: the {name} run failed ({' '.join(command)}):\n{stderr.read()[-3000:]}")
+        if resume:  # the CPU time of the part before, when this command measured it
+            cpu_seconds += json.loads(timing.read_text())["cpu_seconds"] if timing.is_file() else float("nan")
         timing.write_text(json.dumps({"cpu_seconds": cpu_seconds, "wall_seconds": wall_seconds}))
     log = (output / "training.log").read_text()
     curve = [(int(step) * schedule.batch_images, float(accuracy), float(spread))
