@@ -30,7 +30,7 @@ import torch
 from backbones import suggest_network
 from checkpoint.restored import Restored
 from partial_fc import PartialFC, class_range
-from training.state import TrainingState
+from training.state import TrainingState, restore_components
 from utils.distributed import agreed, is_main
 from utils.errors import CheckpointError
 from utils.lr_scheduler import schedule_power
@@ -325,9 +325,10 @@ def restore_arcface(marker: Path, architecture: dict, state: TrainingState, stre
     if centre_state:
         optimizer_state[len(state.optimizer.param_groups[0]["params"])] = centre_state
     # This run's param groups stay: its config says lr, momentum and weight decay; what the files said
-    # goes back as Restored.config, and the resume logs where the two differ.
-    state.optimizer.load_state_dict({"state": optimizer_state,
-                                     "param_groups": state.optimizer.state_dict()["param_groups"]})
+    # goes back as Restored.config, and the resume logs where the two differ. No schedule in pairface's form:
+    # the resume jumps to the step; no grad scaler, EMA or margin state: they start afresh.
+    restore_components(state, {"optimizer": {str(index): values for index, values in optimizer_state.items()},
+                               "param_groups": state.optimizer.state_dict()["param_groups"]})
     # The converter restores into networks and an optimizer alone: no schedule to compare with.
     scheduler = getattr(state, "scheduler", None)
     _log_import(layout, centre_state, None if scheduler is None else schedule_power(scheduler))

@@ -58,7 +58,7 @@ from checkpoint.safe_dcp import SHARD_FILE, MetadataError, SafeReader, TensorsOn
 from checkpoint.state_file import STATE_NAME, check_state
 from training.components import Component, rank_components
 from training.fields import StateFieldError
-from training.state import TrainingState, exported_backbone
+from training.state import TrainingState, exported_backbone, restore_components
 from utils.atomic import atomic_save, fsync_dir, os_error_behind, write_bytes
 from utils.compat import DCP_ALONE_WARNING, SHARDED_TENSOR_WARNING, dcp_group
 from utils.distributed import agreed, gather_objects, is_initialized, is_main, raise_first, rank, world
@@ -355,10 +355,8 @@ def _apply(verified: Verified, loaded: dict, state: TrainingState) -> Restored:
     backbone = load_torch_file(verified.folder / BACKBONE_NAME,
                                lambda reason: damaged(verified.folder, f"{BACKBONE_NAME}: {reason}"))
     state.backbone.load_state_dict(backbone, strict=True)
-    for component in state.components:
-        saved = {key: run[key] for key in component.keys if key not in component.tensor_keys and key in run}
-        saved.update({key: loaded[key] for key in component.tensor_keys if key in loaded})
-        component.load_state_dict(saved)
+    tensor_keys = {key for component in state.components for key in component.tensor_keys}
+    restore_components(state, {**{key: value for key, value in run.items() if key not in tensor_keys}, **loaded})
     held = {fqn.split(".", 1)[0] for fqn in verified.tensors} | set(run) - RUN_RECORD
     unused = sorted(held - {key for component in state.components for key in component.keys})
     if unused and is_main():
