@@ -369,7 +369,9 @@ def _apply(verified: Verified, loaded: dict, state: TrainingState) -> Restored:
 
 def read_whole(folder: Path) -> tuple[dict, dict]:
     """A verified checkpoint folder read whole in this process (the converter's view): ({"centres",
-    "optimizer": {index: {name: tensor}}, "backbone"}, state.json). Every centre row is held once."""
+    "optimizer": {index: {name: tensor}}, "backbone"} and, from a run with an EMA, "ema": {name: tensor},
+    state.json). "backbone" is backbone.pth, the exported backbone (with an EMA the averages; the trained
+    parameters are "ema": training/ema.py's trained_state_dict joins them). Every centre row is held once."""
     verified = verify_folder(folder)
     verify_shards(verified)
     with _quiet_when_alone():
@@ -382,6 +384,8 @@ def read_whole(folder: Path) -> tuple[dict, dict]:
         elif fqn.startswith("optimizer."):
             _, index, name = fqn.split(".", 2)
             template["optimizer"].setdefault(index, {})[name] = target
+        elif fqn.startswith("ema."):
+            template.setdefault("ema", {})[fqn.split(".", 1)[1]] = target
     try:
         with _quiet_when_alone():
             dcp.load(template, storage_reader=SafeReader(folder), planner=TensorsOnlyPlanner(), **dcp_group(None))

@@ -5,7 +5,9 @@ per-rank dict (the state_dict of a torch optimizer over [backbone parameters, ce
 steps, and of a copy of upstream's PolynomialLRWarmup), and the 2021 partial_fc.py's plain tensors,
 their storages tagged cuda:0 as upstream's GPU tensors are (this machine has no GPU to load them on).
 21 classes: rows 0..10 on source rank 0, 11..20 on rank 1; on 3 ranks 0..6, 7..13, 14..20, so rank 1
-takes rows from both files. References are the source ranks' tensors stacked by hand.
+takes rows from both files. References are the source ranks' tensors stacked by hand. A channels_last run's
+first step after an import (of arcface_torch's files, or of an earlier version's checkpoint.pt) is SGD with
+momentum computed in float64 from the files.
 """
 from __future__ import annotations
 
