@@ -96,6 +96,16 @@ def build_components(state, config: Mapping) -> list[Component]:
     return [component for cls in COMPONENTS if (component := cls.build(state, config)) is not None]
 
 
+def restore_components(state, saved: Mapping) -> None:
+    """Put every component of `state` back from `saved` (its keys, in the form the components' state_dict gives,
+    tensors included), once the backbone holds the checkpoint's weights. Every importer (pairface's checkpoint,
+    arcface_torch's, an earlier version's) restores through here, so that what a component does on loading holds
+    on every path: the optimizer state in its parameters' memory layouts, the EMA's averages from the loaded
+    weights. A key the format does not hold is absent, and its component keeps what it has or starts afresh."""
+    for component in state.components:
+        component.load_state_dict({key: saved[key] for key in component.keys if key in saved})
+
+
 @dataclass
 class StepCounter:
     """Where a run stands: optimizer steps taken (skipped ones included), non-finite losses met, and what
