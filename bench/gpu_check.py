@@ -1,5 +1,5 @@
 """The device check: what only a GPU can show, a table printed row by row as each check finishes
-(bench/gpu_check.sh, which first makes the machine ready: bench/gpu_wheels.py). Every check runs in
+(bench/gpu_check.sh, which first makes the machine ready: provision/gpu_wheels.py). Every check runs in
 processes of its own under its own time budget (BUDGETS, seconds on one H200); one that overruns
 prints FAILED and the next one starts. Under `--limit` (the whole check's seconds, more than the
 budgets' sum) a check that could no longer finish within its budget is not started: its rows print

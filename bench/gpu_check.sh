@@ -2,8 +2,8 @@
 # The device check: what only a GPU can show, a table printed row by row as each check finishes, each
 # check within its own budget (bench/gpu_check.py lists the rows and budgets: 425 s in all on one H200,
 # under a limit of 440 s, all inside this script's 470 s). Needs only a python3 with torch: the few small
-# packages the rows import that a GPU image may lack (bench/gpu_wheels.txt) are installed from
-# .gpu-wheels/, which `bash bench/fetch_gpu_wheels.sh` fills on a machine with a package registry.
+# packages the rows import that a GPU image may lack (provision/gpu_wheels.txt) are installed from
+# .gpu-wheels/, which `bash provision/fetch_gpu_wheels.sh` fills on a machine with a package registry.
 # Stops in its first seconds, with the reason, when torch, CUDA or a wheel is missing. Exits 1 when a
 # row failed or did not run (the last line names them).
 #
@@ -20,7 +20,7 @@ for argument in "$@"; do
     if [ "$argument" = "--tiny" ]; then net=$((NET_SECONDS * TINY_SLACK)) tiny=(--tiny); fi
 done
 
-. bench/gpu_prepare.sh
+. provision/gpu_prepare.sh
 status=0
 timeout --kill-after=10 "$net" "$PY" -m bench.gpu_check "$@" || status=$?
 if [ "$status" = 124 ] || [ "$status" = 137 ]; then

@@ -32,7 +32,7 @@ for part in "${parts[@]}"; do
     fi
 done
 
-. bench/gpu_prepare.sh
+. provision/gpu_prepare.sh
 if [ ${#tiny[@]} = 0 ]; then
     side_by_side=(--arcface-torch .side-by-side/arcface_torch)
     split=(--split --device cuda --width-mult 1 --embedding-size 512 --batch-size 128 --classes 100000 --fp16

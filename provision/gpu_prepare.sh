@@ -6,7 +6,7 @@ PY=${PY:-$([ -x .venv/bin/python ] && echo .venv/bin/python || echo python3)}
 "$PY" -m bench.gpu_ready "${tiny[@]}" || exit 2
 site="$PWD/${GPU_SITE:-.gpu-site}"
 export PYTHONPATH="$site:$PWD${PYTHONPATH:+:$PYTHONPATH}"
-"$PY" -m bench.gpu_wheels --wheels "${GPU_WHEELS:-.gpu-wheels}" --target "$site" "${tiny[@]}" || exit 2
+"$PY" -m provision.gpu_wheels --wheels "${GPU_WHEELS:-.gpu-wheels}" --target "$site" "${tiny[@]}" || exit 2
 if [ ${#tiny[@]} = 0 ]; then
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || echo "nvidia-smi failed" >&2
 fi
