@@ -42,7 +42,7 @@ FOLDERS = ("train_v2_sgd", "train_v2_adamw", "2021")
 
 
 # arcface_torch's lr_scheduler.py up to PolynomialLRWarmup.get_lr, as insightface ships it (its closed form and demo
-# left out): the schedule train_v2.py saves below, and the file bench/side_by_side.py patches
+# left out): the schedule train_v2.py saves below, and the file gpu_acceptance/side_by_side.py patches
 # (test_side_by_side.py)
 UPSTREAM_SCHEDULER = """\
 from torch.optim.lr_scheduler import _LRScheduler

@@ -1,4 +1,4 @@
-"""The device check (bench/gpu_check.sh) on this CPU: it starts from a bare python3 (the wheels it needs
+"""The device check (gpu_acceptance/gpu_check.sh) on this CPU: it starts from a bare python3 (the wheels it needs
 installed from a folder, no registry), stops at once with the reason when torch, CUDA or a wheel is
 missing, prints every row, and exits 1 naming the rows that failed or did not run. Cheap: no check runs
 its real commands here (the whole `--tiny` rehearsal, every row for real, is the compatibility tier's).
@@ -17,10 +17,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from bench import gpu_check
+from gpu_acceptance import gpu_check
 from tests.run_helpers import ROOT
 
-SCRIPT = ROOT / "bench" / "gpu_check.sh"
+SCRIPT = ROOT / "gpu_acceptance" / "gpu_check.sh"
 
 
 def run_script(*args: str, timeout: float = 300, **env: str) -> subprocess.CompletedProcess:

@@ -1,5 +1,5 @@
 """The device check: what only a GPU can show, a table printed row by row as each check finishes
-(bench/gpu_check.sh, which first makes the machine ready: provision/gpu_wheels.py). Every check runs in
+(gpu_acceptance/gpu_check.sh, which first makes the machine ready: provision/gpu_wheels.py). Every check runs in
 processes of its own under its own time budget (BUDGETS, seconds on one H200); one that overruns
 prints FAILED and the next one starts. Under `--limit` (the whole check's seconds, more than the
 budgets' sum) a check that could no longer finish within its budget is not started: its rows print
@@ -57,8 +57,8 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from bench.gpu_ready import cuda_problem
 from bench.step_memory import ratios
+from gpu_acceptance.gpu_ready import cuda_problem
 from tests.run_helpers import CONFIG, arguments
 
 ROOT = Path(__file__).resolve().parent.parent
