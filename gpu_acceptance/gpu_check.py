@@ -34,7 +34,7 @@ Rows:
   copy bandwidth), against torch's own kernels for them run bare, and against arcface_torch's
   PartialFC_V2 + SGD, and where the sampled step's CUDA time goes (torch.profiler), largest first.
 - memory plan: the --dry-run memory plan of r50 and of vit_b (checkpointed) at 128 x 2 views in fp16
-  against a real step (bench/step_memory.py): the total planned / the peak allocated, and plan/peak per item.
+  against a real step (tools/step_memory.py): the total planned / the peak allocated, and plan/peak per item.
 - gpu decode vs cpu decode: GPU-decoded batches against CPU-decoded ones (tests/test_loader.py's GPU tests).
 
 `--tiny` runs every row on the CPU with tiny shapes and four times the budgets: a rehearsal of this
@@ -57,9 +57,9 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from bench.step_memory import ratios
 from gpu_acceptance.gpu_ready import cuda_problem
 from tests.run_helpers import CONFIG, arguments
+from tools.step_memory import ratios
 
 ROOT = Path(__file__).resolve().parent.parent
 SPEED = re.compile(r"Speed ([\d.]+) samples/sec ([\d.]+) images/sec   Loss ([\d.]+)")
@@ -401,7 +401,7 @@ def parse_bench_pfc(out: str) -> list[Row]:
     return [(f"bench_pfc {' '.join(line[:2])}", " ".join(line[2:]), True) for line in lines]
 
 
-# bench.step_memory's configurations: the memory plan of each against a real step (one process).
+# tools.step_memory's configurations: the memory plan of each against a real step (one process).
 MEMORY_PLAN_CASES = {
     "r50 fp16, 128 x 2 views, 1M classes at 10%": "network=r50 fp16=True batch_size=128 num_classes=1000000 "
                                                   "sample_rate=0.1",
@@ -412,10 +412,10 @@ TINY_MEMORY_PLAN = ["network=r18", "network_kwargs={'width_mult':0.0625}", "batc
 
 
 def memory_plan(run: Runner) -> Rows:
-    """The --dry-run memory plan against what a real step allocates (bench/step_memory.py): the total and
+    """The --dry-run memory plan against what a real step allocates (tools/step_memory.py): the total and
     plan/peak per item, from the CUDA caching allocator's statistics."""
     run.budget("memory plan")
-    command = [sys.executable, "-m", "bench.step_memory", "configs/synthetic_pair.py", "--json", *device_args(run)]
+    command = [sys.executable, "-m", "tools.step_memory", "configs/synthetic_pair.py", "--json", *device_args(run)]
     for item in ["rec=synthetic", "embedding_size=512", "num_workers=0", "optimizer=sgd", "network_kwargs={}",
                  *(TINY_MEMORY_PLAN if run.tiny else [])]:
         command += ["--set", item]
@@ -427,7 +427,7 @@ def memory_plan(run: Runner) -> Rows:
 
 
 def parse_memory_plan(names: list[str]) -> Callable[[str], list[Row]]:
-    """bench.step_memory --json: one JSON line per case, in the order of `names`."""
+    """tools.step_memory --json: one JSON line per case, in the order of `names`."""
     def parse(out: str) -> list[Row]:
         results = [json.loads(match[0]) for match in matches(r"\{.*\}$", out, "JSON line of a measured case")]
         if len(results) != len(names):

@@ -18,10 +18,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from bench import bench_pfc, decode_overlap, host_syncs, memory_growth, pfc_precision, step_memory
+from bench import bench_pfc, decode_overlap, host_syncs, memory_growth, pfc_precision
 from gpu_acceptance import gpu_check
 from tests.run_helpers import ROOT, run_here
-from tools import check_pfc
+from tools import check_pfc, step_memory
 
 
 def printed(capsys, main: Callable[[], object]) -> str:
