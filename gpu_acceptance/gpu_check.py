@@ -58,7 +58,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from gpu_acceptance.gpu_ready import cuda_problem
-from tests.run_helpers import CONFIG, arguments
+from gpu_acceptance.runs import CONFIG, arguments
 from tools.step_memory import ratios
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -269,7 +269,7 @@ def parse_train(name: str, steps: int, start: float) -> Callable[[str], list[Row
 
 
 RESUME_STEPS = 4  # steps before the stop and after it; the one checkpoint between them is at this step
-RESUME_VERDICT = ("import json, sys\nfrom pathlib import Path\nfrom tests.run_helpers import run_difference\n"
+RESUME_VERDICT = ("import json, sys\nfrom pathlib import Path\nfrom gpu_acceptance.runs import run_difference\n"
                   "root = Path(sys.argv[1])\ninfo = json.loads((root / 'whole' / 'model.json').read_text())\n"
                   "difference = run_difference(root / 'split', root / 'whole', info)\n"
                   "print('bitwise equal' if difference is None else f'first difference: {difference}')\n")
@@ -277,7 +277,7 @@ RESUME_VERDICT = ("import json, sys\nfrom pathlib import Path\nfrom tests.run_he
 
 def torchrun_resume(run: Runner, data: Path, folder: Path) -> Rows:
     """4 + 4 steps resumed against 8 uninterrupted, under torchrun with one process: bitwise, or the first
-    tensor that differs. The tiny network of the tests (tests/run_helpers.py's QUIET) keeps the three runs to
+    tensor that differs. The tiny network of the tests (gpu_acceptance/runs.py's QUIET) keeps the three runs to
     their start-up (torchrun, CUDA, NCCL) and two DCP saves each: the first H200 run spent the 50 s budget on
     three 12-step runs that saved every 3 steps. The seconds of each phase are printed, for the next budget."""
     run.budget("torchrun resume")

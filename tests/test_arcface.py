@@ -23,10 +23,11 @@ from backbones import get_model
 from checkpoint.arcface import restore_arcface
 from checkpoint.run_dir import resolve_resume
 from checkpoint.sources import ArcfaceTorchSave, BareBackbone, find_resume_source
+from gpu_acceptance.runs import INFO, QUIET, load_run, scalars
 from losses import CombinedMarginLoss
 from partial_fc import PartialFC
 from tests.distributed_helpers import run_world
-from tests.run_helpers import INFO, QUIET, load_run, run_cli, run_here, same_tensors, scalars
+from tests.run_helpers import run_cli, run_here, same_tensors
 from tools import convert_checkpoint
 from utils.errors import CheckpointError, RunDirError
 from utils.lr_scheduler import build_scheduler
@@ -34,7 +35,7 @@ from utils.lr_scheduler import build_scheduler
 NUM_CLASSES, DIM, LR = 21, 32, 0.1
 INFO21 = {**INFO, "num_classes": NUM_CLASSES}
 WIDTH = INFO["network_kwargs"]["width_mult"]  # the runs' r18 (QUIET): upstream's files are written for it
-WARMUP_EPOCHS, EPOCHS = 1, 4                 # the schedule of the runs below (run_helpers.QUIET: num_epoch=4)
+WARMUP_EPOCHS, EPOCHS = 1, 4                 # the schedule of the runs below (runs.QUIET: num_epoch=4)
 UPSTREAM_EPOCHS, UPSTREAM_BATCHES = 2, 5     # arcface_torch saved after its 2nd epoch of 5 batches per rank
 ROWS_ON = {1: [(0, 21)], 3: [(0, 7), (7, 14), (14, 21)]}  # rows each rank holds, written out
 OVERRIDES = ["num_classes=21", f"warmup_epoch={WARMUP_EPOCHS}"]

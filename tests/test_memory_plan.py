@@ -26,8 +26,9 @@ from torch._subclasses.fake_tensor import FakeTensor
 import train
 from checkpoint.checkpointer import HostStaging
 from checkpoint.sharded import stage_state
+from gpu_acceptance.runs import QUIET
 from tests.forked_commands import ForkedCommand
-from tests.run_helpers import QUIET, ROOT, run_here, start_command
+from tests.run_helpers import ROOT, run_here, start_command
 from tools.step_memory import _recording, compare
 from training.components import SavedPosition
 from training.memory_plan import describe, fit, memory_plan

@@ -16,7 +16,7 @@ from sklearn.metrics import roc_curve
 from eval import verification
 from experiments import real_faces
 from facedata.synthetic import render_faces
-from tests.run_helpers import load_backbone_strict
+from gpu_acceptance.runs import load_backbone_strict
 
 TRAIN_PEOPLE, TEST_PEOPLE, PHOTOS = 6, 6, 3
 
