@@ -32,10 +32,11 @@ from checkpoint.sources import (
     EarlierCheckpoint,
     find_resume_source,
 )
+from gpu_acceptance.runs import CONFIG, INFO, QUIET, load_run, scalars
 from losses import CombinedMarginLoss
 from partial_fc import PartialFC
 from tests.distributed_helpers import run_world
-from tests.run_helpers import CONFIG, INFO, QUIET, ROOT, load_run, run_cli, run_here, same_tensors, scalars
+from tests.run_helpers import ROOT, run_cli, run_here, same_tensors
 from tools import convert_checkpoint
 from training.state import architecture, build_components, build_training_state
 from utils.config import load_config
@@ -45,7 +46,7 @@ from utils.lr_scheduler import build_scheduler
 NUM_CLASSES, DIM, LR = 21, 32, 0.1
 INFO21 = {**INFO, "num_classes": NUM_CLASSES}
 WIDTH = INFO["network_kwargs"]["width_mult"]  # the runs' r18 (QUIET): upstream's files are written for it
-WARMUP_EPOCHS, EPOCHS = 1, 4                 # the schedule of the runs below (run_helpers.QUIET: num_epoch=4)
+WARMUP_EPOCHS, EPOCHS = 1, 4                 # the schedule of the runs below (runs.QUIET: num_epoch=4)
 UPSTREAM_EPOCHS, UPSTREAM_BATCHES = 2, 5     # arcface_torch saved after its 2nd epoch of 5 batches per rank
 ROWS_ON = {1: [(0, 21)], 3: [(0, 7), (7, 14), (14, 21)]}  # rows each rank holds, written out
 OVERRIDES = ["num_classes=21", f"warmup_epoch={WARMUP_EPOCHS}"]
@@ -53,7 +54,7 @@ FOLDERS = ("train_v2_sgd", "train_v2_adamw", "2021")
 
 
 # arcface_torch's lr_scheduler.py up to PolynomialLRWarmup.get_lr, as insightface ships it (its closed form and demo
-# left out): the schedule train_v2.py saves below, and the file bench/side_by_side.py patches
+# left out): the schedule train_v2.py saves below, and the file gpu_acceptance/side_by_side.py patches
 # (test_side_by_side.py)
 UPSTREAM_SCHEDULER = """\
 from torch.optim.lr_scheduler import _LRScheduler

@@ -22,7 +22,8 @@ import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from backbones import get_model
-from tests.run_helpers import CONFIG, QUIET, ROOT, assert_nothing_lost, assert_same_run, file_states, run_here
+from gpu_acceptance.runs import CONFIG, QUIET
+from tests.run_helpers import ROOT, assert_nothing_lost, assert_same_run, file_states, run_here
 from tests.test_fault_injection import forge_state
 from tests.test_train_errors import only_line
 from tools import convert_checkpoint

@@ -1,7 +1,7 @@
 """What real training steps allocate, by item of the memory plan: the reference the plan is checked
-against (tests/test_memory_plan.py) and compared with (bench/bench_scale.py, bench/gpu_check.py).
+against (tests/test_memory_plan.py) and compared with (bench/bench_scale.py, gpu_acceptance/gpu_check.py).
 
-    python -m bench.step_memory configs/synthetic_pair.py --set network=r18 --case "batch_size=16" \\
+    python -m tools.step_memory configs/synthetic_pair.py --set network=r18 --case "batch_size=16" \\
         --case "batch_size=32 bf16=True" [--device cuda] [--json]
 
 Per case the training state and loader are built as train.py builds them, and optimizer steps run

@@ -1,6 +1,6 @@
 """Does pairface learn real faces? LFW under its own protocol: train on DevTrain's people, verify on pairsDevTest.
 
-    python -m bench.real_faces /path/to/lfw [--work data/lfw_bench] [--quick] [--rows two_view one_view ...]
+    python -m experiments.real_faces /path/to/lfw [--work data/lfw_bench] [--quick] [--rows two_view one_view ...]
 
 LFW_FOLDER is Labeled Faces in the Wild as its project distributes it: ``images_deepfunneled/<Name>/<Name>_NNNN.jpg``
 (deep-funneled, aligned: 250x250 colour JPEGs) beside its protocol files ``peopleDevTrain.txt`` and
