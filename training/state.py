@@ -22,6 +22,7 @@ from partial_fc import PartialFC
 from training.components import Centres, Component, GradScale, MarginState, Optimizer, Schedule
 from training.ema import BackboneEMA
 from training.optimizer import RowSparseAdamW, RowSparseSGD
+from training.semi_siamese import SemiSiamese
 from training.speedups import check_speedups, compiled_for_the_step, to_channels_last
 from utils.compat import ddp_without_buffer_sync
 from utils.distributed import world
@@ -78,6 +79,7 @@ COMPONENTS: tuple[type[Component], ...] = (
     GradScale,
     MarginState,
     BackboneEMA,
+    SemiSiamese,
 )
 
 
