@@ -82,11 +82,13 @@ class SemiSiamese(Component):
         dtype = next(self.gallery.parameters()).dtype
         features = []
         with torch.no_grad():
-            for view in range(images.shape[1]):
+            # The last view first, as FaceX-Zoo's step embeds them: the order in which the BatchNorm running
+            # statistics move (which the gallery never uses: it normalises with its batch's)
+            for view in reversed(range(images.shape[1])):
                 order = torch.randperm(everyone.shape[0], generator=generator).to(images.device)
                 mine = order[rank() * batch:(rank() + 1) * batch]
                 shuffled = _gathered(self.gallery(normalize(everyone[mine, view]).to(dtype)))
-                features.append(torch.empty_like(shuffled).index_copy_(0, order, shuffled))
+                features.insert(0, torch.empty_like(shuffled).index_copy_(0, order, shuffled))
         return features
 
     def after_step(self) -> None:
