@@ -17,7 +17,6 @@ import ast
 import copy
 import json
 import logging
-import math
 import random
 import re
 import subprocess
@@ -129,5 +128,216 @@ def test_three_steps_equal_facex_zoos_sst_steps_in_float64():
         torch.testing.assert_close(sst.queue.queue, prototype.queue.t(), rtol=1e-9, atol=1e-12)
     for ours, facex_net in ((backbone, probe_net), (sst.gallery, gallery_net)):
         for (name, mine), their in zip(ours.state_dict().items(), facex_net.state_dict().values(), strict=True):
-            torch.testing.assert_close(mine, their, rtol=1e-9, atol=1e-12, msg=lambda text, name=name: f"{name}: {text}")
+            torch.testing.assert_close(mine, their, rtol=1e-9, atol=1e-12,
+                                       msg=lambda text, name=name: f"{name}: {text}")
     assert not torch.equal(sst.gallery.state_dict()["fc.weight"], backbone.state_dict()["fc.weight"])
+
+
+# --- 2 and 3 processes against a dense float64 reference -------------------------------------------------------
+
+BATCH, DIM, QUEUE, SEED, ARC_S, ARC_M = 2, 8, 13, 3, 16.0, 0.5  # 13 slots: uneven over 2 and 3 ranks; slots wrap
+STEPS, IMAGE = 2, 4  # 4 x 4 images through a linear gallery with BatchNorm
+
+
+def step_inputs(step: int, world_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The global batch's probes (N, 2, D) and both views' gallery features (2, N, D) near them: every rank
+    takes its rows of the same draw."""
+    generator = torch.Generator().manual_seed(100 + step)
+    probes = torch.randn(BATCH * world_size, 2, DIM, generator=generator, dtype=torch.float64)
+    return probes, probes.flip(1).transpose(0, 1) + 0.3 * torch.randn(2, BATCH * world_size, DIM,
+                                                                      generator=generator, dtype=torch.float64)
+
+
+def tiny_gallery() -> nn.Module:
+    return nn.Sequential(nn.Flatten(), nn.Linear(3 * IMAGE * IMAGE, DIM), nn.BatchNorm1d(DIM)).double()
+
+
+def records(world_size: int) -> torch.Tensor:
+    return torch.randint(0, 256, (BATCH * world_size, 2, 3, IMAGE, IMAGE), dtype=torch.uint8,
+                         generator=torch.Generator().manual_seed(9))
+
+
+def _queue_in_world(rank: int, world_size: int) -> dict:
+    mine = slice(rank * BATCH, (rank + 1) * BATCH)
+    out: dict = {}
+    for enqueue in ("one", "both"):
+        queue = PrototypeQueue(CombinedMarginLoss(ARC_S, 1.0, ARC_M, 0.0), DIM, QUEUE, SEED, enqueue=enqueue).double()
+        steps = [{"queue": queue.queue.clone()}]
+        for step in range(STEPS):
+            probes, galleries = step_inputs(step, world_size)
+            local = probes[mine].clone().requires_grad_(True)
+            loss, per_view = queue(local.unbind(1), galleries.unbind(0))
+            loss.backward()
+            steps.append({"loss": loss.detach(), "per_view": per_view, "grad": local.grad,
+                          "queue": queue.queue.clone(), "pointer": queue.pointer})
+        out[enqueue] = steps
+    torch.manual_seed(0)
+    sst = SemiSiamese(tiny_gallery(), PrototypeQueue(CombinedMarginLoss(), DIM, QUEUE, SEED), 0.9)
+    out["gallery"] = {"features": sst.gallery_features(records(world_size)[mine]),
+                      "state": copy.deepcopy(sst.backbone.state_dict())}
+    return out
+
+
+@pytest.fixture(scope="module", params=[2, 3])
+def world(request) -> tuple[int, list]:
+    return request.param, run_world(_queue_in_world, request.param)
+
+
+def reference_steps(initial: torch.Tensor, enqueue: str, world_size: int) -> list[dict]:
+    """The queue's loss, per-view losses, probe gradients and queue after each step, densely: the whole queue in
+    one matrix, ArcFace's cos(theta + m) written out, autograd for the gradients."""
+    queue, pointer, n = initial.clone(), 0, BATCH * world_size
+    steps = []
+    for step in range(STEPS):
+        probes, galleries = step_inputs(step, world_size)
+        probes.requires_grad_(True)
+        gallery = nn.functional.normalize(galleries, dim=-1)
+        slots = [(pointer + j) % QUEUE for j in range(n)]
+        losses = []
+        for view in range(2):
+            keys = queue.clone()
+            keys[slots] = gallery[1 - view]  # the other view's gallery at the step's slots: each sample's target
+            # cosines: the queue's rows are unit vectors up to their float32 start's rounding
+            cos = nn.functional.normalize(probes[:, view], dim=-1) @ nn.functional.normalize(keys, dim=-1).t()
+            target = torch.cos(torch.acos(cos[range(n), slots]) + ARC_M)
+            logits = (ARC_S * cos).index_put((torch.arange(n), torch.tensor(slots)), ARC_S * target)
+            losses.append(nn.functional.cross_entropy(logits, torch.tensor(slots)))
+        loss = (losses[0] + losses[1]) / 2
+        (grad,) = torch.autograd.grad(loss, probes)
+        heads = torch.rand((), generator=torch.Generator().manual_seed(SEED * DRAW_SEED + step)).item() > 0.5
+        for features in (gallery if enqueue == "both" else [gallery[0] if heads else gallery[1]]):
+            queue[[(pointer + j) % QUEUE for j in range(n)]] = features
+            pointer = (pointer + n) % QUEUE
+        steps.append({"loss": loss.detach(), "per_view": torch.stack(losses).detach(), "grad": grad,
+                      "queue": queue.clone(), "pointer": pointer})
+    return steps
+
+
+def test_the_queue_on_several_processes_equals_a_dense_float64_reference(world):
+    world_size, ranks = world
+    for enqueue in ("one", "both"):
+        initial = torch.cat([rank[enqueue][0]["queue"] for rank in ranks])
+        assert initial.shape == (QUEUE, DIM)
+        for step, expected in enumerate(reference_steps(initial, enqueue, world_size), start=1):
+            ours = [rank[enqueue][step] for rank in ranks]
+            where = f"{enqueue}, step {step}"
+            for rank, mine in enumerate(ours):
+                torch.testing.assert_close(mine["loss"], expected["loss"], rtol=1e-12, atol=0, msg=where)
+                torch.testing.assert_close(mine["per_view"], expected["per_view"], rtol=1e-12, atol=0, msg=where)
+                # The all-gather's backward scales by the world size, which DDP's average of the backbone's
+                # gradients undoes (partial_fc.py)
+                torch.testing.assert_close(mine["grad"] / world_size, expected["grad"][rank * BATCH:(rank + 1) * BATCH],
+                                           rtol=1e-10, atol=1e-14, msg=where)
+                assert mine["pointer"] == expected["pointer"], where
+            torch.testing.assert_close(torch.cat([mine["queue"] for mine in ours]), expected["queue"], rtol=1e-12,
+                                       atol=1e-15, msg=where)
+
+
+def test_the_initial_queue_is_the_same_on_any_number_of_processes(world):
+    world_size, ranks = world
+    alone = PrototypeQueue(CombinedMarginLoss(), DIM, QUEUE, SEED).double().queue
+    assert torch.equal(torch.cat([rank["one"][0]["queue"] for rank in ranks]), alone)
+    torch.testing.assert_close(alone.norm(dim=1), torch.ones(QUEUE, dtype=torch.float64))
+
+
+def test_the_gallery_embeds_the_global_batch_shuffled_across_processes(world):
+    """Each rank's BatchNorm batch is its slice of one permutation of the global batch (drawn from the seed and the
+    step): the reference embeds each slice in its own forward and puts the rows back in the batch's order."""
+    world_size, ranks = world
+    net = tiny_gallery()
+    net.load_state_dict(ranks[0]["gallery"]["state"])
+    images = records(world_size)
+    generator = torch.Generator().manual_seed(SEED * SHUFFLE_SEED)
+    expected = [None, None]
+    for view in (1, 0):  # the last view first, as FaceX-Zoo's step
+        order = torch.randperm(BATCH * world_size, generator=generator)
+        features = torch.empty(BATCH * world_size, DIM, dtype=torch.float64)
+        for rank in range(world_size):
+            rows = order[rank * BATCH:(rank + 1) * BATCH]
+            features[rows] = net(normalize(images[rows, view]).double()).detach()
+        expected[view] = features
+    for rank in ranks:
+        for view in range(2):
+            torch.testing.assert_close(rank["gallery"]["features"][view], expected[view], rtol=1e-12, atol=1e-14)
+    assert not torch.allclose(expected[0], net(normalize(images[:, 0]).double()).detach())  # one batch: not that
+
+
+# --- checkpoints: resume bit for bit, reshard 2 -> 3 and 1 ------------------------------------------------------
+
+SST_SETS = ["sst=True", "sst_queue_size=12", "sst_centre_weight=0.25", "sst_momentum=0.5"]
+
+
+def sst_state(run: Path) -> dict:
+    """The queue (all slots), the gallery's tensors and the position of a run's published checkpoint."""
+    folder = run / json.loads((run / POINTER_NAME).read_text())["directory"]
+    with tempfile.TemporaryDirectory() as tmp:
+        dcp_to_torch_save(folder, f"{tmp}/whole.pt")
+        whole = torch.load(f"{tmp}/whole.pt", weights_only=True)
+    return {"queue": whole["sst_queue"], "gallery": whole["sst_gallery"],
+            "position": json.loads((folder / "state.json").read_text())["run"]["sst_position"]}
+
+
+def test_a_resumed_run_is_the_uninterrupted_run_bit_for_bit(data, tmp_path):
+    assert run_here(data, tmp_path / "whole", *SST_SETS, "max_steps=3") == (0, "")
+    assert run_here(data, tmp_path / "split", *SST_SETS, "max_steps=2") == (0, "")
+    assert run_here(data, tmp_path / "split", *SST_SETS, "max_steps=3", resume=True) == (0, "")
+    assert_same_run(tmp_path / "split", tmp_path / "whole")
+    split, whole = sst_state(tmp_path / "split"), sst_state(tmp_path / "whole")
+    assert whole["position"]["pointer"] == 3 * 4 % 12 and whole["position"]["step"] == 3
+    assert split["position"] == whole["position"]
+    assert torch.equal(split["queue"], whole["queue"])
+    assert split["gallery"].keys() == whole["gallery"].keys()
+    assert all(torch.equal(split["gallery"][name], whole["gallery"][name]) for name in whole["gallery"])
+
+
+SST_CONFIG = {"sst": True, "freeze_backbone_steps": 0, "sst_centre_weight": 0.0, "sst_queue_size": 11,
+              "view_weights": None, "sst_enqueue": "both", "compile_margin_softmax": False, "sst_momentum": 0.9}
+
+
+def toy_with_queue(seed: int) -> tuple[SimpleNamespace, SemiSiamese]:
+    model = make_model("sgd", seed=seed)
+    model.components = build_components(model, SST_CONFIG)
+    return model, model.components[-1]
+
+
+def _save_queue(rank: int, world_size: int, folder: str) -> dict:
+    model, sst = toy_with_queue(seed=1)
+    for step in range(2):  # 2 steps x 2 views x 4 gallery features through 11 slots: they wrap
+        probes, galleries = (torch.randn(2, 2, 3, generator=torch.Generator().manual_seed(step)) for _ in range(2))
+        sst.queue(probes.unbind(0), galleries.repeat(1, world_size, 1).unbind(0))
+        sst.gallery(torch.randn(5, 4))  # BatchNorm statistics move
+        model.backbone[0].weight.data += 1.0
+        sst.after_step()
+    save_state(folder, model, PROGRESS, SavedPosition({"skipped": rank}), INFO, {"lr": 0.1})
+    return {"queue": sst.queue.queue.clone(), "gallery": copy.deepcopy(sst.gallery.state_dict()),
+            "position": sst.queue.position_dict()}
+
+
+def _restore_queue(rank: int, world_size: int, folder: str) -> dict:
+    model, sst = toy_with_queue(seed=2)  # another queue and gallery: everything must come from the checkpoint
+    restore_state(Path(folder) / POINTER_NAME, INFO, model)
+    return {"queue": sst.queue.queue.clone(), "gallery": sst.gallery.state_dict(),
+            "position": sst.queue.position_dict()}
+
+
+def test_a_queue_written_by_two_processes_resumes_on_three_and_one(tmp_path):
+    saved = run_world(_save_queue, 2, str(tmp_path))
+    assert [rank["queue"].shape[0] for rank in saved] == [6, 5]
+    whole = torch.cat([rank["queue"] for rank in saved])
+    for restored in (run_world(_restore_queue, 3, str(tmp_path)), [_restore_queue(0, 1, str(tmp_path))]):
+        assert torch.equal(torch.cat([rank["queue"] for rank in restored]), whole)
+        for rank in restored:
+            assert rank["position"] == saved[0]["position"] and rank["position"]["pointer"] == 16 % 11
+            assert all(torch.equal(rank["gallery"][name], value) for name, value in saved[0]["gallery"].items())
+
+
+@pytest.mark.parametrize(("sets", "message"), [
+    (["num_views=1"], "config key 'sst' needs two views per record (a probe and a gallery photo of each identity), "
+                      "not num_views=1; set num_views=2"),
+    (["sst_queue_size=3"], "config key 'sst_queue_size' (3) is smaller than the 4 gallery features a step of one "
+                           "process enqueues; raise it (FaceX-Zoo: 16384)"),
+    (["sst_momentum=1.0"], "config key 'sst_momentum' must be in [0, 1), not 1.0; e.g. sst_momentum=0.999"),
+])
+def test_a_wrong_sst_key_is_one_error_line_naming_it(data, tmp_path, sets, message):
+    status, stderr = run_here(data, tmp_path / "run", "sst=True", *sets)
+    assert status == 1 and only_line(stderr) == f"error: {message}"
