@@ -10,14 +10,17 @@ so does the gallery network (its momentum copy, without gradient: training/semi_
    (SST's swap: view 1's probe against view 2's gallery, and symmetrically), every other slot a negative;
 3. through partial_fc.py's sharded margin softmax, under any margin family: exact gradients to the probes,
    none to the queue; the loss is ``sum_v w_v * CE_v``, each CE the mean over the global batch;
-4. then the gallery features are enqueued over the oldest slots and the pointer moves on: one view's N features,
-   the view drawn at random each step (``enqueue="one"``, FaceX-Zoo's SST_Prototype), or both views' (2N slots,
-   view 1's at the step's slots, view 2's after them: ``enqueue="both"``).
+4. the gallery features wait (``pending``) until the optimizer step is taken (``commit``): then they are enqueued
+   over the oldest slots and the pointer moves on, one view's N features, the view drawn at random each step
+   (``enqueue="one"``, FaceX-Zoo's SST_Prototype), or both views' (2N slots, view 1's at the step's slots, view 2's
+   after them: ``enqueue="both"``). A skipped step (non-finite loss) ``discard``s them: a NaN never enters the
+   queue, where every later step would read it. With several micro-batches per step, each takes the slots after
+   those of the micro-batches before it, all scored against the queue as the step found it.
 
-This is FaceX-Zoo's head where its queue size is a multiple of the global batch (its slots never wrap); here they
-may wrap. Each rank holds slots ``class_range(queue_size, rank, world)``; the initial queue is seeded random unit
-vectors, the same matrix on any number of processes. The view each step enqueues is drawn from the seed and the
-step's number alone, so every rank draws the same one without a collective.
+This is FaceX-Zoo's head where its queue size is a multiple of the global batch (its slots never wrap) and every
+step is taken; here slots may wrap. Each rank holds slots ``class_range(queue_size, rank, world)``; the initial
+queue is seeded random unit vectors, the same matrix on any number of processes. The view each step enqueues is
+drawn from the seed and the step's number alone, so every rank draws the same one without a collective.
 """
 from __future__ import annotations
 
@@ -39,7 +42,7 @@ DRAW_SEED = 7_919  # keeps the enqueue draws apart from the initial queue's stre
 class PrototypeQueue(nn.Module):
     """The queue of ``queue_size`` gallery features of ``embedding_size``, this rank's slots in ``queue``.
 
-    ``pointer``: the next slot to write; ``step``: forwards run so far (the enqueue draws' position);
+    ``pointer``: the next slot to write; ``step``: commits so far (the enqueue draws' position);
     ``margin_state``/``margin_step``: the margin family's state, as PartialFC keeps it for the centres (a stateful
     family updates it at each view's scoring). ``view_weights`` (default equal, summing to 1) weight the views."""
 
@@ -59,6 +62,7 @@ class PrototypeQueue(nn.Module):
         self.register_buffer("margin_state", torch.tensor(margin_loss.initial_state(), dtype=torch.float32),
                              persistent=False)
         self.pointer = self.step = self.margin_step = 0
+        self.pending: list[list[torch.Tensor]] = []  # each forward's features to enqueue, until commit or discard
 
     def extra_repr(self) -> str:
         return (f"queue_size={self.queue_size}, local={self.slot_start}..{self.slot_start + self.num_local - 1}, "
@@ -78,17 +82,19 @@ class PrototypeQueue(nn.Module):
                              f"{len(galleries)} galleries")
         batch = probes[0].shape[0]
         n = batch * self.world_size
-        if self.slots_per_step(batch) > self.queue_size:
-            raise ConfigError(f"config key 'sst_queue_size' ({self.queue_size}) is smaller than the "
-                              f"{self.slots_per_step(batch)} gallery features a step enqueues; raise it to at least "
-                              "that (a multiple of it keeps FaceX-Zoo's layout)")
+        written = self.slots_per_step(batch) * (len(self.pending) + 1)
+        if written > self.queue_size:
+            raise ConfigError(f"config key 'sst_queue_size' ({self.queue_size}) is smaller than the {written} gallery "
+                              "features a step enqueues (all its micro-batches'); raise it to at least that (a "
+                              "multiple of it keeps FaceX-Zoo's layout)")
         dtype = torch.promote_types(torch.promote_types(torch.float32, probes[0].dtype), self.queue.dtype)
         device = self.queue.device
         local = torch.stack(list(probes)).to(dtype)  # (2, B, D): one gather for both views
         gathered = all_gather_rows(nn.functional.normalize(local, dim=-1, eps=NORM_EPS).reshape(-1, local.shape[-1]))
         gathered = gathered.view(self.world_size, 2, batch, -1)
         gallery = [nn.functional.normalize(g.detach().to(dtype), dim=-1, eps=NORM_EPS) for g in galleries]
-        samples, columns = self._local_slots(self.pointer, n, device)
+        first = self.pointer + self.slots_per_step(batch) * len(self.pending)
+        samples, columns = self._local_slots(first, n, device)
         labels = torch.full((n,), -1, dtype=torch.long, device=device).index_copy_(0, samples, columns)
         norms = None
         if self.margin_loss.reads_norms:
@@ -107,7 +113,7 @@ class PrototypeQueue(nn.Module):
             self.margin_step += 1
             loss = loss + view_loss
             per_view.append(row_losses.mean())
-        self._enqueue(gallery, n)
+        self.pending.append(gallery)
         return loss, torch.stack(per_view).detach()
 
     def _local_slots(self, first: int, count: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -117,20 +123,23 @@ class PrototypeQueue(nn.Module):
         mine = (slots >= 0) & (slots < self.num_local)
         return torch.nonzero(mine).view(-1).to(device), slots[mine].to(device)
 
-    def _enqueue(self, gallery: list[torch.Tensor], n: int) -> None:
-        """The step's gallery features over the oldest slots: one view's (drawn as FaceX-Zoo draws it, view 1 on
-        heads) or both views', and the pointer past them."""
-        if self.enqueue == "one":
-            generator = torch.Generator().manual_seed(self.seed * DRAW_SEED + self.step)
-            written = [gallery[0] if torch.rand((), generator=generator).item() > 0.5 else gallery[1]]
-        else:
-            written = gallery
+    def commit(self) -> None:
+        """The step was taken: its gallery features over the oldest slots, each forward's in turn, one view's
+        (drawn as FaceX-Zoo draws it: view 1 on heads) or both views', and the pointer past them."""
+        generator = torch.Generator().manual_seed(self.seed * DRAW_SEED + self.step)
         with torch.no_grad():
-            for features in written:
-                samples, columns = self._local_slots(self.pointer, n, self.queue.device)
-                self.queue.index_copy_(0, columns, features[samples].to(self.queue.dtype))
-                self.pointer = (self.pointer + n) % self.queue_size
+            for gallery in self.pending:
+                heads = torch.rand((), generator=generator).item() > 0.5
+                for features in gallery if self.enqueue == "both" else [gallery[0] if heads else gallery[1]]:
+                    samples, columns = self._local_slots(self.pointer, features.shape[0], self.queue.device)
+                    self.queue.index_copy_(0, columns, features[samples].to(self.queue.dtype))
+                    self.pointer = (self.pointer + features.shape[0]) % self.queue_size
+        self.pending.clear()
         self.step += 1
+
+    def discard(self) -> None:
+        """Forget the features of a step that was not taken."""
+        self.pending.clear()
 
     def position_dict(self) -> dict:
         """The pointer, the draws' position and the margin family's state as plain numbers (exact)."""

@@ -168,6 +168,7 @@ def _queue_in_world(rank: int, world_size: int) -> dict:
             local = probes[mine].clone().requires_grad_(True)
             loss, per_view = queue(local.unbind(1), galleries.unbind(0))
             loss.backward()
+            queue.commit()
             steps.append({"loss": loss.detach(), "per_view": per_view, "grad": local.grad,
                           "queue": queue.queue.clone(), "pointer": queue.pointer})
         out[enqueue] = steps
@@ -290,7 +291,7 @@ def test_a_resumed_run_is_the_uninterrupted_run_bit_for_bit(data, tmp_path):
     assert all(torch.equal(split["gallery"][name], whole["gallery"][name]) for name in whole["gallery"])
 
 
-SST_CONFIG = {"sst": True, "freeze_backbone_steps": 0, "sst_centre_weight": 0.0, "sst_queue_size": 11,
+SST_CONFIG = {"sst": True, "freeze_backbone_steps": 0, "sst_centre_weight": 0.0, "sst_queue_size": 17,
               "view_weights": None, "sst_enqueue": "both", "compile_margin_softmax": False, "sst_momentum": 0.9}
 
 
@@ -302,9 +303,10 @@ def toy_with_queue(seed: int) -> tuple[SimpleNamespace, SemiSiamese]:
 
 def _save_queue(rank: int, world_size: int, folder: str) -> dict:
     model, sst = toy_with_queue(seed=1)
-    for step in range(2):  # 2 steps x 2 views x 4 gallery features through 11 slots: they wrap
+    for step in range(2):  # 2 steps x 2 micro-batches x 2 views x 4 features through 17 slots: they wrap
         probes, galleries = (torch.randn(2, 2, 3, generator=torch.Generator().manual_seed(step)) for _ in range(2))
         sst.queue(probes.unbind(0), galleries.repeat(1, world_size, 1).unbind(0))
+        sst.queue(probes.unbind(0), galleries.repeat(1, world_size, 1).unbind(0))  # a second micro-batch
         sst.gallery(torch.randn(5, 4))  # BatchNorm statistics move
         model.backbone[0].weight.data += 1.0
         sst.after_step()
@@ -322,12 +324,12 @@ def _restore_queue(rank: int, world_size: int, folder: str) -> dict:
 
 def test_a_queue_written_by_two_processes_resumes_on_three_and_one(tmp_path):
     saved = run_world(_save_queue, 2, str(tmp_path))
-    assert [rank["queue"].shape[0] for rank in saved] == [6, 5]
+    assert [rank["queue"].shape[0] for rank in saved] == [9, 8]
     whole = torch.cat([rank["queue"] for rank in saved])
     for restored in (run_world(_restore_queue, 3, str(tmp_path)), [_restore_queue(0, 1, str(tmp_path))]):
         assert torch.equal(torch.cat([rank["queue"] for rank in restored]), whole)
         for rank in restored:
-            assert rank["position"] == saved[0]["position"] and rank["position"]["pointer"] == 16 % 11
+            assert rank["position"] == saved[0]["position"] and rank["position"]["pointer"] == 32 % 17
             assert all(torch.equal(rank["gallery"][name], value) for name, value in saved[0]["gallery"].items())
 
 

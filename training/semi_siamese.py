@@ -47,6 +47,7 @@ class SemiSiamese(Component):
     def __init__(self, backbone: nn.Module, queue: PrototypeQueue, momentum: float, centre_weight: float = 0.0):
         self.backbone, self.queue, self.momentum, self.centre_weight = backbone, queue, momentum, centre_weight
         self.gallery = copy.deepcopy(backbone).requires_grad_(False).eval()
+        self.shuffles = torch.Generator()  # the BatchNorm shuffles' stream, seeded as each step begins
         for module in self.gallery.modules():
             if isinstance(module, BATCH_NORMS):
                 module.train()
@@ -78,7 +79,9 @@ class SemiSiamese(Component):
         from this rank's records (B, V, 3, H, W) uint8, through shuffled BatchNorm. Collective."""
         batch = images.shape[0]
         everyone = _gathered(images)
-        generator = torch.Generator().manual_seed(self.queue.seed * SHUFFLE_SEED + self.queue.step)
+        if not self.queue.pending:  # the step's first forward: its shuffles drawn from the seed and the step
+            self.shuffles = torch.Generator().manual_seed(self.queue.seed * SHUFFLE_SEED + self.queue.step)
+        generator = self.shuffles
         dtype = next(self.gallery.parameters()).dtype
         features = []
         with torch.no_grad():
@@ -91,7 +94,11 @@ class SemiSiamese(Component):
                 features.insert(0, torch.empty_like(shuffled).index_copy_(0, order, shuffled))
         return features
 
+    def before_step(self) -> None:
+        self.queue.discard()
+
     def after_step(self) -> None:
+        self.queue.commit()
         gallery = [p.detach() for p in self.gallery.parameters()]
         probe = [p.detach() for p in self.backbone.parameters()]
         with torch.no_grad():

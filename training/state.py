@@ -47,6 +47,12 @@ class TrainingState:
         if not self.components:  # built by hand (a test, a tool): the components every run has
             self.components = build_components(self, {})
 
+    def before_step(self) -> None:
+        """A step begins: the components that hold what a step proposes (the SST queue's features) forget what a
+        skipped step left."""
+        for component in self.components:
+            component.before_step()
+
     def after_step(self) -> None:
         """An optimizer step was taken: the components that follow the weights (an EMA) follow it."""
         for component in self.components:

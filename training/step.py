@@ -36,6 +36,7 @@ def train_step(state: TrainingState, micro_batches, cfg: SimpleNamespace) -> tup
     micro-batches, detached, on the device; the outcome every rank agreed on): a step is taken on
     every rank, or skipped on every rank."""
     state.keep_bn_buffers()
+    state.before_step()
     frozen = backbone_frozen(state, cfg)
     state.backbone.train(not frozen)  # eval mode: BatchNorm neither updates nor uses batch statistics
     micro_losses = []

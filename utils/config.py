@@ -249,7 +249,7 @@ def _check_semi_siamese(values: dict) -> None:
     if values["num_views"] != 2:
         raise ConfigError(f"config key 'sst' needs two views per record (a probe and a gallery photo of each "
                           f"identity), not num_views={values['num_views']}; set num_views=2")
-    enqueued = values["batch_size"] * (2 if values["sst_enqueue"] == "both" else 1)
+    enqueued = values["batch_size"] * values["gradient_acc"] * (2 if values["sst_enqueue"] == "both" else 1)
     if values["sst_queue_size"] < enqueued:
         raise ConfigError(f"config key 'sst_queue_size' ({values['sst_queue_size']}) is smaller than the {enqueued} "
                           "gallery features a step of one process enqueues; raise it (FaceX-Zoo: 16384)")
