@@ -29,6 +29,7 @@ import torch
 from torch import nn
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
+import train
 from backbones import get_model
 from checkpoint.pointer import POINTER_NAME
 from checkpoint.sharded import restore_state, save_state
@@ -343,3 +344,14 @@ def test_a_queue_written_by_two_processes_resumes_on_three_and_one(tmp_path):
 def test_a_wrong_sst_key_is_one_error_line_naming_it(data, tmp_path, sets, message):
     status, stderr = run_here(data, tmp_path / "run", "sst=True", *sets)
     assert status == 1 and only_line(stderr) == f"error: {message}"
+
+
+def test_the_dry_run_plans_rank_0s_queue_slots_and_a_whole_gallery_network(capsys):
+    """400 slots over 3 processes: rank 0 holds 134; the gallery is the backbone's parameters and buffers."""
+    status = train.main(["configs/lfw_r18_sst.py", "--dry-run", "--json", "--world-size", "3",
+                         "--set", "num_classes=50", "--set", "sst_queue_size=400"])
+    memory = json.loads(capsys.readouterr().out)["memory"]
+    backbone = get_model("r18", num_features=128, width_mult=0.125)
+    assert status == 0 and memory["prototype_queue"] == 134 * 128 * 4
+    assert memory["gallery_network"] == sum(t.numel() * t.element_size() for t in backbone.state_dict().values())
+    assert memory["queue_logits"] > 2 * 134 * 128 * 4  # both views' copies of the slots, and more
