@@ -1,20 +1,24 @@
 """Semi-Siamese Training (config key `sst`): the gallery network and the prototype queue as one component.
 
-The gallery network is a momentum copy of the backbone (the probe network): it starts as the backbone, and after
+The gallery network is a momentum copy of the backbone (the probe network): it starts as the backbone the first
+step finds (a fresh start's, or the one a bare backbone.pth or a checkpoint trained without SST put there), and after
 every optimizer step taken each parameter moves ``gallery <- m * gallery + (1 - m) * probe`` (`sst_momentum`,
 FaceX-Zoo's alpha; no warm-up, unlike the EMA of training/ema.py, which averages for export). It runs without
 gradient, in eval mode but for its BatchNorm layers, which normalise with the statistics of their batch (MoCo's
 and FaceX-Zoo's gallery). That batch is shuffled across the global batch ("shuffled BN", MoCo): every rank
 gathers every rank's images, all draw one permutation from the seed and the step, and each embeds its slice of
-the permuted batch, so no BatchNorm batch holds the two views of one record that the probe sees (on one process
-the shuffle is within the batch, as FaceX-Zoo's). The features of the whole global batch come back to every
-rank in the batch's order: the prototype queue (prototype_queue.py) enqueues them all.
+the permuted batch: a sample's gallery feature is normalised with the statistics of other samples than its probe
+feature, so that batch statistics cannot carry the positive's identity (MoCo's guard). On one process the shuffle
+is within the batch, as FaceX-Zoo's draws it (its DataParallel then splits the batch over the GPUs). The features
+of the whole global batch come back to every rank in the batch's order: the prototype queue (prototype_queue.py)
+enqueues them all.
 
 The loss: the queue's, or with `sst_centre_weight` w > 0, ``(1 - w) * queue loss + w * class-centre loss``.
 
 In a checkpoint: the queue as row blocks of the (sst_queue_size, D) matrix (so a resume on another number of
 processes reads its slots from whichever files hold them), the gallery's parameters and BatchNorm statistics
-(rank 0's, as backbone.pth holds the backbone's) and the pointer, draw position and margin state as JSON.
+(one rank's: the gallery never uses its running statistics, it normalises with its batch's), and the pointer, the
+draw position and the margin state as JSON.
 """
 from __future__ import annotations
 
@@ -48,6 +52,7 @@ class SemiSiamese(Component):
         self.backbone, self.queue, self.momentum, self.centre_weight = backbone, queue, momentum, centre_weight
         self.gallery = copy.deepcopy(backbone).requires_grad_(False).eval()
         self.shuffles = torch.Generator()  # the BatchNorm shuffles' stream, seeded as each step begins
+        self.started = False  # whether the gallery holds this run's weights (a checkpoint's, or those followed so far)
         for module in self.gallery.modules():
             if isinstance(module, BATCH_NORMS):
                 module.train()
@@ -68,6 +73,9 @@ class SemiSiamese(Component):
              pfc: PartialFC) -> tuple[torch.Tensor, torch.Tensor]:
         """(loss, each view's queue cross-entropy, detached) of this rank's probe features of both views, given
         the records they came from, (B, 2, 3, H, W) uint8. Collective."""
+        if not self.started:  # the parameters alone, as FaceX-Zoo's start (its running statistics go unused)
+            torch._foreach_copy_(*self._parameters())
+            self.started = True
         loss, per_view = self.queue(probes, self.gallery_features(images))
         if self.centre_weight:
             centre_loss, _ = pfc(probes, labels)
@@ -99,10 +107,8 @@ class SemiSiamese(Component):
 
     def after_step(self) -> None:
         self.queue.commit()
-        gallery = [p.detach() for p in self.gallery.parameters()]
-        probe = [p.detach() for p in self.backbone.parameters()]
         with torch.no_grad():
-            torch._foreach_lerp_(gallery, probe, 1.0 - self.momentum)  # gallery + (1 - m) * (probe - gallery)
+            torch._foreach_lerp_(*self._parameters(), 1.0 - self.momentum)  # gallery + (1 - m) * (probe - gallery)
 
     def state_dict(self) -> dict:
         return {"sst_queue": self.queue.queue, "sst_gallery": self._gallery_tensors(),
@@ -118,17 +124,14 @@ class SemiSiamese(Component):
         return {key: value for key, value in both.items() if key in present}
 
     def load_state_dict(self, saved: Mapping) -> None:
-        """DCP loaded the queue and the gallery in place; a checkpoint without them (trained without SST) starts
-        the gallery from the backbone it holds and the queue afresh."""
+        """DCP loaded the queue and the gallery in place; a checkpoint without them (trained without SST) leaves
+        the gallery to start from the backbone it holds at the first step, and the queue afresh."""
         if "sst_gallery" not in saved:
             log.info("the checkpoint holds no semi-siamese state (sst was off): the gallery network starts as its "
                      "backbone, the prototype queue afresh")
-            with torch.no_grad():
-                for mine, probe in zip(self._gallery_tensors().values(), self.backbone.state_dict().values(),
-                                       strict=True):
-                    mine.copy_(probe)
             return
         self.queue.load_position_dict(saved["sst_position"])
+        self.started = True
 
     @classmethod
     def check(cls, section: Mapping, where: str) -> None:
@@ -140,6 +143,10 @@ class SemiSiamese(Component):
             integer(field(position, key, at), f"{at}.{key}", low=0)
         for index, value in enumerate(json_list(field(position, "margin_state", at), f"{at}.margin_state")):
             number(value, f"{at}.margin_state[{index}]")
+
+    def _parameters(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """(the gallery's parameters, the backbone's), detached, in the same order."""
+        return [p.detach() for p in self.gallery.parameters()], [p.detach() for p in self.backbone.parameters()]
 
     def _gallery_tensors(self) -> dict[str, torch.Tensor]:
         return {name: tensor.detach() for name, tensor in self.gallery.state_dict(keep_vars=True).items()}
