@@ -3,9 +3,11 @@
 - FaceX-Zoo's own SST step, its code read from the fetched repository at run time (never copied here): its
   training_mode/semi-siamese_training/train.py's train_one_epoch (probe/gallery swap, shuffled BN, SGD step,
   momentum update) and head/SST_Prototype.py (queue, labels, AM-Softmax), in float64 on one process, three steps
-  (the third wraps the queue), against ours built from the same start. The only edit to their text: `.cuda()`
-  calls dropped (this machine has no GPU). Their probe network embeds each view in its own forward, as ours is
-  called here; train.py's step embeds both views in one (DESIGN.md), which the runs below cover.
+  (the third wraps the queue), against ours from the same start. The only edit to their text: `.cuda()` calls
+  dropped (this machine has no GPU). Twice: r18 with BatchNorm, its probe embedding each view in its own forward as
+  theirs does (the gallery's shuffled BatchNorm, the queue and the momentum update are ours); and train.py's whole
+  step (both views through the backbone in one batch, as DESIGN.md has it) with a network without BatchNorm, for
+  which the two are the same function.
 - 2 and 3 processes: the queue's loss, per-view losses, every probe's gradient and the queue after two steps (both
   enqueue modes, ArcFace), and the gallery's shuffled-BN features, against a dense float64 reference written here.
 - train.py with sst: a run resumed after every step is the uninterrupted run bit for bit (queue, pointer, gallery
@@ -14,6 +16,7 @@
 from __future__ import annotations
 
 import ast
+import contextlib
 import copy
 import json
 import logging
@@ -34,14 +37,16 @@ from backbones import get_model
 from checkpoint.pointer import POINTER_NAME
 from checkpoint.sharded import restore_state, save_state
 from losses import CombinedMarginLoss
+from partial_fc import PartialFC
 from prototype_queue import DRAW_SEED, PrototypeQueue
 from tests.distributed_helpers import run_world
 from tests.run_helpers import assert_same_run, run_here
 from tests.test_train_errors import only_line
 from tests.toy_state import INFO, PROGRESS, make_model
 from training.components import SavedPosition
-from training.semi_siamese import SHUFFLE_SEED, SemiSiamese
-from training.state import build_components
+from training.semi_siamese import SHUFFLE_SEED, SemiSiamese, semi_siamese
+from training.state import TrainingState, build_components, build_optimizer
+from training.step import StepOutcome, train_step
 from utils.image import normalize
 
 FACEX_ZOO = Path("/work/.mirror/JDAI-CV+FaceX-Zoo/repo")  # the `fetch github:JDAI-CV/FaceX-Zoo` git directory
@@ -81,57 +86,128 @@ def python_seed_drawing(heads: list[bool]) -> int:
     raise AssertionError(f"no seed below 10000 draws {heads}")
 
 
-@pytest.mark.skipif(not FACEX_ZOO.is_dir(), reason=NO_MIRROR)
-def test_three_steps_equal_facex_zoos_sst_steps_in_float64():
-    facex = facex_namespace()
-    batch, dim, seed, steps, alpha = 4, 16, 5, 3, 0.9
-    queue_size = 2 * batch  # the third step's slots wrap to the start
+FACEX_BATCH, FACEX_DIM, FACEX_SEED, FACEX_STEPS, ALPHA = 4, 16, 5, 3, 0.9
+FACEX_QUEUE = 2 * FACEX_BATCH  # the third step's slots wrap to the start
+SGD = {"lr": 0.1, "momentum": 0.9, "weight_decay": 5e-4}  # FaceX-Zoo's train.py's optimizer
+
+
+class FaceXZoo:
+    """FaceX-Zoo's SST training from `backbone`'s weights and the queue `start` (D, Q), one train_one_epoch per step
+    (its loss logged by its AverageMeter), the view it enqueues drawn by Python's `random` as `heads` says."""
+
+    def __init__(self, backbone: nn.Module, start: torch.Tensor, heads: list[bool]):
+        self.code = facex_namespace()
+        self.probe, self.gallery = copy.deepcopy(backbone), copy.deepcopy(backbone)
+        self.prototype = self.code["SST_Prototype"](feat_dim=FACEX_DIM, queue_size=FACEX_QUEUE, scale=S,
+                                                    loss_type="am_softmax", margin=M)
+        self.prototype.queue = start.t().clone()
+        self.code["moving_average"](self.probe, self.gallery, 0)
+        self.probe.train()
+        self.gallery.eval().apply(self.code["train_BN"])
+        self.optimizer = torch.optim.SGD(self.probe.parameters(), **SGD)
+        self.conf = SimpleNamespace(alpha=ALPHA, print_freq=1000, writer=SimpleNamespace(add_scalar=lambda *a: None),
+                                    save_freq=1000, epoches=1000, out_dir=None)
+        random.seed(python_seed_drawing(heads))
+
+    def step(self, number: int, images: torch.Tensor, labels: torch.Tensor) -> float:
+        views = normalize(images).double()
+        meter = self.code["AverageMeter"]()
+        self.code["train_one_epoch"]([(views[:, 0], views[:, 1], labels)], self.probe, self.gallery, self.prototype,
+                                     self.optimizer, nn.CrossEntropyLoss(), number + 1, self.conf, meter)
+        return meter.avg
+
+
+def facex_inputs() -> tuple[torch.Tensor, torch.Tensor, list[bool]]:
+    """Each step's records (uint8), the labels, and which view our queue enqueues each step (prototype_queue.py's
+    draw from the seed and the step)."""
+    images = torch.randint(0, 256, (FACEX_STEPS, FACEX_BATCH, 2, 3, 112, 112), dtype=torch.uint8,
+                           generator=torch.Generator().manual_seed(1))
+    heads = [torch.rand((), generator=torch.Generator().manual_seed(FACEX_SEED * DRAW_SEED + step)).item() > 0.5
+             for step in range(FACEX_STEPS)]
+    return images, torch.arange(FACEX_BATCH), heads
+
+
+def assert_same_as_facex(ours: SemiSiamese, theirs: FaceXZoo) -> None:
+    """The pointer, every slot, and the probe's and the gallery's every tensor."""
+    assert ours.queue.pointer == theirs.prototype.index
+    torch.testing.assert_close(ours.queue.queue, theirs.prototype.queue.t(), rtol=1e-9, atol=1e-12)
+    for mine, facex_net in ((ours.backbone, theirs.probe), (ours.gallery, theirs.gallery)):
+        for (name, value), their in zip(mine.state_dict().items(), facex_net.state_dict().values(), strict=True):
+            torch.testing.assert_close(value, their, rtol=1e-9, atol=1e-12,
+                                       msg=lambda text, name=name: f"{name}: {text}")
+
+
+@contextlib.contextmanager
+def float64_default():
     previous = torch.get_default_dtype()
     torch.set_default_dtype(torch.float64)
     try:
-        torch.manual_seed(0)
-        backbone = get_model("r18", num_features=dim, width_mult=0.0625)
-        probe_net, gallery_net = copy.deepcopy(backbone), copy.deepcopy(backbone)
-        sst = SemiSiamese(backbone, PrototypeQueue(CombinedMarginLoss(S, 1.0, 0.0, M), dim, queue_size, seed), alpha)
-        prototype = facex["SST_Prototype"](feat_dim=dim, queue_size=queue_size, scale=S, loss_type="am_softmax",
-                                           margin=M)
+        yield
     finally:
         torch.set_default_dtype(previous)
-    prototype.queue = sst.queue.queue.t().clone()  # the same start: our seeded queue
-    facex["moving_average"](probe_net, gallery_net, 0)
-    probe_net.train()
-    gallery_net.eval().apply(facex["train_BN"])
-    sgd = {"lr": 0.1, "momentum": 0.9, "weight_decay": 5e-4}  # their train.py's optimizer
-    theirs_sgd, ours_sgd = torch.optim.SGD(probe_net.parameters(), **sgd), torch.optim.SGD(backbone.parameters(), **sgd)
-    conf = SimpleNamespace(alpha=alpha, print_freq=1000, writer=SimpleNamespace(add_scalar=lambda *args: None),
-                           save_freq=1000, epoches=1000, out_dir=None)
-    images = torch.randint(0, 256, (steps, batch, 2, 3, 112, 112), dtype=torch.uint8,
-                           generator=torch.Generator().manual_seed(1))
-    labels = torch.arange(batch)
-    heads = [torch.rand((), generator=torch.Generator().manual_seed(seed * DRAW_SEED + step)).item() > 0.5
-             for step in range(steps)]  # which view our queue enqueues each step: prototype_queue.py's draw
-    random.seed(python_seed_drawing(heads))
+
+
+@pytest.mark.skipif(not FACEX_ZOO.is_dir(), reason=NO_MIRROR)
+def test_three_steps_of_the_r18_probe_gallery_and_queue_equal_facex_zoos_in_float64():
+    """r18 with BatchNorm: the probe embeds each view in its own forward here, as FaceX-Zoo's does; the gallery's
+    shuffled BatchNorm, the swap, the queue and the momentum update are ours."""
+    images, labels, heads = facex_inputs()
+    with float64_default():
+        torch.manual_seed(0)
+        backbone = get_model("r18", num_features=FACEX_DIM, width_mult=0.0625)
+        sst = SemiSiamese(backbone, PrototypeQueue(CombinedMarginLoss(S, 1.0, 0.0, M), FACEX_DIM, FACEX_QUEUE,
+                                                   FACEX_SEED), ALPHA)
+    theirs = FaceXZoo(backbone, sst.queue.queue, heads)
+    optimizer = torch.optim.SGD(backbone.parameters(), **SGD)
     backbone.train()
-    for step in range(steps):
+    for step in range(FACEX_STEPS):
+        expected = theirs.step(step, images[step], labels)
         views = normalize(images[step]).double()
-        meter = facex["AverageMeter"]()
-        facex["train_one_epoch"]([(views[:, 0], views[:, 1], labels)], probe_net, gallery_net, prototype,
-                                 theirs_sgd, nn.CrossEntropyLoss(), step + 1, conf, meter)
-        probes = [backbone(views[:, view]) for view in range(2)]
-        loss, per_view = sst.loss(probes, images[step], labels, pfc=None)
-        ours_sgd.zero_grad()
+        loss, per_view = sst.loss([backbone(views[:, view]) for view in range(2)], images[step], labels, pfc=None)
+        optimizer.zero_grad()
         loss.backward()
-        ours_sgd.step()
+        optimizer.step()
         sst.after_step()
-        assert loss.item() == pytest.approx(meter.avg, rel=1e-10), step
-        assert per_view.mean().item() == pytest.approx(meter.avg, rel=1e-10)
-        assert sst.queue.pointer == prototype.index
-        torch.testing.assert_close(sst.queue.queue, prototype.queue.t(), rtol=1e-9, atol=1e-12)
-    for ours, facex_net in ((backbone, probe_net), (sst.gallery, gallery_net)):
-        for (name, mine), their in zip(ours.state_dict().items(), facex_net.state_dict().values(), strict=True):
-            torch.testing.assert_close(mine, their, rtol=1e-9, atol=1e-12,
-                                       msg=lambda text, name=name: f"{name}: {text}")
+        assert loss.item() == pytest.approx(expected, rel=1e-10), step
+        assert per_view.mean().item() == pytest.approx(expected, rel=1e-10)
+    assert_same_as_facex(sst, theirs)
     assert not torch.equal(sst.gallery.state_dict()["fc.weight"], backbone.state_dict()["fc.weight"])
+
+
+class Float64(nn.Module):
+    """The step's float32 images in float64."""
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        return images.double()
+
+
+@pytest.mark.skipif(not FACEX_ZOO.is_dir(), reason=NO_MIRROR)
+def test_three_of_train_steps_equal_facex_zoos_sst_steps_in_float64():
+    """train.py's step (training/step.py: both views through the backbone in one batch, the SST loss, the optimizer
+    train.py builds, the commit and the momentum update) with a network without BatchNorm, for which one batch and
+    FaceX-Zoo's forward per view are the same function."""
+    images, labels, heads = facex_inputs()
+    with float64_default():
+        torch.manual_seed(0)
+        backbone = nn.Sequential(Float64(), nn.Flatten(), nn.Linear(3 * 112 * 112, FACEX_DIM))
+        pfc = PartialFC(CombinedMarginLoss(S, 1.0, 0.0, M), FACEX_DIM, FACEX_BATCH, seed=FACEX_SEED)
+        optimizer = build_optimizer(SimpleNamespace(lr=SGD["lr"], backbone_lr_mult=1.0, optimizer="sgd",
+                                                    momentum=SGD["momentum"], weight_decay=SGD["weight_decay"]),
+                                    backbone, pfc)
+        state = TrainingState(backbone=backbone, ddp_backbone=backbone, pfc=pfc, optimizer=optimizer,
+                              scheduler=torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0),
+                              scaler=torch.amp.GradScaler("cpu", enabled=False), precision=None)
+        state.components = build_components(state, {**SST_CONFIG, "sst_queue_size": FACEX_QUEUE,
+                                                    "sst_enqueue": "one", "sst_momentum": ALPHA})
+    sst = semi_siamese(state)
+    theirs = FaceXZoo(backbone, sst.queue.queue, heads)
+    for step in range(FACEX_STEPS):
+        expected = theirs.step(step, images[step], labels)
+        losses, outcome = train_step(state, [(images[step], labels)], SimpleNamespace(max_grad_norm=1e9,
+                                                                                     freeze_backbone_steps=0))
+        assert outcome == StepOutcome.TAKEN and losses[0].item() == pytest.approx(expected, rel=1e-10), step
+    assert_same_as_facex(sst, theirs)
+    assert pfc.weight.grad is None  # the queue alone: the centres are out of the step
 
 
 # --- 2 and 3 processes against a dense float64 reference -------------------------------------------------------
