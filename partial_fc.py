@@ -163,11 +163,7 @@ class PartialFC(nn.Module):
 
     def load_margin_state_dict(self, saved: dict) -> None:
         """Put back what margin_state_dict returned, bit for bit."""
-        state = torch.tensor(saved["state"], dtype=self.margin_state.dtype)
-        if state.shape != self.margin_state.shape:
-            raise ValueError(f"the saved margin state has {state.numel()} values where {self.margin_loss!r} keeps "
-                             f"{self.margin_state.numel()}")
-        self.margin_state.copy_(state)
+        load_margin_state(self.margin_state, saved["state"], self.margin_loss)
         self.margin_step = int(saved["step"])
 
     def forward(self, embeddings: torch.Tensor | Sequence[torch.Tensor],
@@ -264,6 +260,15 @@ class PartialFC(nn.Module):
         room = num_sample >= local_labels.numel()
         index = torch.topk(scores, k=num_sample if room else max(num_sample, int(positive[:-1].sum())))[1].sort()[0]
         return index, torch.where(has_target, torch.searchsorted(index, local_labels.clamp_min(0)), -1)
+
+
+def load_margin_state(state: torch.Tensor, saved: list[float], family: MarginFamily) -> None:
+    """A margin family's saved state (plain numbers, exact) into its buffer, in place."""
+    values = torch.tensor(saved, dtype=state.dtype)
+    if values.shape != state.shape:
+        raise ValueError(f"the saved margin state has {values.numel()} values where {family!r} keeps "
+                         f"{state.numel()}")
+    state.copy_(values)
 
 
 def sharded_margin_softmax(gathered: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,

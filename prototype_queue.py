@@ -31,7 +31,14 @@ import torch
 from torch import nn
 
 from losses import GlobalRows, MarginFamily
-from partial_fc import NORM_EPS, all_gather_rows, class_range, initial_centres, sharded_margin_softmax
+from partial_fc import (
+    NORM_EPS,
+    all_gather_rows,
+    class_range,
+    initial_centres,
+    load_margin_state,
+    sharded_margin_softmax,
+)
 from utils.distributed import rank, world
 from utils.errors import ConfigError
 
@@ -148,9 +155,5 @@ class PrototypeQueue(nn.Module):
 
     def load_position_dict(self, saved: dict) -> None:
         """Put back what position_dict returned, bit for bit."""
-        state = torch.tensor(saved["margin_state"], dtype=self.margin_state.dtype)
-        if state.shape != self.margin_state.shape:
-            raise ValueError(f"the saved queue margin state has {state.numel()} values where {self.margin_loss!r} "
-                             f"keeps {self.margin_state.numel()}")
-        self.margin_state.copy_(state)
+        load_margin_state(self.margin_state, saved["margin_state"], self.margin_loss)
         self.pointer, self.step, self.margin_step = int(saved["pointer"]), int(saved["step"]), int(saved["margin_step"])

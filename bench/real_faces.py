@@ -64,6 +64,8 @@ ADAMW = {"optimizer": "'adamw'", "lr": "0.002", "weight_decay": "0.05", "margin_
 ROWS: dict[str, dict[str, str]] = {
     "one_view": {**ARCFACE_SGD, "num_views": "1"},
     "two_view": {**ARCFACE_SGD, "num_views": "2"},
+    # the two-view row with semi-siamese training's queue for the centres (configs/lfw_r18_sst.py's)
+    "sst": {**ARCFACE_SGD, "num_views": "2", "sst": "True", "sst_queue_size": "4096", "sst_momentum": "0.99"},
     "cosface": {**ADAMW, "margin_family": "'combined'", "margin_list": "(1.0, 0.0, 0.35)"},
     "arcface": {**ADAMW, "margin_family": "'combined'", "margin_list": "(1.0, 0.5, 0.0)"},
     "subcenter": {**ADAMW, "margin_family": "'subcenter'", "margin_list": "(1.0, 0.0, 0.35)"},

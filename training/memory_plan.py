@@ -36,7 +36,7 @@ from types import SimpleNamespace
 import torch
 
 from partial_fc import class_range
-from training.backbone_trace import backbone_memory
+from training.backbone_trace import backbone_memory, inference_memory
 from training.state import num_subcenters, precision
 from utils.compat import half_gemm_inputs
 from utils.image import IMAGE_SIZE
@@ -111,17 +111,23 @@ def _staging_bytes(cfg: SimpleNamespace, plan: dict[str, int | None], backbone_s
 
 
 def _semi_siamese(cfg: SimpleNamespace, world_size: int, gallery: int) -> dict[str, int]:
-    """The SST items (prototype_queue.py, training/semi_siamese.py): 0 without sst."""
+    """The SST items (prototype_queue.py, training/semi_siamese.py): 0 without sst. queue_logits is the larger of
+    the gallery's pass (the global batch's records gathered, one view of this rank's slice embedded without
+    gradient, the other view's features) and the queue's softmax that follows it."""
     if not cfg.sst:
         return dict.fromkeys(("prototype_queue", "gallery_network", "queue_logits"), 0)
     slots, d = class_range(cfg.sst_queue_size, 0, world_size)[1], cfg.embedding_size
     n = cfg.batch_size * world_size  # rows of one view
+    forward = inference_memory(cfg.network, cfg.network_kwargs, cfg.embedding_size, cfg.dropout, precision(cfg))
+    # the global batch's records (one process: its own, already counted) and this rank's slice of a view
+    gathered = ((n * cfg.num_views if world_size > 1 else 0) + cfg.batch_size) * IMAGE_BYTES
+    gallery_pass = gathered + forward.peak(cfg.batch_size) + (2 * n * d + n) * FLOAT32  # features, the permutation
     per_view = slots * d + n * slots + 2 * slots  # the queue's copy, the (N, slots) buffer, the slots' norms
     probes = (2 * 2 * cfg.batch_size + 2 * n) * d  # both views stacked and normalised, then gathered
     # the gallery features as the gallery gave them, and normalised for each micro-batch until the commit
     waiting = 2 * n * d * (1 + cfg.gradient_acc)
     return {"prototype_queue": slots * d * FLOAT32, "gallery_network": gallery,
-            "queue_logits": (2 * per_view + probes + waiting) * FLOAT32}
+            "queue_logits": max(gallery_pass, (2 * per_view + probes + waiting) * FLOAT32)}
 
 
 def _queue_backward(cfg: SimpleNamespace, world_size: int) -> int:
