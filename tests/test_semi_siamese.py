@@ -47,6 +47,7 @@ from training.components import SavedPosition
 from training.semi_siamese import SHUFFLE_SEED, SemiSiamese, semi_siamese
 from training.state import TrainingState, build_components, build_optimizer
 from training.step import StepOutcome, train_step
+from utils.errors import ConfigError
 from utils.image import normalize
 
 FACEX_ZOO = Path("/work/.mirror/JDAI-CV+FaceX-Zoo/repo")  # the `fetch github:JDAI-CV/FaceX-Zoo` git directory
@@ -197,8 +198,8 @@ def test_three_of_train_steps_equal_facex_zoos_sst_steps_in_float64():
         state = TrainingState(backbone=backbone, ddp_backbone=backbone, pfc=pfc, optimizer=optimizer,
                               scheduler=torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0),
                               scaler=torch.amp.GradScaler("cpu", enabled=False), precision=None)
-        state.components = build_components(state, {**SST_CONFIG, "sst_queue_size": FACEX_QUEUE,
-                                                    "sst_enqueue": "one", "sst_momentum": ALPHA})
+        state.components = build_components(state, {**SST_CONFIG, "sst_queue_size": FACEX_QUEUE, "sst_enqueue": "one",
+                                                    "batch_size": FACEX_BATCH, "sst_momentum": ALPHA})
     sst = semi_siamese(state)
     theirs = FaceXZoo(backbone, sst.queue.queue, heads)
     for step in range(FACEX_STEPS):
@@ -368,8 +369,9 @@ def test_a_resumed_run_is_the_uninterrupted_run_bit_for_bit(data, tmp_path):
     assert all(torch.equal(split["gallery"][name], whole["gallery"][name]) for name in whole["gallery"])
 
 
-SST_CONFIG = {"sst": True, "freeze_backbone_steps": 0, "sst_centre_weight": 0.0, "sst_queue_size": 17,
-              "view_weights": None, "sst_enqueue": "both", "compile_margin_softmax": False, "sst_momentum": 0.9}
+SST_CONFIG = {"sst": True, "freeze_backbone_steps": 0, "batch_size": 2, "gradient_acc": 1, "sst_centre_weight": 0.0,
+              "sst_queue_size": 17, "view_weights": None, "sst_enqueue": "both", "compile_margin_softmax": False,
+              "sst_momentum": 0.9}
 
 
 def toy_with_queue(seed: int) -> tuple[SimpleNamespace, SemiSiamese]:
@@ -431,3 +433,16 @@ def test_the_dry_run_plans_rank_0s_queue_slots_and_a_whole_gallery_network(capsy
     assert status == 0 and memory["prototype_queue"] == 134 * 128 * 4
     assert memory["gallery_network"] == sum(t.numel() * t.element_size() for t in backbone.state_dict().values())
     assert memory["queue_logits"] > 2 * 134 * 128 * 4  # both views' copies of the slots, and more
+
+
+def _too_small_a_queue(rank: int, world_size: int) -> str:
+    model = make_model("sgd")
+    with pytest.raises(ConfigError) as error:
+        build_components(model, {**SST_CONFIG, "batch_size": 4, "gradient_acc": 1, "sst_queue_size": 15})
+    return str(error.value)
+
+
+def test_a_queue_smaller_than_what_a_step_of_every_process_enqueues_stops_every_rank_before_a_step():
+    assert run_world(_too_small_a_queue, 2) == [
+        "config key 'sst_queue_size' (15) is smaller than the 16 gallery features a step of 2 process(es) enqueues; "
+        "raise it to at least that (a multiple of it keeps FaceX-Zoo's layout), or run fewer processes"] * 2

@@ -67,6 +67,11 @@ class SemiSiamese(Component):
         pfc: PartialFC = state.pfc
         queue = PrototypeQueue(pfc.margin_loss, pfc.embedding_size, config["sst_queue_size"], pfc.seed,
                                config["view_weights"], config["sst_enqueue"], config["compile_margin_softmax"])
+        written = queue.slots_per_step(config["batch_size"]) * config["gradient_acc"]
+        if written > queue.queue_size:  # before any step: every rank says it alike
+            raise ConfigError(f"config key 'sst_queue_size' ({queue.queue_size}) is smaller than the {written} gallery "
+                              f"features a step of {world()} process(es) enqueues; raise it to at least that (a "
+                              "multiple of it keeps FaceX-Zoo's layout), or run fewer processes")
         return cls(state.backbone, queue.to(pfc.weight.device), config["sst_momentum"], config["sst_centre_weight"])
 
     def loss(self, probes: Sequence[torch.Tensor], images: torch.Tensor, labels: torch.Tensor,
