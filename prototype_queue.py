@@ -83,7 +83,7 @@ class PrototypeQueue(nn.Module):
                 galleries: Sequence[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         """(loss, each view's mean cross-entropy (2,), detached) of this rank's probes (B, D) of both views against
         the queue, given both views' gallery features of the whole global batch (N, D), ordered (rank, sample) and
-        the same on every rank; then enqueues those. Collective."""
+        the same on every rank, which wait in ``pending`` for the step's ``commit``. Collective."""
         if len(probes) != 2 or len(galleries) != 2:
             raise ValueError(f"semi-siamese training takes two views, not {len(probes)} probes and "
                              f"{len(galleries)} galleries")
