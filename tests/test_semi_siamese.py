@@ -10,6 +10,7 @@
   which the two are the same function.
 - 2 and 3 processes: the queue's loss, per-view losses, every probe's gradient and the queue after two steps (both
   enqueue modes, ArcFace), and the gallery's shuffled-BN features, against a dense float64 reference written here.
+- a skipped step (non-finite loss) enqueues nothing and leaves the gallery as it was.
 - train.py with sst: a run resumed after every step is the uninterrupted run bit for bit (queue, pointer, gallery
   weights included), and a queue written by 2 processes resumes on 3 and 1 (every slot, pointer, gallery).
 """
@@ -188,6 +189,22 @@ def test_three_of_train_steps_equal_facex_zoos_sst_steps_in_float64():
     train.py builds, the commit and the momentum update) with a network without BatchNorm, for which one batch and
     FaceX-Zoo's forward per view are the same function."""
     images, labels, heads = facex_inputs()
+    state = linear_sst_state()
+    sst = semi_siamese(state)
+    theirs = FaceXZoo(state.backbone, sst.queue.queue, heads)
+    for step in range(FACEX_STEPS):
+        expected = theirs.step(step, images[step], labels)
+        losses, outcome = train_step(state, [(images[step], labels)], STEP)
+        assert outcome == StepOutcome.TAKEN and losses[0].item() == pytest.approx(expected, rel=1e-10), step
+    assert_same_as_facex(sst, theirs)
+    assert state.pfc.weight.grad is None  # the queue alone: the centres are out of the step
+
+
+STEP = SimpleNamespace(max_grad_norm=1e9, freeze_backbone_steps=0)  # what train_step reads of the config
+
+
+def linear_sst_state() -> TrainingState:
+    """A float64 training state with SST as FaceX-Zoo's train.sh sets it, over a network without BatchNorm."""
     with float64_default():
         torch.manual_seed(0)
         backbone = nn.Sequential(Float64(), nn.Flatten(), nn.Linear(3 * 112 * 112, FACEX_DIM))
@@ -200,15 +217,22 @@ def test_three_of_train_steps_equal_facex_zoos_sst_steps_in_float64():
                               scaler=torch.amp.GradScaler("cpu", enabled=False), precision=None)
         state.components = build_components(state, {**SST_CONFIG, "sst_queue_size": FACEX_QUEUE, "sst_enqueue": "one",
                                                     "batch_size": FACEX_BATCH, "sst_momentum": ALPHA})
+    return state
+
+
+def test_a_skipped_step_enqueues_nothing_and_leaves_the_gallery_as_it_was():
+    images, labels, _ = facex_inputs()
+    state = linear_sst_state()
     sst = semi_siamese(state)
-    theirs = FaceXZoo(backbone, sst.queue.queue, heads)
-    for step in range(FACEX_STEPS):
-        expected = theirs.step(step, images[step], labels)
-        losses, outcome = train_step(state, [(images[step], labels)], SimpleNamespace(max_grad_norm=1e9,
-                                                                                     freeze_backbone_steps=0))
-        assert outcome == StepOutcome.TAKEN and losses[0].item() == pytest.approx(expected, rel=1e-10), step
-    assert_same_as_facex(sst, theirs)
-    assert pfc.weight.grad is None  # the queue alone: the centres are out of the step
+    assert train_step(state, [(images[0], labels)], STEP)[1] == StepOutcome.TAKEN
+    queue, pointer, gallery = sst.queue.queue.clone(), sst.queue.pointer, copy.deepcopy(sst.gallery.state_dict())
+    with torch.no_grad():
+        state.backbone[2].weight[0, 0] = torch.nan  # every probe feature NaN: a non-finite loss
+    assert train_step(state, [(images[1], labels)], STEP)[1] == StepOutcome.LOSS_NONFINITE
+    assert torch.equal(sst.queue.queue, queue) and sst.queue.pointer == pointer and sst.queue.step == 1
+    assert all(torch.equal(value, gallery[name]) for name, value in sst.gallery.state_dict().items())
+    state.before_step()  # the next step forgets the skipped step's gallery features
+    assert sst.queue.pending == []
 
 
 # --- 2 and 3 processes against a dense float64 reference -------------------------------------------------------
