@@ -11,8 +11,9 @@
 - 2 and 3 processes: the queue's loss, per-view losses, every probe's gradient and the queue after two steps (both
   enqueue modes, ArcFace), and the gallery's shuffled-BN features, against a dense float64 reference written here.
 - a skipped step (non-finite loss) enqueues nothing and leaves the gallery as it was.
-- train.py with sst: a run resumed after every step is the uninterrupted run bit for bit (queue, pointer, gallery
-  weights included), and a queue written by 2 processes resumes on 3 and 1 (every slot, pointer, gallery).
+- train.py with sst: a run stopped after 2 steps and resumed for a third is the uninterrupted run bit for bit
+  (queue, pointer, gallery weights included), and a queue written by 2 processes resumes on 3 and 1 (every slot,
+  pointer, gallery). The dry run plans rank 0's slots and the gallery; a wrong sst key is one error line.
 """
 from __future__ import annotations
 
