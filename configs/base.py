@@ -64,6 +64,18 @@ view_weights: tuple[float, ...] | None = None  # loss weight per view; None: equ
 interclass_filtering_threshold: float = 0.0    # drop negatives with cosine above this (0: off)
 straight_through_margin: bool = False          # gradient of the margin taken as if no margin was applied
 
+# --- semi-siamese training (shallow data: few photos per identity; docs/training.md) ----------
+sst: bool = False                 # Semi-Siamese Training: each view's features (probe) classified against a queue of
+                                  # the other view's features from a momentum copy of the backbone (gallery, shuffled
+                                  # BatchNorm) instead of learned class centres; needs num_views=2
+sst_queue_size: int = 16384       # prototype queue slots over all processes (FaceX-Zoo's 16384), sharded like the
+                                  # centres; at least the gallery features a step enqueues (global batch, x2 for "both")
+sst_momentum: float = 0.999       # gallery <- m * gallery + (1 - m) * backbone after every step (FaceX-Zoo's alpha)
+sst_enqueue: Literal["one", "both"] = "one"  # gallery features a step enqueues: one view's, drawn per step
+                                  # (FaceX-Zoo's), or both views' (the queue turns over twice as fast)
+sst_centre_weight: float = 0.0    # w in [0, 1): loss = (1 - w) * queue loss + w * class-centre loss (0: the queue
+                                  # alone; the centres then get no gradient)
+
 # --- precision ----------------------------------------------------------------------------
 fp16: bool = False                # backbone in float16 autocast with a GradScaler (margin softmax stays float32)
 bf16: bool = False                # backbone in bfloat16 autocast, no scaler needed (exclusive with fp16)

@@ -26,6 +26,8 @@ DevTrain at 128 images a step: a multiple of 148 steps). Rows:
   "identity"``; a person with one photo gets it twice, flipped independently); ``two_view_augment``: two
   augmented copies of one photo; ``power_1``: the recipe with the LR decaying at power 1 (train_v2's);
 - ``arcface_sgd``: arcface_torch's one-GPU recipe (ArcFace at s = 64, SGD lr 0.02), one view;
+- ``sst``: two views, semi-siamese training's prototype queue in place of the centres (a queue of 4,096 gallery
+  features, momentum 0.99: configs/lfw_r18_sst.py's values);
 - one row per margin family on two views (``cosface``, ``arcface``, ``subcenter``, ``adaface``, ``curricular``,
   ``elastic_arc``, ``elastic_cos``) at s = 32 under AdamW, with each family's own keys as configs/base.py has them.
 Accuracy is Accuracy-Flip on 10 folds that each hold 50 same and 50 different pairs (eval.folds). The table gives
@@ -77,6 +79,8 @@ ROWS: dict[str, dict[str, str]] = {
     "two_view_augment": {"num_views": "2", "view_source": "'augment'"},
     "power_1": {"num_views": "2", "lr_power": "1.0"},
     "arcface_sgd": {**ARCFACE_SGD, "num_views": "1"},
+    # two views with semi-siamese training's queue in place of the centres (configs/lfw_r18_sst.py's values)
+    "sst": {"num_views": "2", "sst": "True", "sst_queue_size": "4096", "sst_momentum": "0.99"},
     "cosface": {**ADAMW, "margin_family": "'combined'", "margin_list": "(1.0, 0.0, 0.35)"},
     "arcface": {**ADAMW, "margin_family": "'combined'", "margin_list": "(1.0, 0.5, 0.0)"},
     "subcenter": {**ADAMW, "margin_family": "'subcenter'", "margin_list": "(1.0, 0.0, 0.35)"},

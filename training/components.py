@@ -81,6 +81,9 @@ class Component(Protocol):
         return {key: value for key, value in self.state_dict().items() if key in self.tensor_keys and key in
                 {fqn.split(".", 1)[0] for fqn in saved}}
 
+    def before_step(self) -> None:
+        """Called as every optimizer step begins, before its first forward."""
+
     def after_step(self) -> None:
         """Called after every optimizer step taken (not after a skipped one)."""
 

@@ -22,6 +22,7 @@ from partial_fc import PartialFC
 from training.components import Centres, Component, GradScale, MarginState, Optimizer, Schedule
 from training.ema import BackboneEMA
 from training.optimizer import RowSparseAdamW, RowSparseSGD
+from training.semi_siamese import SemiSiamese
 from training.speedups import check_speedups, compiled_for_the_step, to_channels_last
 from utils.compat import ddp_without_buffer_sync
 from utils.distributed import world
@@ -45,6 +46,12 @@ class TrainingState:
     def __post_init__(self) -> None:
         if not self.components:  # built by hand (a test, a tool): the components every run has
             self.components = build_components(self, {})
+
+    def before_step(self) -> None:
+        """A step begins: the components that hold what a step proposes (the SST queue's features) forget what a
+        skipped step left."""
+        for component in self.components:
+            component.before_step()
 
     def after_step(self) -> None:
         """An optimizer step was taken: the components that follow the weights (an EMA) follow it."""
@@ -78,6 +85,7 @@ COMPONENTS: tuple[type[Component], ...] = (
     GradScale,
     MarginState,
     BackboneEMA,
+    SemiSiamese,
 )
 
 
