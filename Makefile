@@ -64,7 +64,7 @@ COMPAT_TESTS := \
 	tests/test_export_inference.py::test_export_of_mbf_matches_pytorch_in_onnxruntime
 # The device check's CPU rehearsal (every row for real at tiny shapes, ~3-8 minutes) under the GPU machine's
 # torch: PY=python is that venv's (the script would otherwise take .venv's).
-COMPAT_CHECKS_2.11.0 := PY=python bash bench/gpu_check.sh --tiny
+COMPAT_CHECKS_2.11.0 := PY=python bash gpu_acceptance/gpu_check.sh --tiny
 
 $(COMPAT_VENV)/.installed: requirements.txt
 	test -x $(COMPAT_PY) || python3 -m venv $(COMPAT_VENV)

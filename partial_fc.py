@@ -163,11 +163,7 @@ class PartialFC(nn.Module):
 
     def load_margin_state_dict(self, saved: dict) -> None:
         """Put back what margin_state_dict returned, bit for bit."""
-        state = torch.tensor(saved["state"], dtype=self.margin_state.dtype)
-        if state.shape != self.margin_state.shape:
-            raise ValueError(f"the saved margin state has {state.numel()} values where {self.margin_loss!r} keeps "
-                             f"{self.margin_state.numel()}")
-        self.margin_state.copy_(state)
+        load_margin_state(self.margin_state, saved["state"], self.margin_loss)
         self.margin_step = int(saved["step"])
 
     def forward(self, embeddings: torch.Tensor | Sequence[torch.Tensor],
@@ -192,13 +188,13 @@ class PartialFC(nn.Module):
         dtype = torch.promote_types(torch.promote_types(torch.float32, views[0].dtype), self.weight.dtype)
         local = torch.stack(views).to(dtype)  # (V, B, D): one gather and one GEMM for all views
         normalized = nn.functional.normalize(local, dim=-1, eps=NORM_EPS)
-        gathered = _AllGatherRows.apply(normalized.reshape(-1, self.embedding_size))
+        gathered = all_gather_rows(normalized.reshape(-1, self.embedding_size))
 
         num_views, batch = len(views), labels.numel()
         norms = None
         if self.margin_loss.reads_norms:
             with torch.no_grad():  # the norms set margins; no gradient flows through them (AdaFace)
-                norms = _AllGatherRows.apply(local.norm(dim=-1).reshape(-1))
+                norms = all_gather_rows(local.norm(dim=-1).reshape(-1))
         rows = GlobalRows(self.world_size, num_views, batch, norms, self.seed, self.margin_step)
         global_batch = batch * self.world_size
         # gathered rows are ordered (rank, view, sample): repeat labels and view weights to match
@@ -207,13 +203,9 @@ class PartialFC(nn.Module):
         row_coef = torch.cat([torch.full((batch,), weight / global_batch, dtype=dtype, device=gathered.device)
                               for weight in weights]).repeat(self.world_size)
 
-        device_type = gathered.device.type
-        gemm_dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else None
-        with torch.autocast(device_type, enabled=False):
-            loss, row_losses = _ShardedMarginSoftmax.apply(
-                gathered, self.weight, rows_index, row_labels, row_coef, self.margin_loss, gemm_dtype,
-                self.margin_state, rows, self.num_subcenters, self.sparse_grad,
-                _compiled_passes() if self.compile_margin_softmax else _EAGER_PASSES)
+        loss, row_losses = sharded_margin_softmax(
+            gathered, self.weight, row_labels, row_coef, self.margin_loss, self.margin_state, rows,
+            self.compile_margin_softmax, rows_index, self.num_subcenters, self.sparse_grad)
         self.margin_step += 1
         if self.defer_label_check:
             loss = torch.where(bad_label, torch.nan, loss)
@@ -268,6 +260,36 @@ class PartialFC(nn.Module):
         room = num_sample >= local_labels.numel()
         index = torch.topk(scores, k=num_sample if room else max(num_sample, int(positive[:-1].sum())))[1].sort()[0]
         return index, torch.where(has_target, torch.searchsorted(index, local_labels.clamp_min(0)), -1)
+
+
+def load_margin_state(state: torch.Tensor, saved: list[float], family: MarginFamily) -> None:
+    """A margin family's saved state (plain numbers, exact) into its buffer, in place."""
+    values = torch.tensor(saved, dtype=state.dtype)
+    if values.shape != state.shape:
+        raise ValueError(f"the saved margin state has {values.numel()} values where {family!r} keeps "
+                         f"{state.numel()}")
+    state.copy_(values)
+
+
+def sharded_margin_softmax(gathered: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
+                           row_coef: torch.Tensor, family: MarginFamily, margin_state: torch.Tensor,
+                           rows: GlobalRows, compiled: bool, index: torch.Tensor | None = None, k: int = 1,
+                           sparse_grad: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """(sum of row_coef * row loss over every rank's rows, the row losses) of the margin softmax of the global
+    batch's normalised rows `gathered` against this rank's `weight` rows (`index` of them when sampling), the
+    softmax in float32 or wider whatever the autocast: PartialFC's classifier, and any other whose columns are
+    sharded over ranks (prototype_queue.py's). Labels are local column numbers, -1 where the target is not here."""
+    device_type = gathered.device.type
+    gemm_dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else None
+    with torch.autocast(device_type, enabled=False):
+        return _ShardedMarginSoftmax.apply(gathered, weight, index, labels, row_coef, family, gemm_dtype, margin_state,
+                                           rows, k, sparse_grad, _compiled_passes() if compiled else _EAGER_PASSES)
+
+
+def all_gather_rows(rows: torch.Tensor) -> torch.Tensor:
+    """Every rank's rows, in rank order; the backward gives each rank the gradient of its own rows (times the
+    world size, for DDP: _AllGatherRows)."""
+    return _AllGatherRows.apply(rows)
 
 
 def _subcentre_rows(classes: torch.Tensor, k: int) -> torch.Tensor:

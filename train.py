@@ -332,7 +332,8 @@ def _train_in_folder(cfg: SimpleNamespace, device: torch.device, source, restart
         log.warning(advice)
     dataset = build_dataset(cfg.rec, num_views=cfg.num_views, view_source=cfg.view_source,
                             num_classes=cfg.num_classes, flip=cfg.flip, skip_bad_records=cfg.skip_bad_records,
-                            seed=cfg.seed, dali_aug=cfg.dali_aug, num_samples=cfg.num_image)
+                            seed=cfg.seed, dali_aug=cfg.dali_aug, num_samples=cfg.num_image,
+                            crop_scale=cfg.crop_scale, erase_p=cfg.erase_p)
     loader = build_loader(dataset, cfg.batch_size, rank=rank(), world_size=world(), seed=cfg.seed,
                           num_workers=cfg.num_workers, device=device, gpu_decode=cfg.dali)
     counter = StepCounter(steps_per_epoch=_steps_per_epoch(loader, cfg.gradient_acc))

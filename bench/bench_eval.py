@@ -1,7 +1,7 @@
 """Evaluation speed and memory: eval.verification / eval.ijb against upstream's algorithms.
 
 Upstream's algorithms are the loop-per-threshold and loop-per-template references the tests check
-against (tests/test_verification.py, tests/test_ijb.py). Ratios are measured in this one run;
+against (references/verification.py, references/ijb.py). Ratios are measured in this one run;
 absolute times depend on the machine (the project's dev box: 2 CPU cores shared with others).
 
     python -m bench.bench_eval
@@ -14,8 +14,8 @@ import numpy as np
 
 from eval.ijb import template_features
 from eval.verification import evaluate
-from tests.test_ijb import upstream_template_features
-from tests.test_verification import planted_pairs, reference_evaluate
+from references.ijb import upstream_template_features
+from references.verification import planted_pairs, reference_evaluate
 
 
 def best_time(fn, repeats):

@@ -187,7 +187,7 @@ def measure(implementation: str, num_classes: int, device: torch.device, steps: 
 
 
 def table_row(num_classes: int, implementation: str, result: dict, dense: dict) -> str:
-    """One line of the table (bench/gpu_check.py parses it): time and peak above the weights, each also as a
+    """One line of the table (gpu_acceptance/gpu_check.py parses it): time and peak above the weights, each also as a
     ratio to the dense reference's, the time's floor, and the compile seconds of a compiled row."""
     compile_seconds = "-" if result.get("compile") is None else f"{result['compile']:.1f}"
     return (f"{num_classes:>9} {implementation:>15} {result['seconds'] * 1e3:>10.1f} "
@@ -252,7 +252,7 @@ def main() -> None:
              "interleaved."))
     if device.type == "cpu":
         print("CPU note: this machine's 2 cores may be shared; GPU figures need `--device cuda --fp16` "
-              "on a GPU (bash bench/gpu_throughput.sh pfc).")
+              "on a GPU (bash gpu_acceptance/gpu_throughput.sh pfc).")
     implementations = IMPLEMENTATIONS
     if args.compile:
         implementations += tuple(impl + COMPILED for impl in IMPLEMENTATIONS if impl != "dense")

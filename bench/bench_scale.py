@@ -17,7 +17,7 @@ more step. Per process it reports the peak resident memory above the interpreter
 imports, before training: VmHWM - VmRSS), the seconds of the save and of the load, and the
 `--dry-run` memory plan of the same configuration as a ratio of that peak. A last row saves on 4
 processes at the largest C and resumes on 2. Then, per item of the plan, the plan against one real
-step on 1 process at each C (bench/step_memory.py). GPU figures would need the same script with
+step on 1 process at each C (tools/step_memory.py). GPU figures would need the same script with
 `--device cuda` processes on a GPU machine: there the centres, logits and optimizer state live in GPU memory
 and the host holds only the staging of the save.
 """
@@ -33,8 +33,8 @@ import time
 from pathlib import Path
 
 import train
-from bench.step_memory import table
 from checkpoint import checkpointer, manifest, sharded
+from tools.step_memory import table
 from training.memory_plan import memory_plan
 from utils.config import load_config
 
@@ -180,8 +180,8 @@ def main(argv=None) -> int:
 
 
 def print_items(classes: list[int]) -> None:
-    """The plan per item against what one real step allocates on 1 process (bench/step_memory.py)."""
-    command = [sys.executable, "-m", "bench.step_memory", "configs/synthetic_pair.py", "--json"]
+    """The plan per item against what one real step allocates on 1 process (tools/step_memory.py)."""
+    command = [sys.executable, "-m", "tools.step_memory", "configs/synthetic_pair.py", "--json"]
     for item in SETTINGS:
         command += ["--set", item]
     for count in classes:

@@ -107,6 +107,26 @@ def timed(step, steps: int, device: torch.device) -> float:
     return (time.perf_counter() - start) / steps
 
 
+def median_step_times(steps: dict, rounds: int, steps_per_round: int, device: torch.device) -> dict[str, float]:
+    """Seconds per step of each of `steps` (name: a step to call), after a warm-up step each: the median of rounds
+    that run them in turn, so that a machine shared with other work slows them alike."""
+    for step in steps.values():  # warm-up: allocator, kernels
+        step()
+    times: dict[str, list[float]] = {name: [] for name in steps}
+    for _ in range(rounds):
+        for name, step in steps.items():
+            times[name].append(timed(step, steps_per_round, device))
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
+def where(device: torch.device) -> str:
+    """The device, as a benchmark's table names it."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return (f"CPU, {torch.get_num_threads()} thread(s) (on cores shared with other work: absolute numbers vary, "
+            "ratios hold)")
+
+
 def peak_of_one_mode(args, mode: str, device: torch.device) -> float:
     """GiB of GPU memory at the peak of one step of `mode`, after a warm-up step, alone in this process."""
     step = make_mode(args, mode, device)
@@ -137,20 +157,10 @@ def main(argv=None) -> int:
         return 0
     # One process per mode for GPU memory: in this one every mode's model and optimizer state stays allocated.
     peak = {mode: mode_peak_in_a_process(argv, mode) for mode in args.modes} if device.type == "cuda" else {}
-    steps = {mode: make_mode(args, mode, device) for mode in args.modes}
-    for step in steps.values():  # warm-up: allocator, kernels
-        step()
-    times = {mode: [] for mode in steps}
-    for _ in range(args.rounds):
-        for mode, step in steps.items():
-            times[mode].append(timed(step, args.steps, device))
-    median = {mode: statistics.median(t) for mode, t in times.items()}
-
-    where = (torch.cuda.get_device_name(device) if device.type == "cuda"
-             else f"CPU, {torch.get_num_threads()} thread(s) (on 2 cores shared with other work: absolute "
-                  "numbers vary, ratios hold)")
+    median = median_step_times({mode: make_mode(args, mode, device) for mode in args.modes}, args.rounds, args.steps,
+                               device)
     print(f"bench_train: {args.network} width {args.width_mult}, embedding {args.embedding_size}, B={args.batch_size} "
-          f"records, {args.classes} classes, fp16={args.fp16}, {where}; median of {args.rounds} rounds x "
+          f"records, {args.classes} classes, fp16={args.fp16}, {where(device)}; median of {args.rounds} rounds x "
           f"{args.steps} steps")
     header = f"{'mode':<30}{'images/step':>12}{'steps/s':>10}{'samples/s':>11}{'images/s':>10}{'time vs (a)':>13}"
     if peak:

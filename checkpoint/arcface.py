@@ -30,7 +30,7 @@ import torch
 from backbones import suggest_network
 from checkpoint.restored import Restored
 from partial_fc import PartialFC, class_range
-from training.state import TrainingState
+from training.state import TrainingState, restore_components
 from utils.distributed import agreed, is_main
 from utils.errors import CheckpointError
 from utils.lr_scheduler import schedule_power
@@ -325,12 +325,11 @@ def restore_arcface(marker: Path, architecture: dict, state: TrainingState, stre
     if centre_state:
         optimizer_state[len(state.optimizer.param_groups[0]["params"])] = centre_state
     # This run's param groups stay: its config says lr, momentum and weight decay; what the files said
-    # goes back as Restored.config, and the resume logs where the two differ.
-    state.optimizer.load_state_dict({"state": optimizer_state,
-                                     "param_groups": state.optimizer.state_dict()["param_groups"]})
-    # The converter restores into networks and an optimizer alone: no schedule to compare with.
-    scheduler = getattr(state, "scheduler", None)
-    _log_import(layout, centre_state, None if scheduler is None else schedule_power(scheduler))
+    # goes back as Restored.config, and the resume logs where the two differ. No schedule in pairface's form:
+    # the resume jumps to the step; no grad scaler, EMA or margin state: they start afresh.
+    restore_components(state, {"optimizer": {str(index): values for index, values in optimizer_state.items()},
+                               "param_groups": state.optimizer.state_dict()["param_groups"]})
+    _log_import(layout, centre_state, schedule_power(state.scheduler))
     return Restored(progress={"global_step": layout.global_step, "steps_per_epoch": layout.steps_per_epoch,
                               "nonfinite_total": 0},
                     world_size=layout.world_size, config=layout.settings, rank_state=None,
@@ -366,7 +365,7 @@ def _read_rows(layout: Layout, pfc: PartialFC, stream: TextIO | None) -> dict[st
     return targets
 
 
-def _log_import(layout: Layout, centre_state: dict, power: float | None) -> None:
+def _log_import(layout: Layout, centre_state: dict, power: float) -> None:
     what = ["backbone", f"{layout.num_classes} class centres"]
     if centre_state:
         what.append(f"{layout.optimizer} {'momentum' if layout.optimizer == 'SGD' else 'moments'}")
@@ -376,7 +375,7 @@ def _log_import(layout: Layout, centre_state: dict, power: float | None) -> None
              layout.world_size, layout.global_step, ", ".join(what),
              "" if layout.kind == TRAIN_V2 else "; the 2021 layout holds no step, LR schedule or backbone optimizer "
              "state: training starts at step 0, as arcface_torch restarted it")
-    if layout.schedule and power is not None and layout.schedule["power"] != power and is_main():
+    if layout.schedule and layout.schedule["power"] != power and is_main():
         log.warning("arcface_torch's LR schedule in %s decays with power %g (train_v2's default), pairface's with "
                     "power %g: from here on the learning rate follows pairface's curve (set lr_power=%g to keep "
                     "arcface_torch's)", layout.folder, layout.schedule["power"], power, layout.schedule["power"])

@@ -58,7 +58,7 @@ from checkpoint.safe_dcp import SHARD_FILE, MetadataError, SafeReader, TensorsOn
 from checkpoint.state_file import STATE_NAME, check_state
 from training.components import Component, rank_components
 from training.fields import StateFieldError
-from training.state import TrainingState, exported_backbone
+from training.state import TrainingState, exported_backbone, restore_components
 from utils.atomic import atomic_save, fsync_dir, os_error_behind, write_bytes
 from utils.compat import DCP_ALONE_WARNING, SHARDED_TENSOR_WARNING, dcp_group
 from utils.distributed import agreed, gather_objects, is_initialized, is_main, raise_first, rank, world
@@ -355,10 +355,8 @@ def _apply(verified: Verified, loaded: dict, state: TrainingState) -> Restored:
     backbone = load_torch_file(verified.folder / BACKBONE_NAME,
                                lambda reason: damaged(verified.folder, f"{BACKBONE_NAME}: {reason}"))
     state.backbone.load_state_dict(backbone, strict=True)
-    for component in state.components:
-        saved = {key: run[key] for key in component.keys if key not in component.tensor_keys and key in run}
-        saved.update({key: loaded[key] for key in component.tensor_keys if key in loaded})
-        component.load_state_dict(saved)
+    tensor_keys = {key for component in state.components for key in component.tensor_keys}
+    restore_components(state, {**{key: value for key, value in run.items() if key not in tensor_keys}, **loaded})
     held = {fqn.split(".", 1)[0] for fqn in verified.tensors} | set(run) - RUN_RECORD
     unused = sorted(held - {key for component in state.components for key in component.keys})
     if unused and is_main():
@@ -371,7 +369,9 @@ def _apply(verified: Verified, loaded: dict, state: TrainingState) -> Restored:
 
 def read_whole(folder: Path) -> tuple[dict, dict]:
     """A verified checkpoint folder read whole in this process (the converter's view): ({"centres",
-    "optimizer": {index: {name: tensor}}, "backbone"}, state.json). Every centre row is held once."""
+    "optimizer": {index: {name: tensor}}, "backbone"} and, from a run with an EMA, "ema": {name: tensor},
+    state.json). "backbone" is backbone.pth, the exported backbone (with an EMA the averages; the trained
+    parameters are "ema": training/ema.py's trained_state_dict joins them). Every centre row is held once."""
     verified = verify_folder(folder)
     verify_shards(verified)
     with _quiet_when_alone():
@@ -384,6 +384,8 @@ def read_whole(folder: Path) -> tuple[dict, dict]:
         elif fqn.startswith("optimizer."):
             _, index, name = fqn.split(".", 2)
             template["optimizer"].setdefault(index, {})[name] = target
+        elif fqn.startswith("ema."):
+            template.setdefault("ema", {})[fqn.split(".", 1)[1]] = target
     try:
         with _quiet_when_alone():
             dcp.load(template, storage_reader=SafeReader(folder), planner=TensorsOnlyPlanner(), **dcp_group(None))

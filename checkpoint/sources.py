@@ -26,7 +26,7 @@ from checkpoint.manifest import MANIFEST_NAME
 from checkpoint.pointer import POINTER_NAME, complete_folders, folder_step
 from checkpoint.restored import Restored, check_architecture
 from training.components import optimizer_index
-from training.state import TrainingState
+from training.state import TrainingState, restore_components
 from utils.distributed import rank, world
 from utils.errors import CheckpointError, located
 from utils.torch_files import load_torch_file
@@ -106,13 +106,12 @@ class EarlierCheckpoint:
             pfc.weight.copy_(pfc.local_rows(checkpoint["class_centres"]))
         saved = checkpoint["optimizer"]
         centres_at = optimizer_index(state.optimizer, pfc.weight)
-        optimizer_state = {index: {name: pfc.local_rows(value) if index == centres_at and torch.is_tensor(value)
-                                   and value.shape[0] == pfc.num_classes and value.dim() == 2 else value
-                                   for name, value in per_param.items()}
+        optimizer_state = {str(index): {name: pfc.local_rows(value) if index == centres_at and torch.is_tensor(value)
+                                        and value.shape[0] == pfc.num_classes and value.dim() == 2 else value
+                                        for name, value in per_param.items()}
                            for index, per_param in saved["state"].items()}
-        state.optimizer.load_state_dict({"state": optimizer_state, "param_groups": saved["param_groups"]})
-        state.scheduler.load_state_dict(checkpoint["scheduler"])
-        state.scaler.load_state_dict(checkpoint["grad_scaler"])
+        restore_components(state, {"optimizer": optimizer_state, "param_groups": saved["param_groups"],
+                                   "scheduler": checkpoint["scheduler"], "grad_scaler": checkpoint["grad_scaler"]})
         same_world = checkpoint["world_size"] == world()
         return Restored(progress=checkpoint["progress"], world_size=checkpoint["world_size"],
                         config=checkpoint["config"],

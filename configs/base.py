@@ -25,6 +25,13 @@ num_image: int | None = None      # samples in the data, as arcface_torch's conf
 dali: bool = False                # decode JPEG on the GPU (nvJPEG, batched) instead of in the data workers
 dali_aug: bool = False            # arcface_torch's DALI augmentations, drawn per view: low resolution, blur,
                                   # hue/saturation, grey
+crop_scale: tuple[float, float] = (1.0, 1.0)  # random resized crop per view (small data: scale and shift
+                                  # jitter): a square of area fraction uniform in (low, high), e.g. (0.7, 1.0), at a
+                                  # uniform position in the view, resized back to 112x112 (bilinear, antialiased);
+                                  # (1.0, 1.0): off. Applied after the flip, before dali_aug
+erase_p: float = 0.0              # random erasing per view (Zhong et al.; torchvision's RandomErasing): with this
+                                  # probability a rectangle of area fraction in [0.02, 0.33] and aspect ratio in
+                                  # [0.3, 3.3] is set to black (0); applied last, e.g. 0.5 on small data; 0: off
 
 # --- model --------------------------------------------------------------------------------
 network: str = "r50"              # backbone: r18 r34 r50 r100 r200 r2060 mbf mbf_large vit_t vit_s vit_b, and
@@ -56,6 +63,18 @@ sample_rate: float = 1.0          # Partial FC: fraction of class centres used p
 view_weights: tuple[float, ...] | None = None  # loss weight per view; None: equal, summing to 1 (lr carries over)
 interclass_filtering_threshold: float = 0.0    # drop negatives with cosine above this (0: off)
 straight_through_margin: bool = False          # gradient of the margin taken as if no margin was applied
+
+# --- semi-siamese training (shallow data: few photos per identity; docs/training.md) ----------
+sst: bool = False                 # Semi-Siamese Training: each view's features (probe) classified against a queue of
+                                  # the other view's features from a momentum copy of the backbone (gallery, shuffled
+                                  # BatchNorm) instead of learned class centres; needs num_views=2
+sst_queue_size: int = 16384       # prototype queue slots over all processes (FaceX-Zoo's 16384), sharded like the
+                                  # centres; at least the gallery features a step enqueues (global batch, x2 for "both")
+sst_momentum: float = 0.999       # gallery <- m * gallery + (1 - m) * backbone after every step (FaceX-Zoo's alpha)
+sst_enqueue: Literal["one", "both"] = "one"  # gallery features a step enqueues: one view's, drawn per step
+                                  # (FaceX-Zoo's), or both views' (the queue turns over twice as fast)
+sst_centre_weight: float = 0.0    # w in [0, 1): loss = (1 - w) * queue loss + w * class-centre loss (0: the queue
+                                  # alone; the centres then get no gradient)
 
 # --- precision ----------------------------------------------------------------------------
 fp16: bool = False                # backbone in float16 autocast with a GradScaler (margin softmax stays float32)

@@ -7,7 +7,7 @@
 `resume` names a bare backbone (pairface's backbone.pth, arcface_torch's model.pt or backbone.pth): the run
 starts from its weights with new class centres for your people, a new optimizer and schedule. The network keys
 must be the backbone's (its model.json says them; arcface_torch's ms1mv3 r50: network = "r50",
-network_kwargs = {}, embedding_size = 512). These are bench.fine_tune's: an r18 at 1/8 width, as
+network_kwargs = {}, embedding_size = 512). These are experiments.fine_tune's: an r18 at 1/8 width, as
 configs/lfw_r18_pair.py trains it on LFW, with the recipe it measured (docs/training.md: the table).
 """
 rec = "data/my_faces"              # tools.pack_rec's output, with my_faces_val.bin beside it

@@ -1,16 +1,16 @@
 """Real faces on a CPU: LFW's DevTrain people, two views of each person per sample, verified on pairsDevTest.
 
-    python -m bench.real_faces /path/to/lfw      # prepares the data, trains this and the other rows, prints the table
+    python -m experiments.real_faces /path/to/lfw  # prepares the data, trains this and the other rows, prints the table
     python train.py configs/lfw_r18_pair.py --set rec=data/lfw_bench/lfw_devtrain   # this recipe alone, once prepared
 
 LFW's DevTrain view: 4,038 people, 9,525 photos, most people with one photo; the held-out set is pairsDevTest
-(500 same-person and 500 different-person pairs of 1,711 other people), written by bench.real_faces as
+(500 same-person and 500 different-person pairs of 1,711 other people), written by experiments.real_faces as
 lfw_devtest.bin beside the records. One photo per record (tools.pack_rec --views 1); view_source="identity"
 makes the second view another photo of the same person (the same photo, flipped independently, for people with
-one photo). The recipe is the row that measured best on 2 CPU cores in bench.real_faces (docs/real_faces.md: the
+one photo). The recipe is the row that measured best on 2 CPU cores in experiments.real_faces (docs/real_faces.md: the
 table): arcface_torch's own one-GPU recipe, with two views.
 """
-rec = "data/lfw_bench/lfw_devtrain"  # bench.real_faces' work folder: train.rec/train.idx and lfw_devtest.bin
+rec = "data/lfw_bench/lfw_devtrain"  # experiments.real_faces' work folder: train.rec/train.idx and lfw_devtest.bin
 num_views = 2
 view_source = "identity"
 network = "r18"
@@ -23,7 +23,7 @@ lr = 0.02
 momentum = 0.9
 weight_decay = 5e-4
 batch_size = 64                    # records: 128 photos per step
-num_epoch = 2                      # 296 steps (~38,000 photos), the length bench.real_faces measured
+num_epoch = 2                      # 296 steps (~38,000 photos), the length experiments.real_faces measured
 num_workers = 0                    # decoding 128 small JPEGs is ~3% of a step here: a worker process would take one
                                    # of 2 cores from the backbone's threads (measured 54 vs 99 images/s)
 frequent = 50

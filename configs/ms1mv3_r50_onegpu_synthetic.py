@@ -1,6 +1,7 @@
 # arcface_torch's configs/ms1mv3_r50_onegpu.py as insightface ships it, in its own style (an edict named config),
-# with rec = "synthetic" and no val_targets: the file bench/side_by_side.py gives to both arcface_torch's train_v2.py
-# and pairface's train.py by default, so that both read the same values (no data needed: a speed comparison).
+# with rec = "synthetic" and no val_targets: the file gpu_acceptance/side_by_side.py gives to both arcface_torch's
+# train_v2.py and pairface's train.py by default, so that both read the same values (no data needed: a speed
+# comparison).
 # Synthetic data has no verification sets: arcface_torch skips the sets it cannot find without a word, pairface
 # stops at a listed set that is missing, so the list is empty here, which means the same in both.
 from easydict import EasyDict as edict

@@ -1,16 +1,15 @@
 """arcface_torch's ``dali=True`` (decoding on the GPU) without DALI.
 
 The data workers read each sample's JPEG bytes and make its draws (identity picks, flips,
-dali_aug) exactly as for decoding in the workers; the training process decodes a whole batch in
-one nvJPEG call, then cuts, flips and augments the views on the GPU with those draws. A batch is
-therefore the one the workers would have built, up to the two JPEG decoders' rounding, for any
-number of workers and from any resume point.
+dali_aug, crop_scale, erase_p) exactly as for decoding in the workers; the training process decodes
+a whole batch in one nvJPEG call, then cuts, flips and augments the views on the GPU with those
+draws. A batch is therefore the one the workers would have built, up to the two JPEG decoders'
+rounding, for any number of workers and from any resume point.
 """
 from __future__ import annotations
 
 import torch
 
-from facedata.dali_aug import dali_augment
 from facedata.faces import Encoded, FaceDataset
 from facedata.images import decode_jpegs
 from utils.image import IMAGE_SIZE
@@ -37,14 +36,15 @@ def decode_batch(samples: list[Encoded], dataset: FaceDataset, device: torch.dev
 
 def _finished_views(samples: list[Encoded], pieces: list[list[torch.Tensor]], dataset: FaceDataset,
                     device: torch.device) -> torch.Tensor:
-    """(n, V, 3, H, W): the samples' views cut from their decoded pieces, flipped and (dali_aug)
-    augmented with the workers' draws, the whole batch at once."""
+    """(n, V, 3, H, W): the samples' views cut from their decoded pieces, flipped, and (crop_scale,
+    dali_aug, erase_p) augmented with the workers' draws, the whole batch at once."""
     views = torch.stack([view for sample, decoded in zip(samples, pieces)
                          for piece, index in zip(decoded, sample.piece_indices) for view in dataset.cut(piece, index)])
     flips = torch.tensor([flip for sample in samples for flip in sample.flips], device=device)
     views = torch.where(flips[:, None, None, None], views.flip(-1), views)
-    if dataset.dali_aug:
-        views = dali_augment(views, [aug for sample in samples for aug in sample.augments])
+    augments = [aug for sample in samples for aug in sample.augments] if dataset.dali_aug else None
+    crop_erase = [draw for sample in samples for draw in sample.crop_erase] if dataset.crops_or_erases else None
+    views = dataset.augment(views, augments, crop_erase)
     return views.unflatten(0, (len(samples), dataset.num_views))
 
 

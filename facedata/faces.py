@@ -11,6 +11,7 @@ import torch
 from torch.utils.data import Dataset
 
 from facedata.augment import SampleRandom, assemble, coins
+from facedata.crop_erase import CropErase, crop_resize, draw_crop_erase, erase
 from facedata.dali_aug import ViewAugment, dali_augment, draw_augments
 from facedata.images import decode, image_io, is_jpeg, split_views
 from facedata.recordio import BadRecordError
@@ -32,6 +33,7 @@ class Encoded:
     piece_indices: list[int]            # the sample each piece is the image of
     flips: list[bool]
     augments: list[ViewAugment] | None
+    crop_erase: list[CropErase] | None = None
     skipped: int = 0
 
 
@@ -44,10 +46,12 @@ class FaceDataset(Dataset):
     """
 
     def __init__(self, source: Source, num_views: int, view_source: str, num_classes: int, flip: bool,
-                 skip_bad_records: bool, seed: int, dali_aug: bool = False) -> None:
+                 skip_bad_records: bool, seed: int, dali_aug: bool = False,
+                 crop_scale: tuple[float, float] = (1.0, 1.0), erase_p: float = 0.0) -> None:
         self.source = source
         self.num_views, self.view_source, self.num_classes = num_views, VIEW_SOURCES[view_source], num_classes
         self.flip, self.skip_bad_records, self.seed, self.dali_aug = flip, skip_bad_records, seed, dali_aug
+        self.crop_scale, self.erase_p = tuple(crop_scale), erase_p
         self.skipped = 0
 
     def __len__(self) -> int:
@@ -69,6 +73,11 @@ class FaceDataset(Dataset):
         skipped as ``load`` skips it; a bad JPEG is found by the decoder, which falls back to ``load``."""
         sample, skipped = self._first_good(index, epoch, self._encoded)
         return replace(sample, index=index, skipped=skipped)
+
+    @property
+    def crops_or_erases(self) -> bool:
+        """Whether crop_scale or erase_p is on (facedata/crop_erase.py): each view then has its draws."""
+        return self.crop_scale != (1.0, 1.0) or self.erase_p > 0
 
     def encoded_refusal(self) -> str | None:
         """Why this dataset's samples cannot be handed over encoded, or None when they can."""
@@ -117,9 +126,21 @@ class FaceDataset(Dataset):
             self._check_same_identity(index, label, other, other_label)
             views += self.cut(other_image, other)
         views = self.view_source.finish(views, self.num_views, rng)
-        flips, augments = self._finishing_draws(rng)
-        images = assemble(views, flips)
-        return (images if augments is None else dali_augment(images, augments)), label
+        flips, augments, crop_erase = self._finishing_draws(rng)
+        return self.augment(assemble(views, flips), augments, crop_erase), label
+
+    def augment(self, views: torch.Tensor, augments: list[ViewAugment] | None,
+                crop_erase: list[CropErase] | None) -> torch.Tensor:
+        """uint8 (N, 3, H, W) flipped views -> cropped (crop_scale), dali_aug'ed, erased (erase_p), in that
+        order, with each view's draws; the workers call it on a sample's views, the training process's
+        decoding (facedata/device_decode.py) on a batch's. Writes into ``views``."""
+        if crop_erase is not None:
+            views = crop_resize(views, crop_erase)
+        if augments is not None:
+            views = dali_augment(views, augments)
+        if crop_erase is not None:
+            views = erase(views, crop_erase)
+        return views
 
     def _encoded(self, index: int, epoch: int) -> Encoded:
         rng = SampleRandom(self.seed, epoch, index)
@@ -131,17 +152,21 @@ class FaceDataset(Dataset):
             self._check_same_identity(index, label, other, other_label)
             pieces.append(self._piece(other_payload, other))
             piece_indices.append(other)
-        flips, augments = self._finishing_draws(rng)
-        return Encoded(index, epoch, label, pieces, piece_indices, flips, augments)
+        flips, augments, crop_erase = self._finishing_draws(rng)
+        return Encoded(index, epoch, label, pieces, piece_indices, flips, augments, crop_erase)
 
     def _piece(self, payload: bytes, index: int) -> bytes | torch.Tensor:
         return payload if is_jpeg(payload) else decode(payload, partial(self.source.describe, index))
 
-    def _finishing_draws(self, rng: SampleRandom) -> tuple[list[bool], list[ViewAugment] | None]:
-        """The flips, then (dali_aug) the augmentations: drawn after the flips, so that turning
-        dali_aug on leaves the flips as they were."""
+    def _finishing_draws(self, rng: SampleRandom
+                         ) -> tuple[list[bool], list[ViewAugment] | None, list[CropErase] | None]:
+        """The flips, then (dali_aug) the augmentations, then (crop_scale or erase_p) the crops and
+        erasings: each drawn after the ones before, so that turning one on leaves those as they were."""
         flips = coins(rng, self.num_views) if self.flip else [False] * self.num_views
-        return flips, draw_augments(rng, self.num_views) if self.dali_aug else None
+        augments = draw_augments(rng, self.num_views) if self.dali_aug else None
+        crop_erase = (draw_crop_erase(rng, self.num_views, self.crop_scale, self.erase_p, IMAGE_SIZE)
+                      if self.crops_or_erases else None)
+        return flips, augments, crop_erase
 
     def _check_label(self, index: int, label: int) -> None:
         if not 0 <= label < self.num_classes:
@@ -180,11 +205,14 @@ def _source_for(path: str, num_views: int, view_source: str, num_classes: int | 
 
 def build_dataset(path: str, num_views: int = 1, view_source: str = "record", num_classes: int | None = None,
                   flip: bool = True, skip_bad_records: bool = False, seed: int = 0, dali_aug: bool = False,
-                  num_samples: int | None = None) -> FaceDataset:
+                  num_samples: int | None = None, crop_scale: tuple[float, float] = (1.0, 1.0),
+                  erase_p: float = 0.0) -> FaceDataset:
     """A dataset of ``num_views`` views per sample from a ``.rec`` folder, an image folder or "synthetic".
 
     ``num_classes``, when given, must cover every label of the data (DataError otherwise). ``dali_aug``
-    adds arcface_torch's DALI augmentation to every view (facedata/dali_aug.py), after the flip.
+    adds arcface_torch's DALI augmentation to every view (facedata/dali_aug.py), after the flip;
+    ``crop_scale`` (a random resized square crop) and ``erase_p`` (random erasing) the small-data
+    augmentations of facedata/crop_erase.py, the crop before dali_aug, the erasing after it.
     ``num_samples`` (arcface_torch's ``num_image``), when given, is how many samples the data must hold,
     and the length of the synthetic speed mode.
     """
@@ -207,4 +235,4 @@ def build_dataset(path: str, num_views: int = 1, view_source: str = "record", nu
                  path, source.num_classes, num_classes)
     image_io()  # the decoders, imported here before the data workers fork: each would import them again
     return FaceDataset(source, num_views, view_source, source.num_classes if num_classes is None else num_classes,
-                       flip, skip_bad_records, seed, dali_aug)
+                       flip, skip_bad_records, seed, dali_aug, crop_scale, erase_p)

@@ -5,7 +5,9 @@ per-rank dict (the state_dict of a torch optimizer over [backbone parameters, ce
 steps, and of a copy of upstream's PolynomialLRWarmup), and the 2021 partial_fc.py's plain tensors,
 their storages tagged cuda:0 as upstream's GPU tensors are (this machine has no GPU to load them on).
 21 classes: rows 0..10 on source rank 0, 11..20 on rank 1; on 3 ranks 0..6, 7..13, 14..20, so rank 1
-takes rows from both files. References are the source ranks' tensors stacked by hand.
+takes rows from both files. References are the source ranks' tensors stacked by hand. A channels_last run's
+first step after an import (of arcface_torch's files, or of an earlier version's checkpoint.pt) is SGD with
+momentum computed in float64 from the files.
 """
 from __future__ import annotations
 
@@ -20,21 +22,31 @@ import pytest
 import torch
 
 from backbones import get_model
-from checkpoint.arcface import restore_arcface
+from checkpoint.arcface import V2_FILE, restore_arcface
 from checkpoint.run_dir import resolve_resume
-from checkpoint.sources import ArcfaceTorchSave, BareBackbone, find_resume_source
+from checkpoint.sources import (
+    LEGACY_FORMAT,
+    LEGACY_NAME,
+    ArcfaceTorchSave,
+    BareBackbone,
+    EarlierCheckpoint,
+    find_resume_source,
+)
+from gpu_acceptance.runs import CONFIG, INFO, QUIET, load_run, scalars
 from losses import CombinedMarginLoss
 from partial_fc import PartialFC
 from tests.distributed_helpers import run_world
-from tests.run_helpers import INFO, QUIET, load_run, run_cli, run_here, same_tensors, scalars
+from tests.run_helpers import ROOT, run_cli, run_here, same_tensors
 from tools import convert_checkpoint
+from training.state import architecture, build_components, build_training_state
+from utils.config import load_config
 from utils.errors import CheckpointError, RunDirError
 from utils.lr_scheduler import build_scheduler
 
 NUM_CLASSES, DIM, LR = 21, 32, 0.1
 INFO21 = {**INFO, "num_classes": NUM_CLASSES}
 WIDTH = INFO["network_kwargs"]["width_mult"]  # the runs' r18 (QUIET): upstream's files are written for it
-WARMUP_EPOCHS, EPOCHS = 1, 4                 # the schedule of the runs below (run_helpers.QUIET: num_epoch=4)
+WARMUP_EPOCHS, EPOCHS = 1, 4                 # the schedule of the runs below (runs.QUIET: num_epoch=4)
 UPSTREAM_EPOCHS, UPSTREAM_BATCHES = 2, 5     # arcface_torch saved after its 2nd epoch of 5 batches per rank
 ROWS_ON = {1: [(0, 21)], 3: [(0, 7), (7, 14), (14, 21)]}  # rows each rank holds, written out
 OVERRIDES = ["num_classes=21", f"warmup_epoch={WARMUP_EPOCHS}"]
@@ -42,7 +54,7 @@ FOLDERS = ("train_v2_sgd", "train_v2_adamw", "2021")
 
 
 # arcface_torch's lr_scheduler.py up to PolynomialLRWarmup.get_lr, as insightface ships it (its closed form and demo
-# left out): the schedule train_v2.py saves below, and the file bench/side_by_side.py patches
+# left out): the schedule train_v2.py saves below, and the file gpu_acceptance/side_by_side.py patches
 # (test_side_by_side.py)
 UPSTREAM_SCHEDULER = """\
 from torch.optim.lr_scheduler import _LRScheduler
@@ -113,11 +125,11 @@ def saved_from_gpu():
 
 
 def write_train_v2(folder: Path, optimizer: str = "sgd", world_size: int = 2, num_classes: int = NUM_CLASSES,
-                   epochs: int = UPSTREAM_EPOCHS, embedding_size: int = DIM) -> list[dict]:
+                   epochs: int = UPSTREAM_EPOCHS, embedding_size: int = DIM, width_mult: float = WIDTH) -> list[dict]:
     """train_v2.py's save after `epochs` epochs of UPSTREAM_BATCHES batches on `world_size` ranks; the dicts written."""
     folder.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(0)
-    first = get_model("r18", num_features=embedding_size, width_mult=WIDTH)
+    first = get_model("r18", num_features=embedding_size, width_mult=width_mult)
     global_step, written = epochs * UPSTREAM_BATCHES, []
     for rank in range(world_size):
         backbone = copy.deepcopy(first)  # DDP keeps the weights equal on every rank
@@ -188,8 +200,12 @@ def make_model(optimizer: str, num_classes: int = NUM_CLASSES, embedding_size: i
     backbone = get_model("r18", num_features=embedding_size, width_mult=width_mult)
     pfc = PartialFC(CombinedMarginLoss(), embedding_size, num_classes, seed=7)
     groups = [{"params": list(backbone.parameters())}, {"params": [pfc.weight]}]
-    return SimpleNamespace(backbone=backbone, pfc=pfc, optimizer=(
+    model = SimpleNamespace(backbone=backbone, pfc=pfc, optimizer=(
         torch.optim.SGD(groups, lr=LR, momentum=0.9) if optimizer == "sgd" else torch.optim.AdamW(groups, lr=LR)))
+    model.scheduler = build_scheduler(model.optimizer, WARMUP_EPOCHS * UPSTREAM_BATCHES, EPOCHS * UPSTREAM_BATCHES, 1.0)
+    model.scaler = torch.amp.GradScaler("cpu", enabled=False)
+    model.components = build_components(model, {})  # what the import restores through
+    return model
 
 
 def _restore(folder: Path, optimizer: str, info: dict = INFO21, **model_options) -> dict:
@@ -315,6 +331,59 @@ def test_2021_layout_resumes_at_step_zero(data, sources, tmp_path):
     centre_index = len(list(make_model("sgd").backbone.parameters()))
     assert same_tensors(run["optimizer"]["state"][centre_index]["momentum_buffer"],
                         sources.layout_2021["momentum_buffer"])
+
+
+NHWC_WIDTH = 0.25  # the narrowest r18 whose NHWC convolutions this CPU's oneDNN runs (tests/test_speedups.py)
+
+
+def channels_last_state(tmp_path: Path, importer: str) -> tuple[SimpleNamespace, dict]:
+    """A channels_last run's training state (as train.py builds it: fused SGD) after `importer` put in it the
+    arcface_torch save of one rank written here (or the same tensors as an earlier version's checkpoint.pt);
+    the dict train_v2 wrote."""
+    written = write_train_v2(tmp_path / "arcface", world_size=1, width_mult=NHWC_WIDTH)[0]
+    cfg = load_config(ROOT / CONFIG, [*QUIET, *OVERRIDES, "channels_last=True",
+                                      f"network_kwargs={{'width_mult': {NHWC_WIDTH}}}"])
+    state = build_training_state(cfg, NUM_CLASSES, torch.device("cpu"), UPSTREAM_BATCHES)
+    shapes = architecture(cfg, NUM_CLASSES)
+    if importer == "arcface_torch":
+        restore_arcface(tmp_path / "arcface" / V2_FILE.format(0), shapes, state)
+    else:  # what earlier versions wrote: their own optimizer's state_dict (fused SGD), every centre row
+        optimizer = {"state": written["state_optimizer"]["state"],
+                     "param_groups": state.optimizer.state_dict()["param_groups"]}
+        torch.save({"format": LEGACY_FORMAT, "model": shapes, "config": {"lr": LR}, "world_size": 1,
+                    "progress": {"global_step": 10, "steps_per_epoch": 5}, "backbone": written["state_dict_backbone"],
+                    "class_centres": written["state_dict_softmax_fc"]["weight"], "optimizer": optimizer,
+                    "scheduler": state.scheduler.state_dict(), "grad_scaler": state.scaler.state_dict(),
+                    "per_rank": [{"loader": {"skipped": 0}}]}, tmp_path / LEGACY_NAME)
+        EarlierCheckpoint().restore(tmp_path / LEGACY_NAME, shapes, state)
+    return state, written
+
+
+@pytest.mark.parametrize("importer", ["arcface_torch", "earlier"])
+def test_a_channels_last_run_steps_each_imported_weight_with_its_own_momentum(tmp_path, importer):
+    """One SGD step after the import is SGD with momentum computed here in float64 from the files' weights and
+    momentum. torch's fused SGD walks a weight and its momentum in memory order: NCHW momentum beside the NHWC
+    weights of channels_last would give each weight another one's momentum, without a word."""
+    state, written = channels_last_state(tmp_path, importer)
+    assert state.backbone.conv1.weight.is_contiguous(memory_format=torch.channels_last)
+    group = state.optimizer.param_groups[0]
+    group["lr"] = LR  # the schedule's warm-up starts at 0: a step that moves the weights
+    momentum, decay = group["momentum"], group["weight_decay"]
+    grads = torch.Generator().manual_seed(3)
+    expected_weights, expected_momentum = {}, {}
+    for index, (name, p) in enumerate(state.backbone.named_parameters()):
+        grad = torch.randn(p.shape, generator=grads)
+        p.grad = torch.empty_like(p).copy_(grad)  # in the weight's layout, as backward gives it
+        weight = written["state_dict_backbone"][name].double()
+        buffer = momentum * written["state_optimizer"]["state"][index]["momentum_buffer"].double() + grad.double() \
+            + decay * weight
+        expected_momentum[name], expected_weights[name] = buffer, weight - LR * buffer
+    state.optimizer.step()
+    worst_weight = max((p.detach().double() - expected_weights[name]).abs().max().item()
+                       for name, p in state.backbone.named_parameters())
+    worst_momentum = max((state.optimizer.state[p]["momentum_buffer"].double() - expected_momentum[name])
+                         .abs().max().item() for name, p in state.backbone.named_parameters())
+    assert worst_weight < 1e-6 and worst_momentum < 1e-5, (worst_weight, worst_momentum)
 
 
 # --- conversion -----------------------------------------------------------------------------------

@@ -17,7 +17,8 @@ from pathlib import Path
 import pytest
 
 from checkpoint.run_dir import lock_run_dir
-from tests.run_helpers import assert_nothing_lost, file_states, load_run, run_child, run_here
+from gpu_acceptance.runs import load_run
+from tests.run_helpers import assert_nothing_lost, file_states, run_child, run_here
 from tests.test_train_errors import only_line
 
 

@@ -14,8 +14,9 @@ from pathlib import Path
 import pytest
 
 from eval import verification
+from gpu_acceptance.runs import load_backbone_strict
 from tests.kill_injection import KillSelfAt
-from tests.run_helpers import load_backbone_strict, run_child, run_here
+from tests.run_helpers import run_child, run_here
 from training.best_model import RECORD_KEY
 
 VAL = "synthetic_val"

@@ -29,17 +29,9 @@ import pytest
 from backbones.trained import BACKBONE_NAME
 from checkpoint.pointer import POINTER_NAME
 from checkpoint.sources import SavedCheckpoint, find_resume_source
+from gpu_acceptance.runs import load_backbone_strict, load_run
 from tests.kill_injection import KillSelfAt
-from tests.run_helpers import (
-    assert_same_run,
-    file_states,
-    load_backbone_strict,
-    load_run,
-    run_child,
-    run_cli,
-    run_here,
-    start_child,
-)
+from tests.run_helpers import assert_same_run, file_states, run_child, run_cli, run_here, start_child
 
 OVERRIDES = ["save_every_steps=1", "num_epoch=100"]  # a save after every step; never ends on its own
 # Kill rounds of the random loop: a count, not a duration, so that a slower machine tests as many kills (the

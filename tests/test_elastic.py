@@ -27,7 +27,8 @@ from torch.distributed import TCPStore
 from checkpoint.pointer import POINTER_NAME
 from checkpoint.run_dir import AUTO, LOCK_NAME, continues_torchrun_run, lock_run_dir, resolve_resume
 from checkpoint.sources import SavedCheckpoint
-from tests.run_helpers import arguments, descendants, free_port, kill_node, load_run, scalars, start_command
+from gpu_acceptance.runs import arguments, load_run, scalars
+from tests.run_helpers import descendants, free_port, kill_node, start_command
 
 SAVE_EVERY, EPOCHS, LR = 2, 4, 0.1  # QUIET's lr; no warmup
 # A node is dead for the rendezvous once it has missed keep_alive_interval x keep_alive_max_attempt seconds of

@@ -28,9 +28,11 @@ from backbones import get_model
 from eval import ijb, verification
 from eval.gallery import gallery_file
 from eval.onnx_model import OnnxBackbone
-from tests.test_ijb import FACES, PAIRS, upstream_template_features, upstream_template_scores, write_ijb
+from references.ijb import upstream_template_features, upstream_template_scores
+from references.verification import reference_evaluate
+from tests.test_ijb import FACES, PAIRS, write_ijb
 from tests.test_pack_tools import assert_stopped_by_ctrl_c, ctrl_c_once_it_says
-from tests.test_verification import VERIFY_BIN, VERIFY_NP_BIN, reference_evaluate
+from tests.test_verification import VERIFY_BIN, VERIFY_NP_BIN
 from tools import export_onnx
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

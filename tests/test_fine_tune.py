@@ -13,7 +13,8 @@ import torch
 
 import train
 from backbones import get_model
-from tests.run_helpers import CONFIG, INFO, QUIET, ROOT, load_run, run_here, same_tensors
+from gpu_acceptance.runs import CONFIG, INFO, QUIET, load_run
+from tests.run_helpers import ROOT, run_here, same_tensors
 from training.state import build_networks
 from utils.config import load_config
 

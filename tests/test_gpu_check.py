@@ -1,4 +1,4 @@
-"""The device check (bench/gpu_check.sh) on this CPU: it starts from a bare python3 (the wheels it needs
+"""The device check (gpu_acceptance/gpu_check.sh) on this CPU: it starts from a bare python3 (the wheels it needs
 installed from a folder, no registry), stops at once with the reason when torch, CUDA or a wheel is
 missing, prints every row, and exits 1 naming the rows that failed or did not run. Cheap: no check runs
 its real commands here (the whole `--tiny` rehearsal, every row for real, is the compatibility tier's).
@@ -17,10 +17,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from bench import gpu_check
+from gpu_acceptance import gpu_check
 from tests.run_helpers import ROOT
 
-SCRIPT = ROOT / "bench" / "gpu_check.sh"
+SCRIPT = ROOT / "gpu_acceptance" / "gpu_check.sh"
 
 
 def run_script(*args: str, timeout: float = 300, **env: str) -> subprocess.CompletedProcess:
@@ -115,7 +115,7 @@ def make_wheel(folder: Path, name: str, version: str, source: str) -> Path:
 
 def run_wheels(tmp_path: Path, entries: str, *args: str) -> subprocess.CompletedProcess:
     (tmp_path / "list.txt").write_text(entries)
-    return subprocess.run([sys.executable, "-m", "bench.gpu_wheels", "--list", str(tmp_path / "list.txt"),
+    return subprocess.run([sys.executable, "-m", "provision.gpu_wheels", "--list", str(tmp_path / "list.txt"),
                            "--wheels", str(tmp_path / "wheels"), "--target", str(tmp_path / "site"), *args],
                           cwd=ROOT, capture_output=True, text=True, timeout=120)
 
@@ -132,7 +132,7 @@ def test_a_missing_module_is_installed_from_its_wheel_and_a_missing_wheel_is_nam
     done = run_wheels(tmp_path, "pairface_absent pairface-absent>=2\n")
     assert done.returncode == 1 and done.stdout == ""
     assert done.stderr == (f"error: this Python cannot import pairface_absent and {tmp_path / 'wheels'} has no wheel "
-                           "of pairface-absent>=2 (for pairface_absent): run `bash bench/fetch_gpu_wheels.sh` on a "
+                           "of pairface-absent>=2 (for pairface_absent): run `bash provision/fetch_gpu_wheels.sh` on a "
                            f"machine with a package registry and bring {tmp_path / 'wheels'} along\n")
     done = run_wheels(tmp_path, "pairface_absent pairface-absent>=2 gpu  # only the GPU rows need it\n", "--tiny")
     assert (done.returncode, done.stdout) == (0, "every module the check imports is here\n")

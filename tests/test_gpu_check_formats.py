@@ -1,4 +1,4 @@
-"""Each row of the device check (bench/gpu_check.py) reads what a command prints: here every row's parser
+"""Each row of the device check (gpu_acceptance/gpu_check.py) reads what a command prints: here every row's parser
 reads the output of its real producing code run at the tiniest size on this CPU, so a changed output format
 fails a test here instead of failing the check on the day a GPU is lent (the first hour's "PartialFC vs
 float32" row found nothing after the margin families moved its columns). And a parser that finds nothing
@@ -18,9 +18,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from bench import bench_pfc, decode_overlap, gpu_check, host_syncs, memory_growth, pfc_precision, step_memory
+from bench import bench_pfc, decode_overlap, host_syncs, memory_growth, pfc_precision
+from gpu_acceptance import gpu_check
 from tests.run_helpers import ROOT, run_here
-from tools import check_pfc
+from tools import check_pfc, step_memory
 
 
 def printed(capsys, main: Callable[[], object]) -> str:

@@ -1,7 +1,7 @@
-"""bench/gpu_throughput.sh, issue 44's GPU figures part by part, rehearsed with --tiny on this CPU: a part runs its
-bench's real command and prints its table, the script ends saying every part finished; a part it does not know is
-one line and exit status 2, before anything runs; the side-by-side part without its prepared arcface_torch folder
-says so and fails. The tables themselves are tests/test_step_split.py's and tests/test_side_by_side.py's."""
+"""gpu_acceptance/gpu_throughput.sh, issue 44's GPU figures part by part, rehearsed with --tiny on this CPU: a part
+runs its bench's real command and prints its table, the script ends saying every part finished; a part it does not
+know is one line and exit status 2, before anything runs; the side-by-side part without its prepared arcface_torch
+folder says so and fails. The tables themselves are tests/test_step_split.py's and tests/test_side_by_side.py's."""
 from __future__ import annotations
 
 import os
@@ -14,8 +14,8 @@ from tests.run_helpers import ROOT
 
 
 def throughput(*arguments: str) -> subprocess.CompletedProcess:
-    return subprocess.run(["bash", "bench/gpu_throughput.sh", "--tiny", *arguments], cwd=ROOT, capture_output=True,
-                          text=True, timeout=600, env={**os.environ, "PY": sys.executable})
+    return subprocess.run(["bash", "gpu_acceptance/gpu_throughput.sh", "--tiny", *arguments], cwd=ROOT,
+                          capture_output=True, text=True, timeout=600, env={**os.environ, "PY": sys.executable})
 
 
 def test_a_part_runs_its_bench_and_the_script_says_every_part_finished():

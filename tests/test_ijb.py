@@ -23,6 +23,7 @@ from eval.ijb import (
     template_pair_scores,
 )
 from facedata.alignment import ARCFACE_TEMPLATE, align_face, umeyama_similarity, warp_affine
+from references.ijb import upstream_template_scores
 from tests.test_verification import TinyNet
 from utils.errors import DataError
 
@@ -164,27 +165,6 @@ def write_ijb(root, target="ijbc", faces=FACES, pairs=PAIRS):
     with open(os.path.join(root, "meta", f"{target}_template_pair_label.txt"), "w") as f:
         f.writelines(f"{a} {b} {label}\n" for a, b, label in pairs)
     return crops
-
-
-def upstream_template_features(features, templates, medias):
-    """arcface_torch's image2template_feature, loop for loop."""
-    unique = np.unique(templates)
-    pooled = np.zeros((len(unique), features.shape[1]))
-    for t, template in enumerate(unique):
-        in_template = np.where(templates == template)[0]
-        media_feats = []
-        for media in np.unique(medias[in_template]):
-            rows = in_template[medias[in_template] == media]
-            media_feats.append(features[rows].mean(axis=0))
-        pooled[t] = np.sum(media_feats, axis=0)
-    return unique, pooled / np.linalg.norm(pooled, axis=1, keepdims=True)
-
-
-def upstream_template_scores(features, templates, medias, pairs):
-    """... followed by arcface_torch's verification (cosine of the pooled template features)."""
-    unique, pooled = upstream_template_features(features, templates, medias)
-    index = {template: t for t, template in enumerate(unique)}
-    return np.array([pooled[index[a]] @ pooled[index[b]] for a, b in pairs])
 
 
 def test_miniature_ijb_end_to_end(tmp_path):

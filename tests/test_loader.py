@@ -243,11 +243,12 @@ def decoded_in_workers(ds, batch_size, seed, steps=(0, 14)):
     return [batch for step in build_loader(ds, batch_size, seed=seed, num_workers=0).steps(*steps) for batch in step]
 
 
-@pytest.mark.parametrize("dali_aug", [False, True])
-def test_decoding_in_the_training_process_gives_the_workers_batches(pair_rec, dali_aug):
-    """The split the GPU path makes (bytes and draws in the workers, decode + views + flips + dali_aug
-    in the training process), run with the CPU decoder: the same batches, from any start."""
-    ds = build_dataset(pair_rec, num_views=2, seed=6, dali_aug=dali_aug)
+@pytest.mark.parametrize("augmentation", [{}, {"dali_aug": True}, {"crop_scale": (0.6, 1.0), "erase_p": 0.5},
+                                          {"dali_aug": True, "crop_scale": (0.8, 0.9), "erase_p": 1.0}])
+def test_decoding_in_the_training_process_gives_the_workers_batches(pair_rec, augmentation):
+    """The split the GPU path makes (bytes and draws in the workers, decode + views + flips + crop_scale,
+    dali_aug, erase_p in the training process), run with the CPU decoder: the same batches, from any start."""
+    ds = build_dataset(pair_rec, num_views=2, seed=6, **augmentation)
     expected = decoded_in_workers(ds, 4, seed=2)
     assert_same_batches(decoded_here(ds, 4, seed=2, num_workers=2), expected)
     assert_same_batches(decoded_here(ds, 4, seed=2, num_workers=0, steps=(9, 14)), expected[9:])
@@ -304,8 +305,9 @@ def test_datasets_that_cannot_hand_over_bytes_say_why(pair_rec):
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 def test_gpu_decoded_batches_match_cpu_decoded_ones(pair_rec):
-    """nvJPEG and libjpeg-turbo round differently: the same batches within the decoders' difference."""
-    ds = build_dataset(pair_rec, num_views=2, seed=4, dali_aug=True)
+    """nvJPEG and libjpeg-turbo round differently: the same batches within the decoders' difference
+    (and, for crop_scale, the GPU's float resize against the CPU's uint8 one: a level at most)."""
+    ds = build_dataset(pair_rec, num_views=2, seed=4, dali_aug=True, crop_scale=(0.7, 1.0), erase_p=0.5)
     on_cpu = collect(build_loader(ds, 4, num_workers=0), range(2))
     loader = build_loader(ds, 4, num_workers=2, device="cuda", gpu_decode=True)
     assert loader.decode_on_device

@@ -13,8 +13,9 @@ from pathlib import Path
 import pytest
 
 from checkpoint.pointer import POINTER_NAME
+from gpu_acceptance.runs import INFO, arguments, load_run
 from tests.forked_commands import ForkedCommand
-from tests.run_helpers import INFO, arguments, free_port, kill_node, load_run, run_cli, start_command
+from tests.run_helpers import free_port, kill_node, run_cli, start_command
 
 OVERRIDES = ("save_every_steps=1", "num_epoch=100")  # a save after every step; never ends on its own
 pytestmark = pytest.mark.slow  # six training processes on two cores

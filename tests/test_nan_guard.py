@@ -9,21 +9,10 @@ from pathlib import Path
 
 import torch
 
+from gpu_acceptance.runs import CONFIG, QUIET, load_run, scalars
 from tests.distributed_helpers import run_world
 from tests.nan_injection import nan_at_steps, overflow_at_steps
-from tests.run_helpers import (
-    CONFIG,
-    QUIET,
-    ROOT,
-    continue_command,
-    file_states,
-    finish,
-    load_run,
-    run_here,
-    same_tensors,
-    scalars,
-    start_cli,
-)
+from tests.run_helpers import ROOT, continue_command, file_states, finish, run_here, same_tensors, start_cli
 from tests.test_train_errors import only_line
 from training.state import build_training_state, wrap_for_the_step
 from training.step import StepOutcome, train_step

@@ -8,7 +8,8 @@ import re
 import socket
 import sys
 
-from tests.run_helpers import CONFIG, arguments, free_port, start_command
+from gpu_acceptance.runs import CONFIG, arguments
+from tests.run_helpers import free_port, start_command
 from utils.network import ADVICE, interfaces
 
 

@@ -14,7 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.run_helpers import arguments, start_command
+from gpu_acceptance.runs import arguments
+from tests.run_helpers import start_command
 from tests.test_multinode import free_port
 
 STEPS = ["max_steps=2"]

@@ -1,4 +1,4 @@
-"""bench/real_faces.py's whole code path on a tiny LFW-shaped folder of synthetic faces (the real photos are not
+"""experiments/real_faces.py's whole code path on a tiny LFW-shaped folder of synthetic faces (the real photos are not
 part of the repository): preparation as LFW's protocol asks, training rows, the table and the picture."""
 from __future__ import annotations
 
@@ -13,10 +13,10 @@ import pytest
 from PIL import Image
 from sklearn.metrics import roc_curve
 
-from bench import real_faces
 from eval import verification
+from experiments import real_faces
 from facedata.synthetic import render_faces
-from tests.run_helpers import load_backbone_strict
+from gpu_acceptance.runs import load_backbone_strict
 
 TRAIN_PEOPLE, TEST_PEOPLE, PHOTOS = 6, 6, 3
 

@@ -20,17 +20,10 @@ from torch.utils.tensorboard import SummaryWriter
 
 from checkpoint.pointer import POINTER_NAME
 from checkpoint.sharded import restore_state, save_state
+from gpu_acceptance.runs import SAVED_STATE, load_run, scalars
 from losses import CombinedMarginLoss
 from partial_fc import PartialFC
-from tests.run_helpers import (
-    SAVED_STATE,
-    assert_same_run,
-    file_states,
-    load_run,
-    run_here,
-    same_tensors,
-    scalars,
-)
+from tests.run_helpers import assert_same_run, file_states, run_here, same_tensors
 from tools import make_synthetic
 from training.components import SavedPosition
 from training.state import build_components

@@ -33,7 +33,8 @@ import torch.nn.functional as F
 from PIL import Image
 
 from backbones import get_model
-from tests.run_helpers import run_command, scalars
+from gpu_acceptance.runs import scalars
+from tests.run_helpers import run_command
 
 pytestmark = pytest.mark.slow  # five starts of train.py, ~10 CPU seconds each
 

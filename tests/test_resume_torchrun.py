@@ -21,12 +21,13 @@ from types import SimpleNamespace
 
 import pytest
 
-from tests.run_helpers import INFO, assert_same_run, finish, load_run, run_here, scalars, start_cli
+from gpu_acceptance.runs import INFO, load_run, scalars
+from tests.run_helpers import assert_same_run, finish, run_here, start_cli
 
 # ema_decay: the EMA of the backbone (training/ema.py) is saved by 2 processes and resumed by 1, and the other way.
 OVERRIDES = ["num_classes=21", "sample_rate=0.5", "warmup_epoch=1", "dropout=0.2", "ema_decay=0.9"]
 INFO21 = {**INFO, "num_classes": 21}
-LR, WARMUP_EPOCHS, EPOCHS = 0.1, 1, 4  # run_helpers.QUIET's lr and num_epoch, OVERRIDES' warmup
+LR, WARMUP_EPOCHS, EPOCHS = 0.1, 1, 4  # runs.QUIET's lr and num_epoch, OVERRIDES' warmup
 pytestmark = pytest.mark.slow  # 4 torchrun launches: ~10 Python starts of ~4 CPU seconds each
 
 

@@ -21,7 +21,8 @@ from backbones import get_model
 from eval import compare, ijb
 from eval.gallery import gallery_file
 from facedata.synthetic import render_faces
-from tests.run_helpers import run_here, scalars
+from gpu_acceptance.runs import scalars
+from tests.run_helpers import run_here
 from tests.test_eval_cli import assert_one_sentence, assert_visible_curve
 from tests.test_ijb import write_ijb
 from tools import search

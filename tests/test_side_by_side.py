@@ -1,5 +1,5 @@
-"""bench/side_by_side.py without arcface_torch running (it needs CUDA): the Speed lines of both programs read as
-their logging code writes them, the `verbose` fix applied exactly when the running torch refuses the argument, the
+"""gpu_acceptance/side_by_side.py without arcface_torch running (it needs CUDA): the Speed lines of both programs read
+as their logging code writes them, the `verbose` fix applied exactly when the running torch refuses the argument, the
 mxnet stand-in only for synthetic data, a failed fetch as one sentence, and the --tiny rehearsal (pairface's side
 for real, one train.py process) printing a table that parses."""
 from __future__ import annotations
@@ -11,8 +11,8 @@ import subprocess
 import pytest
 import torch
 
-from bench import side_by_side
-from bench.side_by_side import (
+from gpu_acceptance import side_by_side
+from gpu_acceptance.side_by_side import (
     ARCFACE_SPEED,
     PAIRFACE_SPEED,
     SideBySideError,

@@ -20,7 +20,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.run_helpers import ROOT, arguments
+from gpu_acceptance.runs import arguments
+from tests.run_helpers import ROOT
 from utils.device import choose_device
 from utils.errors import ConfigError
 from utils.launcher import first_host, local_process, srun_environment

@@ -13,7 +13,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.run_helpers import CONFIG, INFO, ROOT, assert_same_run, load_backbone_strict, run_here, scalars
+from gpu_acceptance.runs import CONFIG, INFO, load_backbone_strict, scalars
+from tests.run_helpers import ROOT, assert_same_run, run_here
 from tests.test_train_errors import only_line
 from training.speedups import layout_advice
 from utils.config import load_config

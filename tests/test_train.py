@@ -15,7 +15,8 @@ import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from backbones import get_model
-from tests.run_helpers import continue_command, digest, load_run, run_cli, run_command, run_here
+from gpu_acceptance.runs import load_run
+from tests.run_helpers import continue_command, digest, run_cli, run_command, run_here
 
 NETWORK = ["network=r18", "network_kwargs={'width_mult': 0.0625}", "embedding_size=32"]
 TINY = (*NETWORK, "batch_size=4", "num_workers=0", "frequent=2", "verbose=4", "num_epoch=2")

@@ -13,8 +13,9 @@ from torch.utils.data import DistributedSampler
 
 import train
 from facedata.recordio import RecordReader, RecordWriter, pack, unpack
+from gpu_acceptance.runs import load_run
 from tests.nan_injection import nan_at_steps
-from tests.run_helpers import continue_command, load_run, run_here, start_cli
+from tests.run_helpers import continue_command, run_here, start_cli
 from tests.test_train import TINY, train_here
 
 ROOT = Path(__file__).resolve().parent.parent

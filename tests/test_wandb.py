@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.run_helpers import run_here, scalars
+from gpu_acceptance.runs import scalars
+from tests.run_helpers import run_here
 
 BLOCK = 32768  # LevelDB log blocks
 FULL, LAST = 1, 4

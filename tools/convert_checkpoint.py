@@ -9,7 +9,9 @@ train_v2.py with `config.output = DST` and `config.resume = True` on N GPUs cont
 epoch and schedule are counted in arcface_torch's batches on N GPUs (the run's steps per epoch scaled
 from its processes to N, or --steps-per-epoch), at an epoch start, since arcface_torch resumes only
 there; the schedule keeps pairface's power-2 decay. arcface_torch's files have no place for the grad
-scaler, data position, random streams or config: those start afresh there.
+scaler, data position, random streams or config: those start afresh there. A run with ema_decay
+writes its trained weights into the rank files (the optimizer state is theirs, and arcface_torch keeps
+no average) and its average, the run's backbone.pth, as `model.pt`; a note says so.
 
 --to pairface: SRC is an arcface_torch output folder (train_v2's checkpoint_gpu_*.pt, or the 2021
 layout's rank_*_softmax_weight*.pt beside backbone.pth); DST becomes a pairface run folder
@@ -42,6 +44,7 @@ from checkpoint.run_dir import LOCK_NAME, lock_run_dir
 from checkpoint.sharded import checkpoint_folder, read_whole, save_state
 from partial_fc import class_range
 from training.components import SavedPosition, is_centre_rows
+from training.ema import trained_state_dict
 from training.state import StepCounter, architecture, build_training_state
 from utils.atomic import atomic_save
 from utils.cli import exit_on_user_error
@@ -139,7 +142,11 @@ def to_arcface_torch(src: Path, dst: Path, world_size: int, steps_per_epoch: int
     whole, content = _read_whole(src)
     run = content["run"]
     _refuse_other_margins(src, run["config"])
-    centres, backbone, groups = whole["centres"], whole["backbone"], run["param_groups"]
+    centres, groups = whole["centres"], run["param_groups"]
+    # An EMA run: arcface_torch continues the trained weights, whose momentum the optimizer state is; model.pt,
+    # the backbone to use, is the run's backbone.pth (the average).
+    exported = whole["backbone"]
+    backbone = trained_state_dict(exported, whole["ema"]) if "ema" in whole else exported
     num_classes = centres.shape[0]
     if world_size > num_classes:
         raise ConfigError(f"--world-size {world_size} exceeds the run's {num_classes} classes; every rank needs a "
@@ -177,13 +184,18 @@ def to_arcface_torch(src: Path, dst: Path, world_size: int, steps_per_epoch: int
                      "state_dict_softmax_fc": {"weight": centres[start:start + count].clone()},
                      "state_optimizer": {"state": state, "param_groups": param_groups},
                      "state_lr_scheduler": scheduler}, dst / V2_FILE.format(rank))
-    atomic_save(backbone, dst / MODEL_FILE)
+    atomic_save(exported, dst / MODEL_FILE)
     lines = [f"wrote {dst}: arcface_torch train_v2 files for {world_size} ranks ({num_classes} class centres) and "
              f"{MODEL_FILE}, at global step {step} (epoch {epoch}, {steps} batches per epoch, lr {lrs[0]:.6g})"]
     if renumbered != step:
         lines.append(f"note: the run stopped inside epoch {epoch} (step {renumbered}, epochs of {steps} batches); "
                      f"arcface_torch resumes at epoch starts only, so the files say step {step}, the start of "
                      "that epoch (the weights are the run's last)")
+    if "ema" in whole:
+        lines.append(f"note: the run averages its backbone's weights (ema_decay={config['ema_decay']}): "
+                     f"{V2_FILE.format('*')} hold the trained weights, which arcface_torch continues with their "
+                     f"momentum; {MODEL_FILE} holds the average (the run's backbone.pth); arcface_torch keeps no "
+                     f"average, so its next save's {MODEL_FILE} holds its trained weights")
     lines.append("not carried over (arcface_torch's files have no place for them): grad scaler, data position, "
                  "random streams, config")
     return lines

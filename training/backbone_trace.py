@@ -116,6 +116,14 @@ def backbone_memory(network: str, network_kwargs: dict, embedding_size: int, dro
     return traced.memory(precision, num_views)
 
 
+def inference_memory(network: str, network_kwargs: dict, embedding_size: int, dropout: float,
+                     precision: torch.dtype | None) -> BackboneMemory:
+    """The backbone's bytes in a forward without gradient of a batch of single images (SST's gallery network:
+    training/semi_siamese.py), its normalised input included: its `peak(batch_size)` alone is meaningful."""
+    traced = _traced_network(network, tuple(sorted(network_kwargs.items())), embedding_size, dropout)
+    return traced.memory(precision, num_views=None)
+
+
 def _nbytes(tensor: torch.Tensor) -> int:
     return tensor.untyped_storage().nbytes()
 
@@ -305,12 +313,25 @@ class _TracedNetwork:
             for module in [self.model, *representatives.values()]:
                 module.to_empty(device="cpu")
 
-    def memory(self, precision: torch.dtype | None, num_views: int) -> BackboneMemory:
+    def memory(self, precision: torch.dtype | None, num_views: int | None) -> BackboneMemory:
+        """A training step's on records of `num_views` images, or a forward without gradient's (None)."""
         key = (precision, num_views)
         if key not in self.memories:
-            self.memories[key] = BackboneMemory(self.parameters, self.trainable, self.buffers,
-                                                functools.partial(self._trace, precision, num_views=num_views))
+            trace = (functools.partial(self._trace, precision, num_views=num_views) if num_views is not None
+                     else functools.partial(self._trace_inference, precision))
+            self.memories[key] = BackboneMemory(self.parameters, self.trainable, self.buffers, trace)
         return self.memories[key]
+
+    def _trace_inference(self, precision: torch.dtype | None, batch_size: int) -> _Trace:
+        autocast = (torch.autocast("cpu", dtype=precision) if precision is not None else contextlib.nullcontext())
+        try:
+            with self.fake, self.live, torch.no_grad():
+                images = torch.empty((batch_size, 3, IMAGE_SIZE, IMAGE_SIZE), dtype=torch.uint8)
+                with self.live.counting() as count, autocast:
+                    self.model(normalize(images))
+                    return _Trace(0, 0, count.after_each_allocation)
+        finally:
+            self.autocast_cache.clear()
 
     def _trace(self, precision: torch.dtype | None, batch_size: int, num_views: int) -> _Trace:
         autocast = (torch.autocast("cpu", dtype=precision) if precision is not None else contextlib.nullcontext())
@@ -358,10 +379,10 @@ class _TracedNetwork:
                 out = type(block).forward(block, x)
             forward_peak, kept, casts = count.peak - start, count.live - start - _nbytes(out), count.casts
             keeps_input, keeps_output = x.untyped_storage() in saved, out.untyped_storage() in saved
-            grad = torch.empty_like(out)
             start = count.restart_peak()
-            with torch.autocast("cpu", enabled=False):  # a step's backward runs outside its autocast
-                out.backward(grad)
+            if out.requires_grad:  # not in a forward without gradient (SST's gallery)
+                with torch.autocast("cpu", enabled=False):  # a step's backward runs outside its autocast
+                    out.backward(torch.empty_like(out))
             gradients = sum(_nbytes(p.grad) for p in block.parameters() if p.grad is not None)
             for parameter in block.parameters():
                 parameter.grad = None

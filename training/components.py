@@ -81,6 +81,9 @@ class Component(Protocol):
         return {key: value for key, value in self.state_dict().items() if key in self.tensor_keys and key in
                 {fqn.split(".", 1)[0] for fqn in saved}}
 
+    def before_step(self) -> None:
+        """Called as every optimizer step begins, before its first forward."""
+
     def after_step(self) -> None:
         """Called after every optimizer step taken (not after a skipped one)."""
 
@@ -226,7 +229,8 @@ class Schedule(Component):
         return {"scheduler": self.scheduler.state_dict()}
 
     def load_state_dict(self, saved: Mapping) -> None:
-        self.scheduler.load_state_dict(saved["scheduler"])
+        if "scheduler" in saved:  # arcface_torch's schedule is not a LambdaLR's: the resume jumps to its step
+            self.scheduler.load_state_dict(saved["scheduler"])
 
     @classmethod
     def check(cls, section: Mapping, where: str) -> None:
@@ -271,7 +275,8 @@ class GradScale(Component):
         return {"grad_scaler": self.scaler.state_dict()}
 
     def load_state_dict(self, saved: Mapping) -> None:
-        self.scaler.load_state_dict(saved["grad_scaler"])
+        if "grad_scaler" in saved:  # arcface_torch's files hold none
+            self.scaler.load_state_dict(saved["grad_scaler"])
 
     @classmethod
     def check(cls, section: Mapping, where: str) -> None:
@@ -311,7 +316,7 @@ class MarginState(Component):
             self.pfc.load_margin_state_dict(margin)
         elif self.pfc.margin_state.numel():
             log.warning("the checkpoint holds no state of the %s margin (it was trained with %s): its state "
-                        "starts afresh", family, (margin or {}).get("family", "an earlier version"))
+                        "starts afresh", family, (margin or {}).get("family", "an earlier version or arcface_torch"))
 
 
 # --- per-process state: every rank saves its own ---------------------------------------------------------

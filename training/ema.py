@@ -79,8 +79,8 @@ class BackboneEMA(Component):
         with torch.no_grad():
             torch._foreach_copy_(averages, weights)
             if "ema" not in saved:
-                log.info("the checkpoint holds no average of the backbone's weights (ema_decay was off): the "
-                         "average starts from the weights it holds")
+                log.info("the checkpoint holds no average of the backbone's weights (ema_decay was off, or "
+                         "arcface_torch wrote it): the average starts from the weights it holds")
                 self.updates = 0
                 return
             trained = saved["ema"]
@@ -92,3 +92,10 @@ class BackboneEMA(Component):
     def check(cls, section: Mapping, where: str) -> None:
         if "ema_updates" in section:
             integer(section["ema_updates"], f"{where}.ema_updates", low=0)
+
+
+def trained_state_dict(exported: Mapping[str, torch.Tensor], saved: Mapping[str, torch.Tensor]) -> dict:
+    """The trained backbone's state_dict from a checkpoint's backbone.pth (`exported`: the averages) and this
+    component's tensors (`saved`, the checkpoint's "ema": the trained parameters); BatchNorm statistics are
+    the trained backbone's in both."""
+    return {name: saved.get(name, value) for name, value in exported.items()}

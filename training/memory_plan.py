@@ -11,6 +11,11 @@ Items, by how they are counted:
   step puts them back), backbone_gradients, backbone_optimizer_state, ddp_gradient_buckets (DDP's flat
   copy of the gradients, with more than one process), backbone_ema (with ema_decay: the averaged copy of
   the backbone, its parameters and buffers).
+- semi-siamese training (sst): prototype_queue (rank 0's slots, arithmetic), gallery_network (the backbone's
+  momentum copy, as backbone_ema); queue_logits, the queue's softmax of both views above the activations (its two
+  (N, slots) buffers and copies of the queue, the gathered probes, the step's gallery features waiting for the
+  commit); the queue's backward is counted in logits_buffer, with the centres' softmax (which may be alive then).
+  Without its centre loss (sst_centre_weight 0) the centres get no gradient, no optimizer state, no logits.
 - traced on fake tensors (training/backbone_trace.py): activations, what the backbone's forward leaves for
   the backward, held while the softmax runs; backbone_backward, the backbone's forward and backward at
   their peak (activations, their gradients, parameter gradients).
@@ -31,7 +36,7 @@ from types import SimpleNamespace
 import torch
 
 from partial_fc import class_range
-from training.backbone_trace import backbone_memory
+from training.backbone_trace import backbone_memory, inference_memory
 from training.state import num_subcenters, precision
 from utils.compat import half_gemm_inputs
 from utils.image import IMAGE_SIZE
@@ -42,9 +47,10 @@ MAX_PROCESSES = 8192
 GIB = 2 ** 30
 
 PERSISTENT = ("class_centres", "centre_optimizer_state", "backbone_parameters", "backbone_optimizer_state",
-              "ddp_gradient_buckets", "backbone_ema", "batch")
-MOMENTS = {"at the softmax": ("activations", "logits_buffer"),
+              "ddp_gradient_buckets", "backbone_ema", "prototype_queue", "gallery_network", "batch")
+MOMENTS = {"at the softmax": ("activations", "queue_logits", "logits_buffer"),
            "in the backbone's backward": ("centre_gradient", "backbone_backward")}
+SEMI_SIAMESE = ("prototype_queue", "gallery_network", "queue_logits")  # items of a run with sst alone
 ACCUMULATED = {"at the softmax": ("centre_gradient", "backbone_gradients"),
                "in the backbone's backward": ("backbone_gradients",)}
 
@@ -57,6 +63,7 @@ def memory_plan(cfg: SimpleNamespace, num_classes: int | None, world_size: int) 
     states = _optimizer_states(cfg)
     plan: dict[str, int | None] = dict.fromkeys(("class_centres", "centre_gradient", "centre_optimizer_state",
                                                  "logits_buffer"))
+    centres_trained = not cfg.sst or cfg.sst_centre_weight > 0
     if num_classes is not None:
         rows = class_range(num_classes, 0, world_size)[1]
         centres = rows * num_subcenters(cfg) * cfg.embedding_size * FLOAT32
@@ -67,19 +74,22 @@ def memory_plan(cfg: SimpleNamespace, num_classes: int | None, world_size: int) 
         # Sampled: a sparse gradient, the sampled rows and their indices (micro-batches' unions: at most their sum)
         gradient = centres if columns is None else cfg.gradient_acc * columns * num_subcenters(cfg) * (
             cfg.embedding_size * FLOAT32 + INDEX)
-        plan.update(class_centres=centres, centre_gradient=gradient, centre_optimizer_state=states * centres,
-                    logits_buffer=max(forward, backward - backbone.released(cfg.batch_size)))
+        logits = max(forward, backward - backbone.released(cfg.batch_size)) if centres_trained else 0
+        plan.update(class_centres=centres, centre_gradient=gradient if centres_trained else 0,
+                    centre_optimizer_state=states * centres if centres_trained else 0,
+                    logits_buffer=logits + _queue_backward(cfg, world_size))
     plan.update(
         backbone_parameters=backbone.parameters + 2 * backbone.buffers,
         backbone_optimizer_state=states * backbone.trainable,
         ddp_gradient_buckets=backbone.trainable if world_size > 1 else 0,
         backbone_ema=backbone.parameters + backbone.buffers if cfg.ema_decay else 0,
+        **_semi_siamese(cfg, world_size, backbone.parameters + backbone.buffers),
         batch=(cfg.gradient_acc + 1) * cfg.batch_size * (cfg.num_views * IMAGE_BYTES + INDEX),
         activations=backbone.held(cfg.batch_size),
         backbone_backward=backbone.peak(cfg.batch_size),
         backbone_gradients=backbone.trainable,
     )
-    plan["total"] = _known(plan, PERSISTENT) + max(_known(plan, items) for items in _moments(cfg).values())
+    plan["total"] = _known(plan, _persistent(cfg)) + max(_known(plan, items) for items in _moments(cfg).values())
     plan["host_checkpoint_staging"] = _staging_bytes(cfg, plan, backbone.parameters + backbone.buffers,
                                                      backbone.parameters)
     return plan
@@ -89,21 +99,61 @@ def _staging_bytes(cfg: SimpleNamespace, plan: dict[str, int | None], backbone_s
                    backbone_parameters: int) -> int | None:
     """Host memory (not in the device total) for an async save's copy of the state: the centres, the
     backbone's state_dict and both optimizer states (with ema_decay, the trained parameters too: backbone.pth
-    holds the averages), held from the first save on (checkpoint/checkpointer.py)."""
+    holds the averages; with sst, the queue and the gallery network), held from the first save on
+    (checkpoint/checkpointer.py)."""
     if not (cfg.async_save and cfg.save_all_states):
         return 0
     if plan["class_centres"] is None:
         return None
     trained = backbone_parameters if cfg.ema_decay else 0
     return (plan["class_centres"] + plan["centre_optimizer_state"] + backbone_state + plan["backbone_optimizer_state"]
-            + trained)
+            + trained + plan["prototype_queue"] + plan["gallery_network"])
+
+
+def _semi_siamese(cfg: SimpleNamespace, world_size: int, gallery: int) -> dict[str, int]:
+    """The SST items (prototype_queue.py, training/semi_siamese.py): 0 without sst. queue_logits is the larger of
+    the gallery's pass (the global batch's records gathered, one view of this rank's slice embedded without
+    gradient, the other view's features) and the queue's softmax that follows it."""
+    if not cfg.sst:
+        return dict.fromkeys(("prototype_queue", "gallery_network", "queue_logits"), 0)
+    slots, d = class_range(cfg.sst_queue_size, 0, world_size)[1], cfg.embedding_size
+    n = cfg.batch_size * world_size  # rows of one view
+    forward = inference_memory(cfg.network, cfg.network_kwargs, cfg.embedding_size, cfg.dropout, precision(cfg))
+    # the global batch's records (one process: its own, already counted) and this rank's slice of a view
+    gathered = ((n * cfg.num_views if world_size > 1 else 0) + cfg.batch_size) * IMAGE_BYTES
+    gallery_pass = gathered + forward.peak(cfg.batch_size) + (2 * n * d + n) * FLOAT32  # features, the permutation
+    per_view = slots * d + n * slots + 2 * slots  # the queue's copy, the (N, slots) buffer, the slots' norms
+    probes = (2 * 2 * cfg.batch_size + 2 * n) * d  # both views stacked and normalised, then gathered
+    # the gallery features as the gallery gave them, and normalised for each micro-batch until the commit
+    waiting = 2 * n * d * (1 + cfg.gradient_acc)
+    return {"prototype_queue": slots * d * FLOAT32, "gallery_network": gallery,
+            "queue_logits": max(gallery_pass, (2 * per_view + probes + waiting) * FLOAT32)}
+
+
+def _queue_backward(cfg: SimpleNamespace, world_size: int) -> int:
+    """What the queue's softmax allocates in its backward above what its forward holds (one view at a time: the
+    slots' scaled 1/norms and the probes' gradient); counted with the centres' buffers, which may be alive then."""
+    if not cfg.sst:
+        return 0
+    return (class_range(cfg.sst_queue_size, 0, world_size)[1] + cfg.batch_size * world_size * cfg.embedding_size) \
+        * FLOAT32
+
+
+def _persistent(cfg: SimpleNamespace) -> tuple[str, ...]:
+    """The items held throughout the step (the SST ones only with sst)."""
+    return _of_this_run(PERSISTENT, cfg)
 
 
 def _moments(cfg: SimpleNamespace) -> dict[str, tuple[str, ...]]:
     """The items alive at each moment a step can peak."""
+    moments = {when: _of_this_run(items, cfg) for when, items in MOMENTS.items()}
     if cfg.gradient_acc == 1:
-        return MOMENTS
-    return {when: items + ACCUMULATED[when] for when, items in MOMENTS.items()}
+        return moments
+    return {when: items + ACCUMULATED[when] for when, items in moments.items()}
+
+
+def _of_this_run(items: tuple[str, ...], cfg: SimpleNamespace) -> tuple[str, ...]:
+    return items if cfg.sst else tuple(item for item in items if item not in SEMI_SIAMESE)
 
 
 def _known(plan: dict[str, int | None], items: tuple[str, ...]) -> int:
@@ -215,8 +265,8 @@ def device_bytes(device: torch.device) -> int:
 def describe(plan: dict[str, int | None], cfg: SimpleNamespace) -> str:
     """The plan as aligned lines of GiB, grouped by when the items are alive."""
     alive = _moments(cfg)
-    groups = {"held throughout": PERSISTENT, **alive}
-    shown = {item for items in groups.values() for item in items} | {"total"}
+    groups = {"held throughout": _persistent(cfg), **alive}
+    shown = {item for items in groups.values() for item in items} | {"total", *SEMI_SIAMESE}
     width = max(len(key) for key in plan) + 2
     lines = []
     for when, items in groups.items():
@@ -238,18 +288,21 @@ _SAMPLING = "lower sample_rate (now {sample_rate:g})"
 _MORE_PROCESSES = "more processes (each holds its share of the centres)"
 _SMALLER_BATCH = "a smaller batch_size with gradient_acc keeping the global batch"
 _SMALLER_NETWORK = "a smaller network, or fp16/bf16"
+_SMALLER_QUEUE = "a smaller sst_queue_size, or more processes (each holds its share of the queue)"
 REMEDIES = {"class_centres": _MORE_PROCESSES, "centre_optimizer_state": _MORE_PROCESSES,
             "centre_gradient": _SAMPLING, "logits_buffer": _SAMPLING, "activations": _SMALLER_BATCH,
             "backbone_backward": _SMALLER_BATCH, "batch": _SMALLER_BATCH, "backbone_parameters": _SMALLER_NETWORK,
             "backbone_optimizer_state": _SMALLER_NETWORK, "backbone_gradients": _SMALLER_NETWORK,
-            "ddp_gradient_buckets": _SMALLER_NETWORK, "backbone_ema": _SMALLER_NETWORK}
+            "ddp_gradient_buckets": _SMALLER_NETWORK, "backbone_ema": _SMALLER_NETWORK,
+            "prototype_queue": _SMALLER_QUEUE, "queue_logits": _SMALLER_QUEUE, "gallery_network": _SMALLER_NETWORK}
 
 
 def dominant_item(plan: dict[str, int | None], cfg: SimpleNamespace) -> str:
     """The largest item alive at the step's peak."""
     alive = _moments(cfg)
     peak = max(alive, key=lambda when: _known(plan, alive[when]))
-    return max((item for item in (*PERSISTENT, *alive[peak]) if plan[item] is not None), key=lambda item: plan[item])
+    return max((item for item in (*_persistent(cfg), *alive[peak]) if plan[item] is not None),
+               key=lambda item: plan[item])
 
 
 def describe_fit(result: Fit, cfg: SimpleNamespace, world_size: int, plan: dict[str, int | None]) -> str:

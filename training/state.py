@@ -22,6 +22,7 @@ from partial_fc import PartialFC
 from training.components import Centres, Component, GradScale, MarginState, Optimizer, Schedule
 from training.ema import BackboneEMA
 from training.optimizer import RowSparseAdamW, RowSparseSGD
+from training.semi_siamese import SemiSiamese
 from training.speedups import check_speedups, compiled_for_the_step, to_channels_last
 from utils.compat import ddp_without_buffer_sync
 from utils.distributed import world
@@ -45,6 +46,12 @@ class TrainingState:
     def __post_init__(self) -> None:
         if not self.components:  # built by hand (a test, a tool): the components every run has
             self.components = build_components(self, {})
+
+    def before_step(self) -> None:
+        """A step begins: the components that hold what a step proposes (the SST queue's features) forget what a
+        skipped step left."""
+        for component in self.components:
+            component.before_step()
 
     def after_step(self) -> None:
         """An optimizer step was taken: the components that follow the weights (an EMA) follow it."""
@@ -78,6 +85,7 @@ COMPONENTS: tuple[type[Component], ...] = (
     GradScale,
     MarginState,
     BackboneEMA,
+    SemiSiamese,
 )
 
 
@@ -94,6 +102,16 @@ def build_components(state, config: Mapping) -> list[Component]:
     """The components of `state` (a TrainingState, or anything with its networks, optimizer, schedule and
     scaler) that `config` asks for."""
     return [component for cls in COMPONENTS if (component := cls.build(state, config)) is not None]
+
+
+def restore_components(state, saved: Mapping) -> None:
+    """Put every component of `state` back from `saved` (its keys, in the form the components' state_dict gives,
+    tensors included), once the backbone holds the checkpoint's weights. Every importer (pairface's checkpoint,
+    arcface_torch's, an earlier version's) restores through here, so that what a component does on loading holds
+    on every path: the optimizer state in its parameters' memory layouts, the EMA's averages from the loaded
+    weights. A key the format does not hold is absent, and its component keeps what it has or starts afresh."""
+    for component in state.components:
+        component.load_state_dict({key: saved[key] for key in component.keys if key in saved})
 
 
 @dataclass

@@ -17,6 +17,7 @@ from types import SimpleNamespace
 import torch
 from torch import nn
 
+from training.semi_siamese import semi_siamese
 from training.state import TrainingState, backbone_frozen
 from utils.distributed import all_reduce_max
 from utils.image import normalize
@@ -35,6 +36,7 @@ def train_step(state: TrainingState, micro_batches, cfg: SimpleNamespace) -> tup
     micro-batches, detached, on the device; the outcome every rank agreed on): a step is taken on
     every rank, or skipped on every rank."""
     state.keep_bn_buffers()
+    state.before_step()
     frozen = backbone_frozen(state, cfg)
     state.backbone.train(not frozen)  # eval mode: BatchNorm neither updates nor uses batch statistics
     micro_losses = []
@@ -77,16 +79,20 @@ def _forward_backward(state: TrainingState, images: torch.Tensor, labels: torch.
     with state.autocast(flat.device.type):
         with torch.no_grad() if frozen else contextlib.nullcontext():
             embeddings = (state.backbone if frozen else state.ddp_backbone)(flat)
-        loss, per_view = state.pfc(embeddings.reshape(batch, views, -1).unbind(dim=1), labels)
+        probes = embeddings.reshape(batch, views, -1).unbind(dim=1)
+        sst = semi_siamese(state)
+        loss, per_view = sst.loss(probes, images, labels, state.pfc) if sst else state.pfc(probes, labels)
     state.scaler.scale(loss / accumulation).backward()
     return torch.cat([loss.detach().reshape(1), per_view])
 
 
-def _agreed_outcome(loss: torch.Tensor, grad_norm: torch.Tensor, centre_grad: torch.Tensor) -> StepOutcome:
+def _agreed_outcome(loss: torch.Tensor, grad_norm: torch.Tensor, centre_grad: torch.Tensor | None) -> StepOutcome:
     """The worst outcome over ranks, computed on the device: the step's one wait for the device."""
     # The sum is non-finite exactly when an element is (short of an overflow no real gradient reaches), and
     # unlike isfinite(centre_grad) it needs no temporaries the size of the centre matrix.
-    grads_finite = torch.isfinite(grad_norm) & torch.isfinite(centre_grad.sum())
+    grads_finite = torch.isfinite(grad_norm)
+    if centre_grad is not None:  # None: semi-siamese training without its centre loss leaves the centres out
+        grads_finite &= torch.isfinite(centre_grad.sum())
     local = torch.where(torch.isfinite(loss), torch.where(grads_finite, 0.0, 1.0), 2.0).to(torch.float32)
     return StepOutcome(int(all_reduce_max(local).item()))
 

@@ -226,6 +226,7 @@ def _check_values(values: dict) -> None:
                           "needs two or more; raise batch_size")
     if values["fp16"] and values["bf16"]:
         raise ConfigError("config keys 'fp16' and 'bf16' are both True; choose one (--set bf16=False)")
+    _check_augmentations(values["crop_scale"], values["erase_p"])
     _check_margins(values["margin_list"], values["margin_scale"])
     _check_family(values)
     if not 0.0 <= values["sample_rate"] <= 1.0:
@@ -236,9 +237,36 @@ def _check_values(values: dict) -> None:
         raise ConfigError(f"config key 'view_weights' has {len(weights)} weights but num_views is "
                           f"{values['num_views']}; "
                           "give one weight per view or None")
+    _check_semi_siamese(values)
     if values["warmup_epoch"] > values["num_epoch"]:
         raise ConfigError(f"config key 'warmup_epoch' ({values['warmup_epoch']}) exceeds num_epoch "
                           f"({values['num_epoch']})")
+
+
+def _check_augmentations(crop_scale: tuple[float, ...], erase_p: float) -> None:
+    """crop_scale is two area fractions (low, high), 0 < low <= high <= 1; erase_p a probability."""
+    if len(crop_scale) != 2 or not 0.0 < crop_scale[0] <= crop_scale[1] <= 1.0:
+        raise ConfigError(f"config key 'crop_scale' must be two area fractions (low, high) with 0 < low <= high <= 1, "
+                          f"not {crop_scale!r}; e.g. crop_scale=(0.7, 1.0), or (1.0, 1.0) for no crop")
+    if not 0.0 <= erase_p <= 1.0:
+        raise ConfigError(f"config key 'erase_p' is a probability and must be in [0, 1], not {erase_p}; e.g. "
+                          "erase_p=0.5, or 0 for no erasing")
+
+
+def _check_semi_siamese(values: dict) -> None:
+    """Semi-siamese training's keys (the queue's size against the world size is checked where that is known)."""
+    if not values["sst"]:
+        return
+    if values["num_views"] != 2:
+        raise ConfigError(f"config key 'sst' needs two views per record (a probe and a gallery photo of each "
+                          f"identity), not num_views={values['num_views']}; set num_views=2")
+    enqueued = values["batch_size"] * values["gradient_acc"] * (2 if values["sst_enqueue"] == "both" else 1)
+    if values["sst_queue_size"] < enqueued:
+        raise ConfigError(f"config key 'sst_queue_size' ({values['sst_queue_size']}) is smaller than the {enqueued} "
+                          "gallery features a step of one process enqueues; raise it (FaceX-Zoo: 16384)")
+    for key, (ok, asked), example in (("sst_momentum", _FRACTION, "0.999"), ("sst_centre_weight", _FRACTION, "0.5")):
+        if not ok(values[key]):
+            raise ConfigError(f"config key {key!r} must be {asked}, not {values[key]}; e.g. {key}={example}")
 
 
 def _check_margins(margin_list: tuple[float, ...], scale: float) -> None:
@@ -258,6 +286,7 @@ def _check_margins(margin_list: tuple[float, ...], scale: float) -> None:
 
 _ANGLE = (lambda v: 0.0 <= v < math.pi, "in [0, pi)")
 _RATE = (lambda v: 0.0 <= v <= 1.0, "in [0, 1]")
+_FRACTION = (lambda v: 0.0 <= v < 1.0, "in [0, 1)")
 _NOT_NEGATIVE_VALUE = (lambda v: v >= 0.0, "at least 0")
 # Each margin family's own keys: (key, (the check, what it asks), an example value).
 _FAMILY_KEYS = {

@@ -1,16 +1,16 @@
 """Does tools.search name strangers? Open-set search on LFW people the model never saw: some enrolled, some not.
 
-    python -m bench.stranger_search /path/to/lfw --model output/lfw_run [--work data/stranger_search]
+    python -m experiments.stranger_search /path/to/lfw --model output/lfw_run [--work data/stranger_search]
         [--members 40] [--strangers 40] [--enrol 3] [--queries 4] [--fpir 0.01] [--seed 0]
 
-LFW_FOLDER as bench.real_faces takes it (``images_deepfunneled/`` and ``peopleDevTest.txt``); --model a run folder
-trained on DevTrain's people (bench.real_faces, or train.py configs/lfw_r18_pair.py), so that every DevTest person
-is new to it. From the DevTest people with more than --enrol photos (drawn with --seed): --members of them are
-enrolled with their first --enrol photos (a gallery folder of links under --work), and up to --queries of their
-other photos are searched (mated queries); --strangers others are never enrolled, and up to --queries of their
-photos are searched (non-mated queries). Photos are aligned as bench.real_faces aligns them (the mean deep-funneled
-face's five points). Everything written goes under --work: the photos are their owners', and nothing made from them
-belongs in the repository.
+LFW_FOLDER as experiments.real_faces takes it (``images_deepfunneled/`` and ``peopleDevTest.txt``); --model a run
+folder trained on DevTrain's people (experiments.real_faces, or train.py configs/lfw_r18_pair.py), so that every
+DevTest person is new to it. From the DevTest people with more than --enrol photos (drawn with --seed): --members of
+them are enrolled with their first --enrol photos (a gallery folder of links under --work), and up to --queries of
+their other photos are searched (mated queries); --strangers others are never enrolled, and up to --queries of their
+photos are searched (non-mated queries). Photos are aligned as experiments.real_faces aligns them (the mean
+deep-funneled face's five points). Everything written goes under --work: the photos are their owners', and nothing
+made from them belongs in the repository.
 
 The table: of the strangers' queries, the fraction tools.search names as a known person (its false-identification
 rate) at its deciding threshold, and at the pair threshold alone (what it decided by before it set a threshold of
@@ -28,8 +28,8 @@ from pathlib import Path
 
 import numpy as np
 
-from bench.real_faces import IMAGES, MEAN_LANDMARKS
 from eval.table import boxed_table
+from experiments.real_faces import IMAGES, MEAN_LANDMARKS
 from tools import search
 
 TOP = re.compile(r"^  1\. (\S+) +(-?[\d.]+)$")

@@ -1,7 +1,7 @@
 """What real training steps allocate, by item of the memory plan: the reference the plan is checked
-against (tests/test_memory_plan.py) and compared with (bench/bench_scale.py, bench/gpu_check.py).
+against (tests/test_memory_plan.py) and compared with (bench/bench_scale.py, gpu_acceptance/gpu_check.py).
 
-    python -m bench.step_memory configs/synthetic_pair.py --set network=r18 --case "batch_size=16" \\
+    python -m tools.step_memory configs/synthetic_pair.py --set network=r18 --case "batch_size=16" \\
         --case "batch_size=32 bf16=True" [--device cuda] [--json]
 
 Per case the training state and loader are built as train.py builds them, and optimizer steps run
@@ -36,6 +36,7 @@ from torch.utils.hooks import RemovableHandle
 from dataset import build_dataset, build_loader
 from training.ema import BackboneEMA
 from training.memory_plan import memory_plan
+from training.semi_siamese import semi_siamese
 from training.state import TrainingState, build_training_state, wrap_for_the_step
 from training.step import StepOutcome, train_step
 from utils.cli import exit_on_user_error
@@ -183,6 +184,8 @@ def _hook_markers(state: TrainingState, marks: _Marks, inputs: list[int], gradie
         output.register_hook(lambda grad: marks.mark(f"softmax end {number}"))
 
     handles = [state.backbone.register_forward_pre_hook(before), state.backbone.register_forward_hook(after)]
+    if sst := semi_siamese(state):  # the queue's softmax ends before the centres' starts
+        handles.append(sst.queue.register_forward_hook(lambda *args: marks.mark(f"queue end {len(calls)}")))
     for parameter in [*state.backbone.parameters(), state.pfc.weight]:
         if parameter.requires_grad:
             handles.append(parameter.register_post_accumulate_grad_hook(
@@ -232,7 +235,10 @@ def measure(cfg: SimpleNamespace, device: torch.device) -> dict[str, int]:
             hook.remove()
     backbone = list(state.backbone.parameters())
     last = (measured_step + 1) * cfg.gradient_acc  # the measured step's last micro-batch
-    centre_gradient = gradients[state.pfc.weight]
+    centre_gradient = gradients.get(state.pfc.weight, 0)  # none: SST without its centre loss
+    sst = semi_siamese(state)
+    # With SST the queue's softmax (and the gallery's pass before it) comes first, then the centres'
+    classifier = f"queue end {last}" if sst else f"forward end {last}"
     # The forward's input, normalised just before the backbone is called, is held through the backward.
     start = marks.at(f"forward {last}") - inputs[last - 1]
     items = {
@@ -245,8 +251,11 @@ def measure(cfg: SimpleNamespace, device: torch.device) -> dict[str, int]:
         "backbone_ema": sum(_nbytes([*c.average.parameters(), *c.average.buffers()]) for c in state.components
                             if isinstance(c, BackboneEMA)),
         "activations": marks.at(f"forward end {last}") - start,
-        "logits_buffer": marks.peak_between(f"forward end {last}", f"softmax end {last}")
-        - marks.at(f"forward end {last}"),
+        "prototype_queue": _nbytes([sst.queue.queue]) if sst else 0,
+        "gallery_network": _nbytes([*sst.gallery.parameters(), *sst.gallery.buffers()]) if sst else 0,
+        "queue_logits": marks.peak_between(f"forward end {last}", classifier) - marks.at(f"forward end {last}")
+        if sst else 0,
+        "logits_buffer": marks.peak_between(classifier, f"softmax end {last}") - marks.at(classifier),
         "backbone_gradients": sum(gradients.get(p, 0) for p in backbone),
     }
     # What the backbone adds above the start of its forward; with one micro-batch the centre gradient

@@ -1,5 +1,5 @@
 """The device check: what only a GPU can show, a table printed row by row as each check finishes
-(bench/gpu_check.sh, which first makes the machine ready: bench/gpu_wheels.py). Every check runs in
+(gpu_acceptance/gpu_check.sh, which first makes the machine ready: provision/gpu_wheels.py). Every check runs in
 processes of its own under its own time budget (BUDGETS, seconds on one H200); one that overruns
 prints FAILED and the next one starts. Under `--limit` (the whole check's seconds, more than the
 budgets' sum) a check that could no longer finish within its budget is not started: its rows print
@@ -34,7 +34,7 @@ Rows:
   copy bandwidth), against torch's own kernels for them run bare, and against arcface_torch's
   PartialFC_V2 + SGD, and where the sampled step's CUDA time goes (torch.profiler), largest first.
 - memory plan: the --dry-run memory plan of r50 and of vit_b (checkpointed) at 128 x 2 views in fp16
-  against a real step (bench/step_memory.py): the total planned / the peak allocated, and plan/peak per item.
+  against a real step (tools/step_memory.py): the total planned / the peak allocated, and plan/peak per item.
 - gpu decode vs cpu decode: GPU-decoded batches against CPU-decoded ones (tests/test_loader.py's GPU tests).
 
 `--tiny` runs every row on the CPU with tiny shapes and four times the budgets: a rehearsal of this
@@ -57,9 +57,9 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from bench.gpu_ready import cuda_problem
-from bench.step_memory import ratios
-from tests.run_helpers import CONFIG, arguments
+from gpu_acceptance.gpu_ready import cuda_problem
+from gpu_acceptance.runs import CONFIG, arguments
+from tools.step_memory import ratios
 
 ROOT = Path(__file__).resolve().parent.parent
 SPEED = re.compile(r"Speed ([\d.]+) samples/sec ([\d.]+) images/sec   Loss ([\d.]+)")
@@ -269,7 +269,7 @@ def parse_train(name: str, steps: int, start: float) -> Callable[[str], list[Row
 
 
 RESUME_STEPS = 4  # steps before the stop and after it; the one checkpoint between them is at this step
-RESUME_VERDICT = ("import json, sys\nfrom pathlib import Path\nfrom tests.run_helpers import run_difference\n"
+RESUME_VERDICT = ("import json, sys\nfrom pathlib import Path\nfrom gpu_acceptance.runs import run_difference\n"
                   "root = Path(sys.argv[1])\ninfo = json.loads((root / 'whole' / 'model.json').read_text())\n"
                   "difference = run_difference(root / 'split', root / 'whole', info)\n"
                   "print('bitwise equal' if difference is None else f'first difference: {difference}')\n")
@@ -277,7 +277,7 @@ RESUME_VERDICT = ("import json, sys\nfrom pathlib import Path\nfrom tests.run_he
 
 def torchrun_resume(run: Runner, data: Path, folder: Path) -> Rows:
     """4 + 4 steps resumed against 8 uninterrupted, under torchrun with one process: bitwise, or the first
-    tensor that differs. The tiny network of the tests (tests/run_helpers.py's QUIET) keeps the three runs to
+    tensor that differs. The tiny network of the tests (gpu_acceptance/runs.py's QUIET) keeps the three runs to
     their start-up (torchrun, CUDA, NCCL) and two DCP saves each: the first H200 run spent the 50 s budget on
     three 12-step runs that saved every 3 steps. The seconds of each phase are printed, for the next budget."""
     run.budget("torchrun resume")
@@ -401,7 +401,7 @@ def parse_bench_pfc(out: str) -> list[Row]:
     return [(f"bench_pfc {' '.join(line[:2])}", " ".join(line[2:]), True) for line in lines]
 
 
-# bench.step_memory's configurations: the memory plan of each against a real step (one process).
+# tools.step_memory's configurations: the memory plan of each against a real step (one process).
 MEMORY_PLAN_CASES = {
     "r50 fp16, 128 x 2 views, 1M classes at 10%": "network=r50 fp16=True batch_size=128 num_classes=1000000 "
                                                   "sample_rate=0.1",
@@ -412,10 +412,10 @@ TINY_MEMORY_PLAN = ["network=r18", "network_kwargs={'width_mult':0.0625}", "batc
 
 
 def memory_plan(run: Runner) -> Rows:
-    """The --dry-run memory plan against what a real step allocates (bench/step_memory.py): the total and
+    """The --dry-run memory plan against what a real step allocates (tools/step_memory.py): the total and
     plan/peak per item, from the CUDA caching allocator's statistics."""
     run.budget("memory plan")
-    command = [sys.executable, "-m", "bench.step_memory", "configs/synthetic_pair.py", "--json", *device_args(run)]
+    command = [sys.executable, "-m", "tools.step_memory", "configs/synthetic_pair.py", "--json", *device_args(run)]
     for item in ["rec=synthetic", "embedding_size=512", "num_workers=0", "optimizer=sgd", "network_kwargs={}",
                  *(TINY_MEMORY_PLAN if run.tiny else [])]:
         command += ["--set", item]
@@ -427,7 +427,7 @@ def memory_plan(run: Runner) -> Rows:
 
 
 def parse_memory_plan(names: list[str]) -> Callable[[str], list[Row]]:
-    """bench.step_memory --json: one JSON line per case, in the order of `names`."""
+    """tools.step_memory --json: one JSON line per case, in the order of `names`."""
     def parse(out: str) -> list[Row]:
         results = [json.loads(match[0]) for match in matches(r"\{.*\}$", out, "JSON line of a measured case")]
         if len(results) != len(names):

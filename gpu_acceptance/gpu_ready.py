@@ -1,8 +1,8 @@
-"""The device check's first seconds (bench/gpu_check.sh): which Python and torch run it and, unless
+"""The device check's first seconds (gpu_acceptance/gpu_check.sh): which Python and torch run it and, unless
 `--tiny`, whether CUDA can run a kernel here. One line saying why and exit 2 when not, before anything
 slow is imported (torch and utils.device only).
 
-    python3 -m bench.gpu_ready [--tiny]
+    python3 -m gpu_acceptance.gpu_ready [--tiny]
 """
 from __future__ import annotations
 

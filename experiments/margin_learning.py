@@ -1,6 +1,6 @@
 """Does each margin family learn? Held-out verification accuracy after the same short training, per family.
 
-    python -m bench.margin_learning [--epochs 2] [--seed 2048] [--families combined adaface ...]
+    python -m experiments.margin_learning [--epochs 2] [--seed 2048] [--families combined adaface ...]
 
 One synthetic data set (300 training identities of 8 two-view records, 100 held-out identities, 200
 pairs: tests/test_train_learning.py's) and configs/synthetic_pair.py as it is, but for its length (2

@@ -1,13 +1,13 @@
 """Fine-tuning a trained backbone on new people against training from scratch on them, measured on LFW.
 
-    python -m bench.fine_tune /path/to/lfw --backbone output/lfw_r18_pair/backbone.pth [--work data/lfw_finetune]
+    python -m experiments.fine_tune /path/to/lfw --backbone output/lfw_r18_pair/backbone.pth [--work data/lfw_finetune]
 
 --backbone is a backbone trained on LFW's DevTrain people (configs/lfw_r18_pair.py; its architecture must be
 configs/finetune_my_faces.py's). The new people are peopleDevTest's, none of whom that backbone saw: those with
 two photos or more (at most MAX_PHOTOS each, the first by name, so that a few people with a hundred photos do not
 make up the set) are split by a seeded draw into TRAIN_SHARE to fine-tune on (tools.pack_rec --views 2) and the
 rest held out (tools.make_bin --random PAIRS: same-person and different-person pairs of people never trained on).
-Photos are aligned as bench.real_faces aligns them (the mean deep-funneled face's five landmarks). Everything it
+Photos are aligned as experiments.real_faces aligns them (the mean deep-funneled face's five landmarks). Everything it
 writes goes under --work: the photos are their owners', nothing made from them belongs in this repository.
 
 Rows, each a train.py run of configs/finetune_my_faces.py for the same steps:

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Issue 44's throughput figures on one GPU, part by part, each under its own time limit, printed as measured:
 #   side_by_side  arcface_torch's train_v2.py and train.py on one config file: samples/s and the ratio
-#            (bench/side_by_side.py; its arcface_torch folder and wheels prepared in .side-by-side/, docs/gpu.md)
+#            (gpu_acceptance/side_by_side.py; its arcface_torch folder and wheels prepared in .side-by-side/, docs/gpu.md)
 #   split    bench_train --split: r50 at one and two views, images/s, the step split, MFU, channels_last and bf16
 #            on and off, the optimizer's kernels
 #   vit_b    the same for vit_b (bf16 on and off)
@@ -10,11 +10,11 @@
 #   pfc      bench_pfc at 1M and 4M classes, fp16, each time beside its floor, eager and with compile_margin_softmax
 #            (--compile: its compile seconds beside); then --step (SGD included)
 # Part names given as arguments run those parts only; by default all of them. On one H200, three calls of at most
-# 10 minutes each: side_by_side split, then vit_b pfc, then compile (docs/gpu.md). Needs what bench/gpu_check.sh needs (its wheels).
+# 10 minutes each: side_by_side split, then vit_b pfc, then compile (docs/gpu.md). Needs what gpu_acceptance/gpu_check.sh needs (its wheels).
 #
-#   bash bench/gpu_throughput.sh                 # on a machine with a GPU
-#   bash bench/gpu_throughput.sh --tiny          # the same commands on this CPU at tiny shapes: a rehearsal
-#   bash bench/gpu_throughput.sh compile         # one part
+#   bash gpu_acceptance/gpu_throughput.sh                 # on a machine with a GPU
+#   bash gpu_acceptance/gpu_throughput.sh --tiny          # the same commands on this CPU at tiny shapes: a rehearsal
+#   bash gpu_acceptance/gpu_throughput.sh compile         # one part
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1
@@ -32,7 +32,7 @@ for part in "${parts[@]}"; do
     fi
 done
 
-. bench/gpu_prepare.sh
+. provision/gpu_prepare.sh
 if [ ${#tiny[@]} = 0 ]; then
     side_by_side=(--arcface-torch .side-by-side/arcface_torch)
     split=(--split --device cuda --width-mult 1 --embedding-size 512 --batch-size 128 --classes 100000 --fp16
@@ -64,7 +64,7 @@ for part in "${parts[@]}"; do
     case $part in
         side_by_side)
             if [ -d .side-by-side/arcface_torch ]; then
-                PYTHONPATH="$PWD/.side-by-side/site:$PYTHONPATH" run_part side_by_side 240 bench.side_by_side \
+                PYTHONPATH="$PWD/.side-by-side/site:$PYTHONPATH" run_part side_by_side 240 gpu_acceptance.side_by_side \
                     "${side_by_side[@]}"
             else
                 echo "== side_by_side: not run: no .side-by-side/arcface_torch here (docs/gpu.md says how to prepare it)"

@@ -2,9 +2,9 @@
 same machine: samples/s of each (the mean of its last log lines' "Speed ... samples/sec"), the GPU memory
 each used, and the ratio pairface / arcface_torch.
 
-    python -m bench.side_by_side --arcface-torch /tmp/arcface_torch        # configs/ms1mv3_r50_onegpu_synthetic.py
-    python -m bench.side_by_side --config configs/X.py --nproc 8           # arcface_torch fetched from GitHub
-    python -m bench.side_by_side --tiny                                    # a CPU rehearsal of pairface's side
+    python -m gpu_acceptance.side_by_side --arcface-torch /tmp/arcface_torch    # configs/ms1mv3_r50_onegpu_synthetic.py
+    python -m gpu_acceptance.side_by_side --config configs/X.py --nproc 8       # arcface_torch fetched from GitHub
+    python -m gpu_acceptance.side_by_side --tiny                                # a CPU rehearsal of pairface's side
 
 The config is an arcface_torch config file (`config = edict()`, `config.key = value`), which both programs
 read as it is; each run gets its own output folder in a temporary folder, and pairface `max_steps`.
@@ -72,8 +72,8 @@ VERBOSE_PASSED = re.compile(r"super\(\)\.__init__\(([^()]*?),\s*verbose=verbose\
 ARCFACE_NEEDS = {"easydict": "easydict", "numpy": "numpy", "torchvision": "torchvision",
                  "tensorboard": "tensorboard", "sklearn": "scikit-learn", "scipy": "scipy"}
 VIT_NEEDS = {"timm": "timm"}  # its backbones/vit.py, for the vit_* networks
-MXNET_STANDIN = ('"""A stand-in for mxnet from pairface\'s bench/side_by_side.py: arcface_torch imports mxnet at the '
-                 'top of dataset.py and\neval/verification.py, and its synthetic data never calls it."""\n')
+MXNET_STANDIN = ('"""A stand-in for mxnet from pairface\'s gpu_acceptance/side_by_side.py: arcface_torch imports mxnet '
+                 'at the top of dataset.py and\neval/verification.py, and its synthetic data never calls it."""\n')
 # --tiny: pairface's side on a CPU in seconds (the tests' r18 at 1/16 of its widths), a rehearsal, not a measurement
 TINY = ["network=r18", "network_kwargs={'width_mult': 0.0625}", "embedding_size=32", "batch_size=2",
         "num_classes=100", "num_workers=0", "fp16=False", "frequent=1", "val_targets=()", "save_all_states=False"]
@@ -204,7 +204,7 @@ def arcface_config_file(config: Path, copy: Path, output: Path) -> Path:
     """The config as arcface_torch's get_config takes it (a module of the copy's configs/, named relative to the
     folder it runs in), its output folder set."""
     target = copy / "configs" / f"{CONFIG_NAME}.py"
-    target.write_text(config.read_text() + f"\n# added by pairface's bench/side_by_side.py\nconfig.output = "
+    target.write_text(config.read_text() + f"\n# added by pairface's gpu_acceptance/side_by_side.py\nconfig.output = "
                                             f"{str(output)!r}\n")
     return target
 
@@ -343,7 +343,7 @@ def ratio_line(runs: Mapping[str, Run], lines: int) -> str:
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], prog="python -m bench.side_by_side")
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], prog="python -m gpu_acceptance.side_by_side")
     parser.add_argument("--config", type=Path, default=ROOT / DEFAULT_CONFIG,
                         help=f"an arcface_torch-style config file both programs read (default {DEFAULT_CONFIG})")
     parser.add_argument("--arcface-torch", type=Path, metavar="DIR",

@@ -1,6 +1,6 @@
 """Does pairface learn real faces? LFW under its own protocol: train on DevTrain's people, verify on pairsDevTest.
 
-    python -m bench.real_faces /path/to/lfw [--work data/lfw_bench] [--quick] [--rows two_view one_view ...]
+    python -m experiments.real_faces /path/to/lfw [--work data/lfw_bench] [--quick] [--rows two_view one_view ...]
 
 LFW_FOLDER is Labeled Faces in the Wild as its project distributes it: ``images_deepfunneled/<Name>/<Name>_NNNN.jpg``
 (deep-funneled, aligned: 250x250 colour JPEGs) beside its protocol files ``peopleDevTrain.txt`` and
@@ -26,6 +26,8 @@ DevTrain at 128 images a step: a multiple of 148 steps). Rows:
   "identity"``; a person with one photo gets it twice, flipped independently); ``two_view_augment``: two
   augmented copies of one photo; ``power_1``: the recipe with the LR decaying at power 1 (train_v2's);
 - ``arcface_sgd``: arcface_torch's one-GPU recipe (ArcFace at s = 64, SGD lr 0.02), one view;
+- ``sst``: two views, semi-siamese training's prototype queue in place of the centres (a queue of 4,096 gallery
+  features, momentum 0.99: configs/lfw_r18_sst.py's values);
 - one row per margin family on two views (``cosface``, ``arcface``, ``subcenter``, ``adaface``, ``curricular``,
   ``elastic_arc``, ``elastic_cos``) at s = 32 under AdamW, with each family's own keys as configs/base.py has them.
 Accuracy is Accuracy-Flip on 10 folds that each hold 50 same and 50 different pairs (eval.folds). The table gives
@@ -77,6 +79,8 @@ ROWS: dict[str, dict[str, str]] = {
     "two_view_augment": {"num_views": "2", "view_source": "'augment'"},
     "power_1": {"num_views": "2", "lr_power": "1.0"},
     "arcface_sgd": {**ARCFACE_SGD, "num_views": "1"},
+    # two views with semi-siamese training's queue in place of the centres (configs/lfw_r18_sst.py's values)
+    "sst": {"num_views": "2", "sst": "True", "sst_queue_size": "4096", "sst_momentum": "0.99"},
     "cosface": {**ADAMW, "margin_family": "'combined'", "margin_list": "(1.0, 0.0, 0.35)"},
     "arcface": {**ADAMW, "margin_family": "'combined'", "margin_list": "(1.0, 0.5, 0.0)"},
     "subcenter": {**ADAMW, "margin_family": "'subcenter'", "margin_list": "(1.0, 0.0, 0.35)"},
@@ -247,15 +251,18 @@ def train_row(name: str, schedule: Schedule, data: Path, runs: Path, seed: int, 
               threads: int) -> Result:
     output = runs / f"{name}-seed{seed}"
     timing = output / TIMING
-    if (output / "backbone.pth").is_file():
-        print(f"{name} (seed {seed}): using the finished run in {output}")
+    log_path = output / "training.log"
+    if log_path.is_file() and f"training finished at global step {schedule.steps}:" in log_path.read_text():
+        print(f"{name} (seed {seed}): using the finished run in {output}", flush=True)
         # Its wall time from its own log; its CPU time as this command measured it, when it trained the run.
-        stamps = [datetime.strptime(stamp, "%Y-%m-%d %H:%M:%S,%f")
-                  for stamp in LOG_TIME.findall((output / "training.log").read_text())]
+        stamps = [datetime.strptime(stamp, "%Y-%m-%d %H:%M:%S,%f") for stamp in LOG_TIME.findall(log_path.read_text())]
         wall_seconds = (stamps[-1] - stamps[0]).total_seconds()
         cpu_seconds = json.loads(timing.read_text())["cpu_seconds"] if timing.is_file() else float("nan")
     else:
-        command = [sys.executable, "train.py", CONFIG, *row_settings(name, schedule, data, output, seed, extra)]
+        # A run stopped before its end (Ctrl-C, a kill: its last checkpoint and backbone.pth are there) goes on.
+        resume = ["--resume"] if (output / "checkpoint.json").is_file() else []
+        command = [sys.executable, "train.py", CONFIG, *row_settings(name, schedule, data, output, seed, extra),
+                   *resume]
         output.parent.mkdir(parents=True, exist_ok=True)
         start = time.perf_counter()
         with open(output.parent / f"{output.name}.stderr", "w+") as stderr:
@@ -267,6 +274,8 @@ def train_row(name: str, schedule: Schedule, data: Path, runs: Path, seed: int, 
             if process.returncode:
                 stderr.seek(0)
                 raise SystemExit(f"error: the {name} run failed ({' '.join(command)}):\n{stderr.read()[-3000:]}")
+        if resume:  # the CPU time of the part before, when this command measured it
+            cpu_seconds += json.loads(timing.read_text())["cpu_seconds"] if timing.is_file() else float("nan")
         timing.write_text(json.dumps({"cpu_seconds": cpu_seconds, "wall_seconds": wall_seconds}))
     log = (output / "training.log").read_text()
     curve = [(int(step) * schedule.batch_images, float(accuracy), float(spread))

@@ -1,8 +1,8 @@
-"""Makes a bare GPU machine ready for the device check: every module of bench/gpu_wheels.txt that this
-Python cannot import is installed from the wheels bench/fetch_gpu_wheels.sh downloaded (no package
+"""Makes a bare GPU machine ready for the device check: every module of provision/gpu_wheels.txt that this
+Python cannot import is installed from the wheels provision/fetch_gpu_wheels.sh downloaded (no package
 registry is needed, nor reachable there), into a folder of its own that the check puts on PYTHONPATH.
 
-    python3 -m bench.gpu_wheels --wheels .gpu-wheels --target .gpu-site [--tiny]
+    python3 -m provision.gpu_wheels --wheels .gpu-wheels --target .gpu-site [--tiny]
 
 Standard library only: it runs before anything the wheels provide. One `error:` line and exit 1 when
 a wheel is missing or pip cannot install it.
@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 
 LIST = Path(__file__).resolve().with_name("gpu_wheels.txt")
-FETCH = "bash bench/fetch_gpu_wheels.sh"
+FETCH = "bash provision/fetch_gpu_wheels.sh"
 
 
 def read_list(path: Path, tiny: bool = False) -> list[tuple[str, str]]:

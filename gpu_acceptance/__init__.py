@@ -1,0 +1,1 @@
+"""The GPU acceptance harness: what only a GPU can show, checked within one lease (gpu_check.sh)."""
