@@ -18,7 +18,8 @@ from PIL import Image
 
 from backbones import get_model
 from eval import verification
-from tests.run_helpers import INFO, run_here
+from gpu_acceptance.runs import INFO
+from tests.run_helpers import run_here
 from tests.test_export_inference import trained_like
 from tools import make_bin
 

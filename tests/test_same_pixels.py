@@ -22,7 +22,8 @@ from backbones import get_model
 from eval import verification
 from eval.callback import VerificationCallback
 from facedata.photos import FITS, fit_photo, same_pixels_as
-from tests.run_helpers import INFO, run_here
+from gpu_acceptance.runs import INFO
+from tests.run_helpers import run_here
 from tests.test_export_inference import trained_like
 from tools import make_bin
 
