@@ -75,8 +75,9 @@ compile_margin_softmax: bool = False  # torch.compile the margin softmax's passe
                                   # kernel (Triton on GPUs; a C++ compiler on CPUs); the first steps compile
                                   # (seconds, cached in TORCHINDUCTOR_CACHE_DIR), results equal up to float rounding
 timeout_minutes: float = 30.0     # how long a rank waits at a collective (e.g. for a checkpoint being written)
-network_check_seconds: float = 120.0  # several processes: one small all-reduce before the first step must end
-                                  # within this, else the run stops naming each host's network (docs/failures.md)
+network_check_seconds: float = 120.0  # several processes: joining the process group and one small all-reduce
+                                  # before the first step must end within this, else each process stops with a line
+                                  # naming what it waited for and its host's network (docs/failures.md)
 
 # --- optimisation -------------------------------------------------------------------------
 optimizer: Literal["sgd", "adamw"] = "sgd"  # one optimizer, backbone and class centres as two param groups
