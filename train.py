@@ -230,8 +230,9 @@ def _share_cpu(num_workers: int) -> None:
 def _count_nonfinite(outcome: StepOutcome, counter: StepCounter, cfg, continue_with: str,
                      grad_scale: float | None) -> None:
     """Count skipped steps. fp16 gradient overflow alone is routine (the scale backs off) and not counted, unless
-    it has pushed the grad scale (`grad_scale`, after the step; None without fp16) below min_grad_scale: then
-    every step counts, taken or not, until the scale has grown back."""
+    it has pushed the grad scale (`grad_scale`, after the step; None without fp16, or where the step cannot have
+    left it below min_grad_scale: _scale_to_check) below min_grad_scale: then every step counts, taken or not,
+    until the scale has grown back."""
     collapsed = grad_scale is not None and grad_scale < cfg.min_grad_scale
     if not collapsed and (outcome == StepOutcome.TAKEN or (outcome == StepOutcome.GRAD_NONFINITE and cfg.fp16)):
         counter.nonfinite_in_a_row = 0
@@ -259,6 +260,14 @@ def _count_nonfinite(outcome: StepOutcome, counter: StepCounter, cfg, continue_w
                             f"non-finite losses in a row (max_nonfinite_steps={cfg.max_nonfinite_steps}); "
                             f"{last_good_line}; lower lr, try bf16 instead of fp16, or check "
                             "the data")
+
+
+def _scale_to_check(outcome: StepOutcome, counter: StepCounter, first: bool) -> bool:
+    """Whether the fp16 grad scale after this step may be below min_grad_scale, so that _count_nonfinite must read
+    it (a read waits for the device). A step taken means every rank's every gradient was finite, so the scaler kept
+    or grew the scale: below the bound after it only if it was before, which a streak being counted says (a
+    collapsed scale counts every step) or which is unknown at the first step of a start (a resumed scale)."""
+    return first or outcome != StepOutcome.TAKEN or counter.nonfinite_in_a_row > 0
 
 
 @dataclass(frozen=True)
@@ -417,7 +426,7 @@ def _loop(cfg, state: TrainingState, loader: FaceLoader, counter: StepCounter, c
                                         highest=counter.best_accuracy)
     speed = SpeedLogger(cfg.frequent, stop + counter.shown_offset, cfg.batch_size * world() * cfg.gradient_acc,
                         cfg.num_views, metrics=metrics, start_step=counter.shown_step)
-    grad_scale = state.scaler.get_scale if state.scaler.is_enabled() else None
+    grad_scale = state.scaler.get_scale if state.scaler.is_enabled() else None  # a host sync: read when needed
     results = {}
     state.backbone.train()  # verification leaves it in train mode again
     start = counter.global_step
@@ -427,7 +436,8 @@ def _loop(cfg, state: TrainingState, loader: FaceLoader, counter: StepCounter, c
             epoch, lr = counter.epoch, state.optimizer.param_groups[CENTRES_GROUP]["lr"]  # the schedule's, for the log
             losses, outcome = train_step(state, micro_batches, cfg)
             counter.global_step = step + 1
-            _count_nonfinite(outcome, counter, cfg, checkpointer.continue_with, grad_scale and grad_scale())
+            checked = grad_scale() if grad_scale and _scale_to_check(outcome, counter, step == start) else None
+            _count_nonfinite(outcome, counter, cfg, checkpointer.continue_with, checked)
             if outcome != StepOutcome.LOSS_NONFINITE:  # a skipped fp16 overflow step still has a loss worth logging
                 speed(counter.shown_step, losses, epoch, lr, grad_scale)
             final = counter.global_step == stop
