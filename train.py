@@ -366,7 +366,10 @@ def _log_fine_tuning(cfg: SimpleNamespace) -> None:
     if cfg.backbone_lr_mult != 1.0:
         log.info("the backbone's lr is backbone_lr_mult=%g times the scheduled lr (the class centres')",
                  cfg.backbone_lr_mult)
-    if cfg.freeze_backbone_steps:
+    if cfg.freeze_backbone:
+        log.info("every step trains the class centres alone (freeze_backbone): the backbone's weights and BatchNorm "
+                 "statistics stay as they are")
+    elif cfg.freeze_backbone_steps:
         log.info("steps 1 to %d of the LR schedule train the class centres alone (freeze_backbone_steps): the "
                  "backbone's weights and BatchNorm statistics stay as they are", cfg.freeze_backbone_steps)
 

@@ -93,6 +93,9 @@ backbone_lr_mult: float = 1.0     # fine-tuning: the backbone's lr is this times
 freeze_backbone_steps: int = 0    # fine-tuning: the first this many optimizer steps train the class centres alone;
                                   # the backbone runs in eval mode without gradients, so its weights AND its BatchNorm
                                   # statistics stay exactly as loaded (new centres first settle on good features)
+freeze_backbone: bool = False     # fine-tuning: every step trains the class centres alone, as freeze_backbone_steps
+                                  # does for the first ones (weights and BatchNorm statistics as loaded); not the
+                                  # same as backbone_lr_mult = 0, which still moves the BatchNorm statistics
 ema_decay: float = 0.0            # an exponential moving average of the backbone's weights at this decay (e.g. 0.999,
                                   # warmed up as (1 + n) / (10 + n) over the first steps): backbone.pth and verification
                                   # then use the averaged weights, saved and resumed with the rest; 0: off
