@@ -65,6 +65,7 @@ from utils.network import describe_host
 from utils.rank0_verdict import CONFIG_ERROR, NO_CONFIG_ERROR, rank0_had_config_error, tell
 from utils.sizes import parse_size
 from utils.stop import EXIT_INTERRUPTED, EXIT_PREEMPTED, RunStopped, StopRequest, StopSignals
+from utils.watchdog import EXIT_STATUS, exit_within
 
 log = logging.getLogger("train")
 
@@ -135,14 +136,29 @@ def _train_in_process_group(cfg: SimpleNamespace, device: torch.device, settings
     try:
         with StopSignals() as signals:
             train(cfg, device, settings, signals)
+    except RunStopped:  # its line is written (a lost peer's too, whose words would match it again)
+        raise
     except Exception as error:
-        if (failure := lost_peer(error)) is None:
+        if (stopped := _stop_on_lost_peer(error, cfg, settings)) is None:
             raise
-        raise TrainingError(f"lost contact with another process ({failure}), which stopped or became "
-                            "unreachable: its own error line, if it printed one, says why; fix that, then "
-                            f"continue from the last checkpoint with: {settings.resume_command}") from error
+        raise stopped from error
     finally:
         cleanup()
+
+
+def _stop_on_lost_peer(error: BaseException, cfg: SimpleNamespace, settings: RunSettings) -> RunStopped | None:
+    """When `error` is a collective failing because another process went away: its line, written now, and the
+    RunStopped to raise; None for any other error. What is left to do on the way out (a save in flight, the process
+    group's end) may wait on the lost process for timeout_minutes, which would keep torchrun from restarting this
+    one: the process ends within network_check_seconds of the line, whatever still waits."""
+    if (failure := lost_peer(error)) is None:
+        return None
+    lost = TrainingError(f"lost contact with another process ({failure}), which stopped or became unreachable: its "
+                         "own error line, if it printed one, says why; fix that, then continue from the last "
+                         f"checkpoint with: {settings.resume_command}")
+    exit_within(cfg.network_check_seconds)
+    _report_user_error(lost, "training")
+    return RunStopped(str(lost), EXIT_STATUS)
 
 
 def _report_user_error(error: UserError, phase: str) -> None:
@@ -349,8 +365,11 @@ def _train_in_folder(cfg: SimpleNamespace, device: torch.device, source, restart
     metrics = open_metrics(cfg, counter.shown_step if source else None)
     try:
         results = _loop(cfg, state, loader, counter, checkpointer, stop, metrics, signals, best)
-    except BaseException:
+    except BaseException as error:
+        stopped = _stop_on_lost_peer(error, cfg, settings)  # before the save in flight, which may wait on the peer
         checkpointer.settle()
+        if stopped is not None:
+            raise stopped from error
         raise
     finally:
         loader.close()  # its workers end here, on every way out of the loop (they would outlive the process)

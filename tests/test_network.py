@@ -10,7 +10,7 @@ import socket
 import sys
 import time
 
-from tests.run_helpers import CONFIG, arguments, free_port, kill_node, start_command
+from tests.run_helpers import CONFIG, arguments, free_port, kill_node, start_command, wait_for_log
 from utils.network import ADVICE, interfaces
 
 
@@ -110,3 +110,35 @@ def test_a_rank_that_joins_late_and_never_reduces_ends_the_start_at_the_first_al
     network_line(stderr, "the first all-reduce over 2 processes: Operation timed out!", port)  # gloo's words
     assert CHECK_SECONDS - 1 <= seconds < CHECK_SECONDS + LATE_BY, seconds
     assert "Traceback" not in stderr
+
+
+def _process_group_end_hangs() -> None:
+    """A `prepare`: this process's (and its forked workers') process group never ends, as one may wait on a lost
+    peer (a gloo group's pending work, NCCL's communicator) for timeout_minutes."""
+    import utils.distributed  # noqa: PLC0415 (the launcher's copy, which its forked workers inherit)
+
+    utils.distributed.cleanup = lambda: time.sleep(3600)
+
+
+def test_a_node_lost_mid_run_leaves_its_peer_one_line_and_an_end_within_network_check_seconds(data, tmp_path):
+    """Node 0 is SIGKILLed at step 2; node 1's way out (here its process group's end) waits on it for good: node 1
+    still prints its one line and ends within network_check_seconds, so that torchrun could restart it."""
+    port, output = free_port(), tmp_path / "run"
+    nodes = [start_command([sys.executable, "-m", "torch.distributed.run", "--nnodes=2", f"--node_rank={rank}",
+                            "--nproc_per_node=1", "--master_addr=127.0.0.1", f"--master_port={port}", "train.py",
+                            *arguments(data, output, f"network_check_seconds={CHECK_SECONDS}", "max_steps=40")],
+                           prepare=_process_group_end_hangs if rank else None) for rank in (0, 1)]
+    try:
+        wait_for_log(output, "Global Step: 2 ", lambda: all(node.poll() is None for node in nodes))
+        kill_node(nodes[0])
+        lost = time.monotonic()
+        _, stderr = nodes[1].communicate(timeout=CHECK_SECONDS + 120)
+        seconds = time.monotonic() - lost
+    finally:
+        for node in nodes:
+            if node.poll() is None:
+                kill_node(node)
+    assert nodes[1].returncode != 0
+    lines = [line for line in stderr.splitlines() if line.startswith("error: ")]
+    assert len(lines) == 1 and lines[0].startswith("error: [rank 1] lost contact with another process ("), stderr
+    assert CHECK_SECONDS <= seconds < CHECK_SECONDS + LATE_BY, seconds

@@ -16,7 +16,7 @@ import torch.distributed as dist
 from utils.errors import NetworkError, TrainingError, UserError
 from utils.launcher import local_process
 from utils.network import ADVICE, describe_host, master_answers
-from utils.start_watchdog import StartWatchdog
+from utils.watchdog import StartWatchdog
 
 
 def is_initialized() -> bool:
@@ -64,7 +64,7 @@ def init_distributed(device: torch.device, timeout_minutes: float, check_seconds
     a container's own network) fails here, with what this process sees of the network, rather than as a hang or a
     backend error in the first step (NetworkError). Joining and the all-reduce together end within
     `check_seconds`: a rank that never comes, or a master that cannot be reached, stops this process with the same
-    line from a watchdog (utils/start_watchdog.py), instead of a silent wait of `timeout_minutes`."""
+    line from a watchdog (utils/watchdog.py), instead of a silent wait of `timeout_minutes`."""
     if "WORLD_SIZE" not in os.environ or is_initialized():
         return
     global _group_timeout

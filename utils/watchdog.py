@@ -1,11 +1,13 @@
-"""A bound on the start of a process group: joining it (init_process_group) and the first all-reduce together end
-within `network_check_seconds`, or the process stops with one line saying what it was waiting for.
+"""Bounds on waits that Python cannot interrupt, for a process that would otherwise wait timeout_minutes (30 by
+default) in C++ with nothing printed: a thread watches the clock and ends the process itself, which works whatever
+the main thread is blocked in (the store's, gloo's and NCCL's waits release the GIL).
 
-Neither can be interrupted from Python: init_process_group waits for the other ranks in the store's and the
-backend's C++ code for the group's timeout (30 minutes by default; NCCL's eager start with `device_id` as long),
-and NCCL's `wait(timeout)` returns at once and leaves the wait to the next read of the tensor. So a thread
-watches the clock and ends the process itself, which is the one thing that works whatever the main thread is
-blocked in (both release the GIL while they wait).
+- The start of a process group (`StartWatchdog`): joining it (init_process_group) and the first all-reduce together
+  end within `network_check_seconds`, or the process stops with one line saying what it was waiting for.
+  init_process_group waits for the other ranks in the store's and the backend's C++ code (NCCL's eager start with
+  `device_id` as long), and NCCL's `wait(timeout)` returns at once and leaves the wait to the next read.
+- The end of a process that lost a peer (`exit_within`): its line is written, and what is left (a save in flight,
+  the process group's end) may wait on the lost process; it ends within the bound, so that torchrun can restart it.
 """
 from __future__ import annotations
 
@@ -17,6 +19,15 @@ from utils.cli import report
 from utils.errors import NetworkError
 
 EXIT_STATUS = 1  # a user error's, as the line is one (utils/cli.py)
+
+
+def exit_within(seconds: float) -> None:
+    """End this process with EXIT_STATUS in `seconds` unless it has ended by then (its error line written already)."""
+    def end() -> None:
+        time.sleep(seconds)
+        os._exit(EXIT_STATUS)
+
+    threading.Thread(target=end, name="exit-watchdog", daemon=True).start()
 
 
 class StartWatchdog:
