@@ -77,7 +77,8 @@ compile_margin_softmax: bool = False  # torch.compile the margin softmax's passe
 timeout_minutes: float = 30.0     # how long a rank waits at a collective (e.g. for a checkpoint being written)
 network_check_seconds: float = 120.0  # several processes: joining the process group and one small all-reduce
                                   # before the first step must end within this, else each process stops with a line
-                                  # naming what it waited for and its host's network (docs/failures.md)
+                                  # naming what it waited for and its host's network (docs/failures.md); and a process
+                                  # that lost a peer mid-run ends at most this long after its line
 
 # --- optimisation -------------------------------------------------------------------------
 optimizer: Literal["sgd", "adamw"] = "sgd"  # one optimizer, backbone and class centres as two param groups
