@@ -225,7 +225,8 @@ def main(argv=None) -> int:
           f"{device}")
     print(f"{'sample_rate':>11}  {'ops/step':>8}  {'cuda/step':>9}  where (per step)")
     with tempfile.TemporaryDirectory() as folder:
-        data = synthetic_records(Path(folder), (args.warmup + args.steps) * args.batch_size)
+        # an epoch longer than the run: no epoch-end save among the steps counted
+        data = synthetic_records(Path(folder), (args.warmup + args.steps + 1) * args.batch_size)
         for rate in args.sample_rates:
             operations, cuda, seen = loop_syncs(device, data, args.classes, args.batch_size, args.warmup, args.steps,
                                                 f"sample_rate={rate}", *precision)
