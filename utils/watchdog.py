@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import threading
 import time
+from collections.abc import Callable
 
 from utils.cli import report
 from utils.errors import NetworkError
@@ -35,7 +36,7 @@ class StartWatchdog:
     `settle()` when the start is over, either way. If it has not by then, this process writes
     `error: <line(phase)>` on stderr and exits with EXIT_STATUS."""
 
-    def __init__(self, seconds: float, line) -> None:
+    def __init__(self, seconds: float, line: Callable[[str], str]) -> None:
         self.deadline = time.monotonic() + seconds
         self.phase = "the start"
         self._line = line
