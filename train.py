@@ -76,6 +76,7 @@ from utils.network import describe_host
 from utils.rank0_verdict import CONFIG_ERROR, NO_CONFIG_ERROR, rank0_had_config_error, tell
 from utils.sizes import parse_size
 from utils.stop import EXIT_INTERRUPTED, EXIT_PREEMPTED, RunStopped, StopRequest, StopSignals
+from utils.watchdog import EXIT_STATUS, exit_within
 
 log = logging.getLogger("train")
 
@@ -146,14 +147,29 @@ def _train_in_process_group(cfg: SimpleNamespace, device: torch.device, settings
     try:
         with StopSignals() as signals:
             train(cfg, device, settings, signals)
+    except RunStopped:  # its line is written (a lost peer's too, whose words would match it again)
+        raise
     except Exception as error:
-        if (failure := lost_peer(error)) is None:
+        if (stopped := _stop_on_lost_peer(error, cfg, settings)) is None:
             raise
-        raise TrainingError(f"lost contact with another process ({failure}), which stopped or became "
-                            "unreachable: its own error line, if it printed one, says why; fix that, then "
-                            f"continue from the last checkpoint with: {settings.resume_command}") from error
+        raise stopped from error
     finally:
         cleanup()
+
+
+def _stop_on_lost_peer(error: BaseException, cfg: SimpleNamespace, settings: RunSettings) -> RunStopped | None:
+    """When `error` is a collective failing because another process went away: its line, written now, and the
+    RunStopped to raise; None for any other error. What is left to do on the way out (a save in flight, the process
+    group's end) may wait on the lost process for timeout_minutes, which would keep torchrun from restarting this
+    one: the process ends within network_check_seconds of the line, whatever still waits."""
+    if (failure := lost_peer(error)) is None:
+        return None
+    lost = TrainingError(f"lost contact with another process ({failure}), which stopped or became unreachable: its "
+                         "own error line, if it printed one, says why; fix that, then continue from the last "
+                         f"checkpoint with: {settings.resume_command}")
+    exit_within(cfg.network_check_seconds)
+    _report_user_error(lost, "training")
+    return RunStopped(str(lost), EXIT_STATUS)
 
 
 def _report_user_error(error: UserError, phase: str) -> None:
@@ -241,8 +257,9 @@ def _share_cpu(num_workers: int) -> None:
 def _count_nonfinite(outcome: StepOutcome, counter: StepCounter, cfg, continue_with: str,
                      grad_scale: float | None) -> None:
     """Count skipped steps. fp16 gradient overflow alone is routine (the scale backs off) and not counted, unless
-    it has pushed the grad scale (`grad_scale`, after the step; None without fp16) below min_grad_scale: then
-    every step counts, taken or not, until the scale has grown back."""
+    it has pushed the grad scale (`grad_scale`, after the step; None without fp16, or where the step cannot have
+    left it below min_grad_scale: _scale_to_check) below min_grad_scale: then every step counts, taken or not,
+    until the scale has grown back."""
     collapsed = grad_scale is not None and grad_scale < cfg.min_grad_scale
     if not collapsed and (outcome == StepOutcome.TAKEN or (outcome == StepOutcome.GRAD_NONFINITE and cfg.fp16)):
         counter.nonfinite_in_a_row = 0
@@ -270,6 +287,14 @@ def _count_nonfinite(outcome: StepOutcome, counter: StepCounter, cfg, continue_w
                             f"non-finite losses in a row (max_nonfinite_steps={cfg.max_nonfinite_steps}); "
                             f"{last_good_line}; lower lr, try bf16 instead of fp16, or check "
                             "the data")
+
+
+def _scale_to_check(outcome: StepOutcome, counter: StepCounter, first: bool) -> bool:
+    """Whether the fp16 grad scale after this step may be below min_grad_scale, so that _count_nonfinite must read
+    it (a read waits for the device). A step taken means every rank's every gradient was finite, so the scaler kept
+    or grew the scale: below the bound after it only if it was before, which a streak being counted says (a
+    collapsed scale counts every step) or which is unknown at the first step of a start (a resumed scale)."""
+    return first or outcome != StepOutcome.TAKEN or counter.nonfinite_in_a_row > 0
 
 
 @dataclass(frozen=True)
@@ -362,8 +387,11 @@ def _train_in_folder(cfg: SimpleNamespace, device: torch.device, source, restart
     metrics = open_metrics(cfg, counter.shown_step if source else None)
     try:
         results = _loop(cfg, state, loader, counter, checkpointer, stop, metrics, signals, best)
-    except BaseException:
+    except BaseException as error:
+        stopped = _stop_on_lost_peer(error, cfg, settings)  # before the save in flight, which may wait on the peer
         checkpointer.settle()
+        if stopped is not None:
+            raise stopped from error
         raise
     finally:
         loader.close()  # its workers end here, on every way out of the loop (they would outlive the process)
@@ -379,7 +407,10 @@ def _log_fine_tuning(cfg: SimpleNamespace, state: TrainingState) -> None:
     if cfg.backbone_lr_mult != 1.0:
         log.info("the backbone's lr is backbone_lr_mult=%g times the scheduled lr (the class centres')",
                  cfg.backbone_lr_mult)
-    if backbone_frozen(state, cfg):  # not after a resume past those steps: they are behind it
+    if cfg.freeze_backbone:
+        log.info("every step trains the class centres alone (freeze_backbone): the backbone's weights and BatchNorm "
+                 "statistics stay as they are")
+    elif backbone_frozen(state, cfg):  # not after a resume past those steps: they are behind it
         log.info("steps %d to %d of the LR schedule train the class centres alone (freeze_backbone_steps): the "
                  "backbone's weights and BatchNorm statistics stay as they are", state.scheduler.last_epoch + 1,
                  cfg.freeze_backbone_steps)
@@ -454,7 +485,7 @@ def _loop(cfg, state: TrainingState, loader: FaceLoader, counter: StepCounter, c
                                         highest=counter.best_accuracy)
     speed = SpeedLogger(cfg.frequent, stop + counter.shown_offset, cfg.batch_size * world() * cfg.gradient_acc,
                         cfg.num_views, metrics=metrics, start_step=counter.shown_step)
-    grad_scale = state.scaler.get_scale if state.scaler.is_enabled() else None
+    grad_scale = state.scaler.get_scale if state.scaler.is_enabled() else None  # a host sync: read when needed
     results = {}
     state.backbone.train()  # verification leaves it in train mode again
     start = counter.global_step
@@ -464,7 +495,8 @@ def _loop(cfg, state: TrainingState, loader: FaceLoader, counter: StepCounter, c
             epoch, lr = counter.epoch, state.optimizer.param_groups[CENTRES_GROUP]["lr"]  # the schedule's, for the log
             losses, outcome = train_step(state, micro_batches, cfg)
             counter.global_step = step + 1
-            _count_nonfinite(outcome, counter, cfg, checkpointer.continue_with, grad_scale and grad_scale())
+            checked = grad_scale() if grad_scale and _scale_to_check(outcome, counter, step == start) else None
+            _count_nonfinite(outcome, counter, cfg, checkpointer.continue_with, checked)
             if outcome != StepOutcome.LOSS_NONFINITE:  # a skipped fp16 overflow step still has a loss worth logging
                 speed(counter.shown_step, losses, epoch, lr, grad_scale)
             final = counter.global_step == stop

@@ -94,8 +94,10 @@ compile_margin_softmax: bool = False  # torch.compile the margin softmax's passe
                                   # kernel (Triton on GPUs; a C++ compiler on CPUs); the first steps compile
                                   # (seconds, cached in TORCHINDUCTOR_CACHE_DIR), results equal up to float rounding
 timeout_minutes: float = 30.0     # how long a rank waits at a collective (e.g. for a checkpoint being written)
-network_check_seconds: float = 120.0  # several processes: one small all-reduce before the first step must end
-                                  # within this, else the run stops naming each host's network (docs/failures.md)
+network_check_seconds: float = 120.0  # several processes: joining the process group and one small all-reduce
+                                  # before the first step must end within this, else each process stops with a line
+                                  # naming what it waited for and its host's network (docs/failures.md); and a process
+                                  # that lost a peer mid-run ends at most this long after its line
 
 # --- optimisation -------------------------------------------------------------------------
 optimizer: Literal["sgd", "adamw"] = "sgd"  # one optimizer, backbone and class centres as two param groups
@@ -111,6 +113,9 @@ backbone_lr_mult: float = 1.0     # fine-tuning: the backbone's lr is this times
 freeze_backbone_steps: int = 0    # fine-tuning: the first this many optimizer steps train the class centres alone;
                                   # the backbone runs in eval mode without gradients, so its weights AND its BatchNorm
                                   # statistics stay exactly as loaded (new centres first settle on good features)
+freeze_backbone: bool = False     # fine-tuning: every step trains the class centres alone, as freeze_backbone_steps
+                                  # does for the first ones (weights and BatchNorm statistics as loaded); not the
+                                  # same as backbone_lr_mult = 0, which still moves the BatchNorm statistics
 ema_decay: float = 0.0            # an exponential moving average of the backbone's weights at this decay (e.g. 0.999,
                                   # warmed up as (1 + n) / (10 + n) over the first steps): backbone.pth and verification
                                   # then use the averaged weights, saved and resumed with the rest; 0: off

@@ -1,5 +1,5 @@
-"""Fixtures every test file may use: one torch thread, each test's leftovers undone, and the tiny synthetic
-two-view data set, built once per test session."""
+"""Fixtures every test file may use: one torch thread, each test's leftovers undone, the tiny synthetic
+two-view data set and a trained backbone to fine-tune, built once per test session."""
 from __future__ import annotations
 
 import gc
@@ -12,8 +12,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from backbones import get_model
 from facedata.packing import InsightfaceWriter, encode, side_by_side
 from facedata.synthetic import render_faces
+from gpu_acceptance.runs import INFO
 from tools import make_synthetic
 
 
@@ -136,6 +138,19 @@ def data(tmp_path_factory) -> Path:
     assert make_synthetic.main(["--output", str(folder), "--identities", "20", "--images-per-identity", "4",
                                 "--val-identities", "10", "--val-pairs", "20", "--workers", "1"]) == 0
     return folder
+
+
+@pytest.fixture(scope="session")
+def trained_backbone(tmp_path_factory) -> Path:
+    """A backbone.pth whose BatchNorm statistics are not their initial values (a forward in train mode), as a
+    trained one's are not: eval mode and momentum 0 would both leave initial statistics as they are."""
+    torch.manual_seed(7)
+    backbone = get_model(INFO["network"], num_features=INFO["embedding_size"], **INFO["network_kwargs"])
+    with torch.no_grad():
+        backbone(torch.randn(4, 3, 112, 112))
+    path = tmp_path_factory.mktemp("trained") / "backbone.pth"
+    torch.save(backbone.state_dict(), path)
+    return path
 
 
 @pytest.fixture(scope="session")

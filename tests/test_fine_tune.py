@@ -6,13 +6,11 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 import torch
 
 import train
-from backbones import get_model
 from gpu_acceptance.runs import CONFIG, INFO, QUIET, load_run
 from tests.run_helpers import ROOT, run_here, same_tensors
 from training.state import build_networks
@@ -28,19 +26,6 @@ def scheduled_lr(step: int) -> float:
     if step < warmup:
         return LR * step / warmup
     return LR * (1 - (step - warmup) / (total - warmup)) ** 2
-
-
-@pytest.fixture(scope="module")
-def trained_backbone(tmp_path_factory) -> Path:
-    """A backbone.pth whose BatchNorm statistics are not their initial values (a forward in train mode), as a
-    trained one's are not: eval mode and momentum 0 would both leave initial statistics as they are."""
-    torch.manual_seed(7)
-    backbone = get_model(INFO["network"], num_features=INFO["embedding_size"], **INFO["network_kwargs"])
-    with torch.no_grad():
-        backbone(torch.randn(4, 3, 112, 112))
-    path = tmp_path_factory.mktemp("trained") / "backbone.pth"
-    torch.save(backbone.state_dict(), path)
-    return path
 
 
 def test_the_frozen_warm_up_leaves_the_backbone_and_its_batchnorm_statistics_bitwise_as_loaded(

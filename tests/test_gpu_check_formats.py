@@ -52,7 +52,7 @@ def train_out(_capsys, _monkeypatch, _data, run) -> str:
 
 def host_syncs_out(capsys, _monkeypatch, _data, _run) -> str:
     return printed(capsys, lambda: host_syncs.main(["--sample-rates", "0.1", "--classes", "50", "--batch-size", "2",
-                                                    "--steps", "1"]))
+                                                    "--warmup", "1", "--steps", "1"]))
 
 
 def memory_growth_out(capsys, _monkeypatch, _data, _run) -> str:

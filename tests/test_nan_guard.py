@@ -100,6 +100,23 @@ def test_an_fp16_grad_scale_below_min_grad_scale_counts_towards_the_stop(data, t
     assert load_run(output)["progress"]["global_step"] == 4
 
 
+def test_steps_taken_with_a_collapsed_grad_scale_count_until_it_grows_back(data, tmp_path: Path):
+    """Overflows up to step 6 leave the scale at 2^10, below min_grad_scale=2^12; step 7 is taken (no overflow, the
+    scale as it was) but the loss still cannot move, so it counts too: train.py reads the scale after a step taken
+    while a streak is counted, although it skips the read (a host sync) after steps taken above the bound."""
+    output = tmp_path / "run"
+    overrides = ("fp16=True", "max_steps=20", f"min_grad_scale={2.0 ** 12}", "max_nonfinite_steps=3")
+    with overflow_at_steps(set(range(1, 6))):
+        status, stderr = run_here(data, output, *overrides)
+    assert status == 1
+    assert only_line(stderr).startswith("error: stopped at global step 7: the fp16 grad scale fell to 1024, below "
+                                        "min_grad_scale=4096, for 3 steps in a row"), stderr
+    log = (output / "training.log").read_text()
+    for step, scale, count in ((5, 2048, 1), (6, 1024, 2), (7, 1024, 3)):
+        assert (f"Global Step {step}: fp16 grad scale {scale}, below min_grad_scale=4096 ({count} in a row, "
+                f"{count} in this run)") in log
+
+
 def _centre_gradient_fault(rank: int, world_size: int) -> dict:
     """One float32 step on two ranks where rank 1's centre gradient alone is made non-finite (a gradient
     hook: the loss and the backbone gradient stay finite, as when only the classifier's backward overflows)."""

@@ -108,11 +108,13 @@ def make_float64_state(cfg) -> TrainingState:
 
 
 def dense_updates(backbone: nn.Module, centres: torch.Tensor, batches, max_norm: float, momentum: float = MOMENTUM,
-                  backbone_decay: float = WD, centre_decay: float = WD) -> list[list[torch.Tensor]]:
+                  backbone_decay: float = WD, centre_decay: float = WD, frozen_steps: int = 0
+                  ) -> list[list[torch.Tensor]]:
     """What each SGD step adds to every backbone parameter and to the centres, in float64, from the
     formulas alone: CosFace softmax of both views, the backbone's gradient clipped to `max_norm`, then
     d = g + decay * p, buffer = momentum * buffer + d (d on the first step), p -= lr * buffer, with
-    lr = LR * (1 - step / 10) ** 2 (no warmup, 10 steps in all)."""
+    lr = LR * (1 - step / 10) ** 2 (no warmup, 10 steps in all). The first `frozen_steps` steps leave the
+    backbone alone: no gradient, so no weight decay and no momentum buffer either (its first step starts it)."""
     backbone = copy.deepcopy(backbone).double()
     centres = centres.detach().double().clone().requires_grad_(True)
     params = [*backbone.parameters(), centres]
@@ -131,6 +133,9 @@ def dense_updates(backbone: nn.Module, centres: torch.Tensor, batches, max_norm:
         step_updates = []
         with torch.no_grad():
             for i, (p, g, decay) in enumerate(zip(params, grads, decays)):
+                if step < frozen_steps and i < len(params) - 1:
+                    step_updates.append(torch.zeros_like(p))
+                    continue
                 d = (g * clip if i < len(params) - 1 else g) + decay * p
                 buffers[i] = d.clone() if buffers[i] is None else momentum * buffers[i] + d
                 p -= lr * buffers[i]

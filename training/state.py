@@ -226,9 +226,9 @@ def group_lrs(config: Mapping) -> list[float]:
 
 
 def backbone_frozen(state: TrainingState, cfg: SimpleNamespace) -> bool:
-    """Whether the coming step is one of freeze_backbone_steps, which train the class centres alone (counted on
-    the LR schedule's steps, so that a resume goes on where the warm-up was)."""
-    return state.scheduler.last_epoch < cfg.freeze_backbone_steps
+    """Whether the coming step trains the class centres alone: every step with freeze_backbone, else those of
+    freeze_backbone_steps (counted on the LR schedule's steps, so that a resume goes on where the warm-up was)."""
+    return cfg.freeze_backbone or state.scheduler.last_epoch < cfg.freeze_backbone_steps
 
 
 def build_optimizer(cfg: SimpleNamespace, backbone: nn.Module, pfc: PartialFC) -> torch.optim.Optimizer:

@@ -15,7 +15,8 @@ import torch.distributed as dist
 
 from utils.errors import NetworkError, TrainingError, UserError
 from utils.launcher import local_process
-from utils.network import ADVICE, describe_host
+from utils.network import ADVICE, describe_host, master_answers
+from utils.watchdog import StartWatchdog
 
 
 def is_initialized() -> bool:
@@ -46,6 +47,9 @@ def nodes() -> int:
 # init_distributed's timeout, for the gloo groups made beside the default one: torch's new_group does not take
 # the default group's but its own default (30 minutes for gloo), whatever timeout_minutes says.
 _group_timeout: timedelta | None = None
+# Seconds of network_check_seconds that the first all-reduce leaves to the watchdog, so that gloo's own timeout (with
+# the backend's reason) ends a late rank's wait rather than the watchdog (which knows only the phase).
+PROBE_MARGIN_SECONDS = 1.0
 
 
 def init_distributed(device: torch.device, timeout_minutes: float, check_seconds: float = 120.0) -> None:
@@ -56,26 +60,41 @@ def init_distributed(device: torch.device, timeout_minutes: float, check_seconds
     writes a checkpoint), so that a slow save does not trip the NCCL watchdog; the groups made later
     (host_group, checkpoint_group) wait as long.
 
-    Then one small all-reduce, waited for at most `check_seconds`: a network that joins the group but cannot
-    carry a collective (the wrong interface, a container's own network) fails here, with what this process
-    sees of the network, rather than as a hang or a backend error in the first step (NetworkError)."""
+    Then one small all-reduce: a network that joins the group but cannot carry a collective (the wrong interface,
+    a container's own network) fails here, with what this process sees of the network, rather than as a hang or a
+    backend error in the first step (NetworkError). Joining and the all-reduce together end within
+    `check_seconds`: a rank that never comes, or a master that cannot be reached, stops this process with the same
+    line from a watchdog (utils/watchdog.py), instead of a silent wait of `timeout_minutes`."""
     if "WORLD_SIZE" not in os.environ or is_initialized():
         return
     global _group_timeout
     _group_timeout = timedelta(minutes=timeout_minutes)
     on_gpu = device.type == "cuda"
-    name = "nccl" if on_gpu else "gloo"
+    name, processes = ("nccl" if on_gpu else "gloo"), os.environ["WORLD_SIZE"]
+    watchdog = StartWatchdog(check_seconds, lambda phase: _network_line(
+        f"{phase}: no answer within network_check_seconds={check_seconds:g}; {master_answers()}", name))
     try:
+        watchdog.phase = f"joining the process group of {processes} processes"
         dist.init_process_group(backend=name, init_method="env://", timeout=_group_timeout,
                                 device_id=device if on_gpu else None)
+        watchdog.phase = f"the first all-reduce over {processes} processes"
         probe = torch.ones(1, device=device if on_gpu else "cpu")
-        dist.all_reduce(probe, async_op=True).wait(timedelta(seconds=check_seconds))
+        # gloo's own timeout ends the wait with the backend's reason, a moment before the watchdog would
+        # (NCCL's returns at once: the read below waits, and the watchdog bounds it).
+        wait = max(watchdog.remaining() - PROBE_MARGIN_SECONDS, watchdog.remaining() / 2)
+        dist.all_reduce(probe, async_op=True).wait(timedelta(seconds=wait))
         if probe.item() != dist.get_world_size():
             raise RuntimeError(f"the all-reduce of ones over {dist.get_world_size()} processes gave {probe.item()}")
     except RuntimeError as error:  # DistError is one; gloo raises plain RuntimeErrors
         reason = re.sub(r"^\[[^\]]*\]\s*", "", str(error)).strip().splitlines()[0]
-        raise NetworkError(f"the network check before the first step failed ({reason}) on {describe_host(name)}; "
-                           f"{ADVICE}") from error
+        raise NetworkError(_network_line(f"{watchdog.phase}: {reason}", name)) from error
+    finally:
+        watchdog.settle()
+
+
+def _network_line(reason: str, backend_name: str) -> str:
+    """The one line of a start that failed or hung: what this rank was doing and saw, its network, the advice."""
+    return f"the network check before the first step failed ({reason}) on {describe_host(backend_name)}; {ADVICE}"
 
 
 def backend() -> str:

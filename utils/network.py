@@ -40,6 +40,19 @@ def interface_setting(backend: str) -> str:
     return f"{variable}={value}" if value else f"{variable} unset: {backend} chooses the interface itself"
 
 
+def master_answers(timeout: float = 1.0) -> str:
+    """Whether MASTER_ADDR:MASTER_PORT accepts a TCP connection now, in words: a rank that cannot reach the
+    master (a wrong address, a firewall) waits for it in silence, as one whose peers never come does."""
+    address, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
+    if not address or not port:
+        return "no MASTER_ADDR and MASTER_PORT set"
+    try:
+        socket.create_connection((address, int(port)), timeout=timeout).close()
+    except OSError as error:
+        return f"master {address}:{port} did not accept a connection ({error.strerror or error})"
+    return f"master {address}:{port} accepts connections"
+
+
 def describe_host(backend: str) -> str:
     """One line of what this process sees: host, ranks, master, interface setting, interfaces and addresses."""
     env = os.environ
