@@ -201,7 +201,8 @@ def test_three_of_train_steps_equal_facex_zoos_sst_steps_in_float64():
     assert state.pfc.weight.grad is None  # the queue alone: the centres are out of the step
 
 
-STEP = SimpleNamespace(max_grad_norm=1e9, freeze_backbone_steps=0)  # what train_step reads of the config
+# What train_step reads of the config.
+STEP = SimpleNamespace(max_grad_norm=1e9, freeze_backbone=False, freeze_backbone_steps=0)
 
 
 def linear_sst_state() -> TrainingState:
