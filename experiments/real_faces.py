@@ -78,6 +78,11 @@ ROWS: dict[str, dict[str, str]] = {
     "two_view": {"num_views": "2", "view_source": "'identity'"},
     "two_view_augment": {"num_views": "2", "view_source": "'augment'"},
     "power_1": {"num_views": "2", "lr_power": "1.0"},
+    # the recipe search (issue 50): one view with one lever moved
+    "one_view_s32": {"num_views": "1", "margin_scale": "32.0"},
+    "one_view_adamw": {"num_views": "1", "optimizer": "'adamw'", "lr": "0.002", "weight_decay": "0.05"},
+    "one_view_crop_erase": {"num_views": "1", "crop_scale": "(0.7, 1.0)", "erase_p": "0.5"},
+    "one_view_wide": {"num_views": "1", "network_kwargs": "{'width_mult': 0.25}"},
     "arcface_sgd": {**ARCFACE_SGD, "num_views": "1"},
     # two views with semi-siamese training's queue in place of the centres (configs/lfw_r18_sst.py's values)
     "sst": {"num_views": "2", "sst": "True", "sst_queue_size": "4096", "sst_momentum": "0.99"},
@@ -90,6 +95,7 @@ ROWS: dict[str, dict[str, str]] = {
     "elastic_cos": {**ADAMW, "margin_family": "'elastic_cos'"},
 }
 LOG_TIME = re.compile(r"^Training: (\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d+)-", re.MULTILINE)
+UNSAFE_IN_NAME = re.compile(r"[^\w.=-]+")  # what a --set value cannot bring into its runs folder's name
 TIMING = "bench_timing.json"  # beside a run this command trained: its CPU and wall seconds
 ACCURACY = re.compile(rf"\[{VAL_SET}\]\[(\d+)\]Accuracy-Flip: ([\d.]+)\+-([\d.]+)")
 
@@ -369,6 +375,13 @@ def plot(results: Sequence[Result], path: Path) -> None:
     plt.close(figure)
 
 
+def runs_folder(work: Path, schedule: Schedule, extra: Sequence[str]) -> Path:
+    """Where this schedule's runs go: one folder per set of --set values, so that a finished run is reused only by
+    the command that asks for what it trained."""
+    settings = [UNSAFE_IN_NAME.sub("_", setting).strip("_") for setting in extra]
+    return work / "+".join([f"runs-{schedule.images}", *settings])
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("lfw", type=Path, metavar="LFW_FOLDER", help=f"holds {IMAGES}/ and LFW's protocol files")
@@ -393,7 +406,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     work = args.work.resolve()
     data = prepare(args.lfw.resolve(), work, args.workers)
     schedule = common_schedule(size, data, args.rows)
-    runs = work / f"runs-{schedule.images}"
+    runs = runs_folder(work, schedule, args.extra)
     threads = max(1, (os.cpu_count() or 1) // args.parallel)
 
     def run(row: tuple[str, int]) -> Result:
