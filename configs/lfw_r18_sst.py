@@ -1,7 +1,7 @@
 """Semi-Siamese Training on real shallow data on a CPU: LFW's DevTrain people, most with one photo, classified
 against a queue of a momentum network's features instead of learned class centres (docs/training.md).
 
-    python -m bench.real_faces /path/to/lfw --rows one_view two_view sst   # against the centre rows, paired
+    python -m experiments.real_faces /path/to/lfw --rows one_view two_view sst   # against the centre rows, paired
     python train.py configs/lfw_r18_sst.py --set rec=data/lfw_bench/lfw_devtrain   # this recipe alone, once prepared
 
 configs/lfw_r18_pair.py with the classifier swapped and nothing else: the same data (two views of each person per
@@ -10,7 +10,7 @@ length, so that a difference in verification on pairsDevTest is the classifier's
 sized for a run of ~300 steps: FaceX-Zoo's 16384 slots would take 256 steps of 64 records to fill once, and its
 momentum 0.999 would leave the gallery three quarters the random start after 300 steps.
 """
-rec = "data/lfw_bench/lfw_devtrain"  # bench.real_faces' work folder: train.rec/train.idx and lfw_devtest.bin
+rec = "data/lfw_bench/lfw_devtrain"  # experiments.real_faces' work folder: train.rec/train.idx and lfw_devtest.bin
 num_views = 2
 view_source = "identity"
 network = "r18"
