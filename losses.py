@@ -6,7 +6,8 @@ documented there), chosen by the config key ``margin_family``: partial_fc.py's s
 classifier keeps: EMAs), what it may read of the global batch (``GlobalRows``) and, for the families that
 ask, every row's target cosine; it returns that forward's ``Margin``, whose ``target_logit(cos)`` gives each
 row's target logit and ``modulate(cos, slope)`` (where ``modulates_negatives``) rewrites non-target cosines
-in place. The families:
+in place. Each family also declares, as a ``Family``, what the configuration, the memory plan and eval.compare
+need to know of it (margin_families.py registers the declarations). The families:
 
 - ``CombinedMarginLoss`` (arcface_torch's ``margin_list``), stateless; sub-center ArcFace is this margin
   over ``K`` sub-centres per class (partial_fc.py takes the max cosine over them);
