@@ -2,10 +2,10 @@
 
 An experiment file (e.g. configs/ms1mv3_r50_pair.py) assigns module-level names that override
 these, or is an arcface_torch config file (`config = edict()`, `config.key = value`), run unchanged;
-`train.py configs/X.py --set key=value` overrides both. Only keys defined here exist: a misspelt
-key is an error that suggests the closest one. The annotation of each key is its type; `--set`
-values are parsed as Python literals and checked against it (a `Literal[...]` lists the values a
-key accepts).
+`train.py configs/X.py --set key=value` overrides both. Only keys defined here exist (and those a margin
+family added later declares in its own file, margin_families.py): a misspelt key is an error that suggests
+the closest one. The annotation of each key is its type; `--set` values are parsed as Python literals and
+checked against it (a `Literal[...]` lists the values a key accepts).
 """
 from typing import Literal
 

@@ -3,8 +3,8 @@
 A config file is plain Python whose module-level names are the keys (names starting with `_`,
 imported modules, functions, classes and typing forms are helpers, not keys), or an arcface_torch
 config file whose `config = edict()` holds them (`config.key = value`): both merge onto base.py.
-configs/base.py defines every key and annotates its type; anything else is an error naming the key
-and the closest valid one.
+configs/base.py defines every key and annotates its type (a component above this floor, a margin family,
+may declare keys of its own: `Declared`); anything else is an error naming the key and the closest valid one.
 """
 from __future__ import annotations
 
