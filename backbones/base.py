@@ -20,6 +20,8 @@ class Backbone:
     first_weight: str                # its first layer's weight in the state_dict, whose output width at
     first_width: int                 # width_mult 1 is this: a weights file's width is read from it
     options: tuple[str, ...] = ()    # options it takes beyond get_model's own
+    nhwc_gradients: bool = False     # compiled, its convolutions' weight gradients come out NHWC (measured on the
+                                     # ResNets): training/speedups.py asks for channels_last to match them
 
 
 def autocast_dtype(device_type: str) -> torch.dtype:

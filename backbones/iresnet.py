@@ -149,7 +149,8 @@ class IResNet(FaceBackbone):
 
 def _iresnet(name: str) -> Backbone:
     segments = IRESNET_CHECKPOINT_SEGMENTS.get(name, (0, 0, 0, 0))
-    return Backbone(functools.partial(IResNet, IRESNET_LAYERS[name], checkpoint_segments=segments), "conv1.weight", 64)
+    return Backbone(functools.partial(IResNet, IRESNET_LAYERS[name], checkpoint_segments=segments), "conv1.weight", 64,
+                    nhwc_gradients=True)
 
 
 BACKBONES: dict[str, Backbone] = {name: _iresnet(name) for name in IRESNET_LAYERS}
