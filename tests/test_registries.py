@@ -111,7 +111,7 @@ def test_the_familys_own_key_exists_only_once_it_is_registered(monkeypatch):
     (["margin_family=addcos", "addcos_m=1.5"],
      "config key 'addcos_m' must be in [0, 1) for margin_family='addcos', not 1.5; e.g. addcos_m=0.35"),
     (["margin_family=addcos", "addcos_m='big'"],
-     "config key 'addcos_m' must be float, not str 'big' (from --set addcos_m='big'); see configs/base.py"),
+     "config key 'addcos_m' must be float, not str 'big' (from --set addcos_m='big'); e.g. addcos_m=0.35"),
     (["margin_family=addcos", "interclass_filtering_threshold=0.3"],
      "config key 'interclass_filtering_threshold' filters the combined margin's negatives only, not those of "
      "margin_family='addcos'; set it to 0"),

@@ -57,16 +57,18 @@ def load_config(path: str | os.PathLike, overrides: Sequence[str] = (), declared
     `output` left empty (None, as arcface_torch's files leave it) becomes `output/<config file name>`.
     """
     defaults, types_by_key = _read_base()
+    examples = {}  # the declared keys' good values: configs/base.py does not describe them
     for rule in declared.keys:
         if rule.type is not None and rule.key not in types_by_key:
             defaults[rule.key], types_by_key[rule.key] = rule.default, rule.type
+            examples[rule.key] = rule.example
     values = dict(defaults)
     source = str(path)
     for key, value in _read_config_file(Path(path)).items():
-        values[key] = _checked(key, value, types_by_key, f"config file {source}")
+        values[key] = _checked(key, value, types_by_key, f"config file {source}", examples)
     for item in overrides:
         key, value = _parse_override(item, types_by_key)
-        values[key] = _checked(key, value, types_by_key, f"--set {item}")
+        values[key] = _checked(key, value, types_by_key, f"--set {item}", examples)
     if not values["output"]:
         values["output"] = os.path.join("output", Path(path).stem)
     _check_values(values)
@@ -162,20 +164,20 @@ def _require_known(key: str, types_by_key: dict, where: str) -> None:
                       "(every key is listed in configs/base.py)")
 
 
-def _checked(key: str, value, types_by_key: dict, where: str):
+def _checked(key: str, value, types_by_key: dict, where: str, examples: Mapping[str, str]):
     _require_known(key, types_by_key, where)
     expected = types_by_key[key]
     if not _matches(value, expected):
         raise ConfigError(f"config key {key!r} must be {_type_name(expected)}, not {type(value).__name__} {value!r} "
-                          f"(from {where}); {_spelling(key, value, expected, where)}")
+                          f"(from {where}); {_spelling(key, value, expected, where, examples)}")
     return _coerced(value, expected)
 
 
-def _spelling(key: str, value, expected, where: str) -> str:
+def _spelling(key: str, value, expected, where: str, examples: Mapping[str, str]) -> str:
     """How to write a value that does not fit: a lone item of a tuple key as a one-item tuple, in the syntax
-    of where it came from; else where the key is described."""
+    of where it came from; else a declared key's example, or where the key is described."""
     if not _matches((value,), expected):
-        return "see configs/base.py"
+        return f"e.g. {key}={examples[key]}" if key in examples else "see configs/base.py"
     if where.startswith("--set"):
         return f'write a tuple, e.g. --set "{key}={(value,)!r}"'
     return f"write a tuple, e.g. {key} = {(value,)!r}"
