@@ -6,7 +6,8 @@ documented there), chosen by the config key ``margin_family``: partial_fc.py's s
 classifier keeps: EMAs), what it may read of the global batch (``GlobalRows``) and, for the families that
 ask, every row's target cosine; it returns that forward's ``Margin``, whose ``target_logit(cos)`` gives each
 row's target logit and ``modulate(cos, slope)`` (where ``modulates_negatives``) rewrites non-target cosines
-in place. The families:
+in place. Each family also declares, as a ``Family``, what the configuration, the memory plan and eval.compare
+need to know of it (margin_families.py registers the declarations). The families:
 
 - ``CombinedMarginLoss`` (arcface_torch's ``margin_list``), stateless; sub-center ArcFace is this margin
   over ``K`` sub-centres per class (partial_fc.py takes the max cosine over them);
@@ -30,10 +31,14 @@ Two places where the textbook formula breaks, and what we do instead:
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import Protocol
 
 import torch
+
+from utils.config import ANGLE, NOT_NEGATIVE, RATE, KeyRule
 
 CLAMP_EPS = 1e-7
 
@@ -85,7 +90,8 @@ class Margin(Protocol):
 
 class MarginFamily(Protocol):
     """What ``PartialFC`` takes: a margin family. A new family is one class with these members (subclass
-    this protocol to inherit the flags' defaults), named in ``training.state.build_margin``."""
+    this protocol to inherit the flags' defaults), and its ``Family`` declaration registered in
+    margin_families.py."""
 
     reads_norms: bool = False  # True: ``bind`` gets ``rows.norms``, every row's feature norm (one all-gather)
     reads_target_cos: bool = False  # True: ``bind`` gets every row's target cosine (one all-reduce)
@@ -349,6 +355,53 @@ class ElasticMargin(MarginFamily):
             below = -torch.cos(m.clamp_min(0.0))  # cos(pi - m_i): where theta + m_i reaches pi
             return s * torch.where(cos >= below, angular, cos - below - 1.0)
         return _RowMargin(s, target)
+
+
+@dataclass(frozen=True)
+class Family:
+    """What one value of the config key ``margin_family`` declares: the config checks, the memory plan, the
+    start-up log and eval.compare read this instead of comparing family names. margin_families.py registers each.
+    """
+
+    name: str                                           # margin_family's value
+    build: Callable[[SimpleNamespace], MarginFamily]    # the margin from a config (margin_scale and its own keys)
+    keys: tuple[KeyRule, ...] = ()                      # its own keys' ranges (and type and default if new)
+    shown: tuple[str, ...] = ()                         # keys eval.compare shows beside margin_scale
+    centres_key: str | None = None                      # the key giving centres per class (sub-centres); None: one
+    negatives_buffers: int = 0                          # (N, C) float32 buffers the softmax's forward keeps beside
+                                                        # the cosines (the memory plan's logits_buffer)
+    filters_negatives: bool = False                     # honours interclass_filtering_threshold
+
+    def centres_per_class(self, cfg: SimpleNamespace) -> int:
+        return getattr(cfg, self.centres_key) if self.centres_key else 1
+
+
+def _combined(cfg: SimpleNamespace) -> CombinedMarginLoss:
+    return CombinedMarginLoss(cfg.margin_scale, *cfg.margin_list, cfg.interclass_filtering_threshold,
+                              straight_through=cfg.straight_through_margin)
+
+
+# The families of this file; configs/base.py documents their keys.
+COMBINED = Family("combined", _combined, shown=("margin_list",), filters_negatives=True)
+SUBCENTER = Family("subcenter", _combined, keys=(KeyRule("subcenter_k", lambda v: 2 <= v <= 255,
+                                                         "an integer from 2 to 255", "3 (the paper's)"),),
+                   shown=("margin_list",), centres_key="subcenter_k", filters_negatives=True)
+ADAFACE = Family("adaface", lambda cfg: AdaFaceMargin(cfg.margin_scale, cfg.adaface_m, cfg.adaface_h,
+                                                      cfg.adaface_t_alpha),
+                 keys=(KeyRule("adaface_m", *ANGLE, "0.4 (the paper's)"),
+                       KeyRule("adaface_h", *NOT_NEGATIVE, "0.333 (the paper's)"),
+                       KeyRule("adaface_t_alpha", *RATE, "0.01 (the paper's)")))
+CURRICULAR = Family("curricular", lambda cfg: CurricularMargin(cfg.margin_scale, cfg.curricular_m,
+                                                               cfg.curricular_alpha),
+                    keys=(KeyRule("curricular_m", *ANGLE, "0.5 (the paper's)"),
+                          KeyRule("curricular_alpha", *RATE, "0.01 (the paper's)")),
+                    negatives_buffers=1)  # the hard negatives' derivative, from modulate to the backward
+_ELASTIC_KEYS = (KeyRule("elastic_m", *ANGLE, "None (the paper's)"),
+                 KeyRule("elastic_std", *NOT_NEGATIVE, "None (the paper's)"))
+ELASTIC_ARC = Family("elastic_arc", lambda cfg: ElasticMargin(cfg.margin_scale, "arc", cfg.elastic_m, cfg.elastic_std,
+                                                              cfg.elastic_plus), keys=_ELASTIC_KEYS)
+ELASTIC_COS = Family("elastic_cos", lambda cfg: ElasticMargin(cfg.margin_scale, "cos", cfg.elastic_m, cfg.elastic_std,
+                                                              cfg.elastic_plus), keys=_ELASTIC_KEYS)
 
 
 # The target of each row is read and written through gather/scatter over every row, not through the rows

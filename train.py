@@ -49,6 +49,7 @@ from dataset import (
 )
 from eval.callback import VerificationCallback, check_keep_best, check_val_targets
 from training.best_model import BestModel
+from training.config import load_config
 from training.memory_plan import describe, describe_fit, device_bytes, fit, memory_plan
 from training.speedups import layout_advice
 from training.state import (
@@ -65,7 +66,7 @@ from training.state import (
 from training.step import StepOutcome, train_step
 from utils.cli import report
 from utils.compat import require_supported_torch
-from utils.config import check_data_path, load_config, planned_world_size
+from utils.config import check_data_path, planned_world_size
 from utils.device import choose_device, configure_numerics, describe_device
 from utils.distributed import agreed, backend, cleanup, init_distributed, is_main, lost_peer, nodes, rank, world
 from utils.errors import ConfigError, TrainingError, UserError

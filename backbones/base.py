@@ -2,11 +2,26 @@
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from utils.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class Backbone:
+    """What one network name declares; backbones/registry.py registers each, and get_model, the weights' checks and
+    the memory plan ask it (none of them names a network)."""
+
+    build: Callable[..., nn.Module]  # (num_features, dropout, fp16, width_mult, **options) -> the network
+    first_weight: str                # its first layer's weight in the state_dict, whose output width at
+    first_width: int                 # width_mult 1 is this: a weights file's width is read from it
+    options: tuple[str, ...] = ()    # options it takes beyond get_model's own
+    nhwc_gradients: bool = False     # compiled, its convolutions' weight gradients come out NHWC (measured on the
+                                     # ResNets): training/speedups.py asks for channels_last to match them
 
 
 def autocast_dtype(device_type: str) -> torch.dtype:

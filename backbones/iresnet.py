@@ -2,13 +2,14 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Iterator
 
 import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from backbones.base import FaceBackbone, scaled_width
+from backbones.base import Backbone, FaceBackbone, scaled_width
 
 # Blocks per stage, as arcface_torch defines them.
 IRESNET_LAYERS: dict[str, tuple[int, int, int, int]] = {
@@ -144,3 +145,12 @@ class IResNet(FaceBackbone):
 
     def forward_head(self, x: torch.Tensor) -> torch.Tensor:
         return self.features(self.fc(x))
+
+
+def _iresnet(name: str) -> Backbone:
+    segments = IRESNET_CHECKPOINT_SEGMENTS.get(name, (0, 0, 0, 0))
+    return Backbone(functools.partial(IResNet, IRESNET_LAYERS[name], checkpoint_segments=segments), "conv1.weight", 64,
+                    nhwc_gradients=True)
+
+
+BACKBONES: dict[str, Backbone] = {name: _iresnet(name) for name in IRESNET_LAYERS}

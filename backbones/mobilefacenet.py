@@ -1,10 +1,12 @@
 """MobileFaceNet (mbf, mbf_large) with arcface_torch's module tree, hence its parameter names."""
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import nn
 
-from backbones.base import FaceBackbone, scaled_width
+from backbones.base import Backbone, FaceBackbone, scaled_width
 
 # (blocks per residual stage, channel scale), as arcface_torch's get_mbf / get_mbf_large.
 MOBILEFACENET_CONFIGS: dict[str, tuple[tuple[int, int, int, int], int]] = {
@@ -132,3 +134,10 @@ class MobileFaceNet(FaceBackbone):
 
     def forward_head(self, x: torch.Tensor) -> torch.Tensor:
         return self.features(self.conv_sep(x))
+
+
+# The first layer's width is 64 * the channel scale.
+BACKBONES: dict[str, Backbone] = {
+    name: Backbone(functools.partial(MobileFaceNet, blocks, scale), "layers.0.layers.0.weight", 64 * scale)
+    for name, (blocks, scale) in MOBILEFACENET_CONFIGS.items()
+}

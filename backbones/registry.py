@@ -1,39 +1,33 @@
-"""The network names and the one function that builds any of them."""
+"""The network names, each with its declaration (backbones.base.Backbone), and the one function that builds any of
+them. A new network is one module declaring its ``BACKBONES`` and one line in ``REGISTRY``."""
 from __future__ import annotations
 
 import difflib
 
 from torch import nn
 
-from backbones.iresnet import IRESNET_CHECKPOINT_SEGMENTS, IRESNET_LAYERS, IResNet
-from backbones.mobilefacenet import MOBILEFACENET_CONFIGS, MobileFaceNet
-from backbones.vit import VIT_CONFIGS, VisionTransformer
+from backbones import iresnet, mobilefacenet, vit
+from backbones.base import Backbone
 from utils.errors import ConfigError
 
-NETWORKS: tuple[str, ...] = (
-    "r18", "r34", "r50", "r100", "r200", "r2060", "mbf", "mbf_large",
-    "vit_t", "vit_t_dp005_mask0", "vit_s", "vit_s_dp005_mask_0", "vit_b", "vit_b_dp005_mask_005",
-    "vit_l_dp005_mask_005", "vit_h",
-)
+REGISTRY: dict[str, Backbone] = {
+    **iresnet.BACKBONES,
+    **mobilefacenet.BACKBONES,
+    **vit.BACKBONES,
+}
+NETWORKS: tuple[str, ...] = tuple(REGISTRY)
 
-# Options beyond get_model's own arguments that each family understands.
-_VIT_OPTIONS = ("mask_ratio", "drop_path_rate", "using_checkpoint")
-
-
-def _check_name(name: str) -> None:
-    if name not in NETWORKS:
-        close = difflib.get_close_matches(name, NETWORKS, n=1)
-        valid = ", ".join(NETWORKS)
-        fix = f"did you mean '{close[0]}'? (valid networks: {valid})" if close else f"use one of {valid}"
-        raise ConfigError(f"unknown network '{name}'; {fix}")
+_OWN_OPTIONS = ("num_features", "dropout", "fp16", "width_mult")
 
 
-def _check_options(name: str, options: dict, allowed: tuple[str, ...]) -> None:
-    unknown = sorted(set(options) - set(allowed))
-    if unknown:
-        valid = ", ".join(("num_features", "dropout", "fp16", "width_mult") + allowed)
-        raise ConfigError(f"get_model('{name}') got unknown option(s) {', '.join(unknown)}; "
-                                 f"use only {valid}")
+def backbone_named(name: str) -> Backbone:
+    """The declaration of network `name`, or a ConfigError suggesting the closest name."""
+    if name in REGISTRY:
+        return REGISTRY[name]
+    close = difflib.get_close_matches(name, list(REGISTRY), n=1)
+    valid = ", ".join(REGISTRY)
+    fix = f"did you mean '{close[0]}'? (valid networks: {valid})" if close else f"use one of {valid}"
+    raise ConfigError(f"unknown network '{name}'; {fix}")
 
 
 def get_model(
@@ -54,18 +48,9 @@ def get_model(
     name). r2060 recomputes activations in backward, as arcface_torch does. Raises ConfigError for an
     unknown name, option or impossible width.
     """
-    _check_name(name)
-    common = dict(num_features=num_features, dropout=dropout, fp16=fp16, width_mult=width_mult)
-    if name in IRESNET_LAYERS:
-        _check_options(name, kw, ())
-        segments = IRESNET_CHECKPOINT_SEGMENTS.get(name, (0, 0, 0, 0))
-        return IResNet(IRESNET_LAYERS[name], checkpoint_segments=segments, **common)
-    if name in MOBILEFACENET_CONFIGS:
-        _check_options(name, kw, ())
-        blocks, scale = MOBILEFACENET_CONFIGS[name]
-        return MobileFaceNet(blocks, scale, **common)
-    _check_options(name, kw, _VIT_OPTIONS)
-    config = VIT_CONFIGS[name]
-    options = dict(mask_ratio=config.mask_ratio, drop_path_rate=config.drop_path_rate,
-                   using_checkpoint=config.using_checkpoint) | kw
-    return VisionTransformer(config.embed_dim, config.depth, **common, **options)
+    backbone = backbone_named(name)
+    unknown = sorted(set(kw) - set(backbone.options))
+    if unknown:
+        raise ConfigError(f"get_model('{name}') got unknown option(s) {', '.join(unknown)}; "
+                          f"use only {', '.join(_OWN_OPTIONS + backbone.options)}")
+    return backbone.build(num_features=num_features, dropout=dropout, fp16=fp16, width_mult=width_mult, **kw)

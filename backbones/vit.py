@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from backbones.base import FaceBackbone, at_least_float32, scaled_width
+from backbones.base import Backbone, FaceBackbone, at_least_float32, scaled_width
 from utils.errors import ConfigError
 from utils.image import IMAGE_SIZE
 
@@ -201,3 +201,18 @@ class VisionTransformer(FaceBackbone):
 
     def forward_head(self, x: torch.Tensor) -> torch.Tensor:
         return self.feature(x)
+
+
+VIT_OPTIONS = ("mask_ratio", "drop_path_rate", "using_checkpoint")  # beyond get_model's own
+
+
+def _vit(config: ViTConfig) -> Backbone:
+    def build(**options) -> VisionTransformer:
+        # the name's own training options unless asked otherwise
+        defaults = dict(mask_ratio=config.mask_ratio, drop_path_rate=config.drop_path_rate,
+                        using_checkpoint=config.using_checkpoint)
+        return VisionTransformer(config.embed_dim, config.depth, **(defaults | options))
+    return Backbone(build, "patch_embed.proj.weight", config.embed_dim, VIT_OPTIONS)
+
+
+BACKBONES: dict[str, Backbone] = {name: _vit(config) for name, config in VIT_CONFIGS.items()}

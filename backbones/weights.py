@@ -7,7 +7,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from backbones.registry import NETWORKS, get_model
+from backbones.registry import REGISTRY, get_model
 from utils.errors import ConfigError, WeightsError
 
 logger = logging.getLogger(__name__)
@@ -16,18 +16,6 @@ logger = logging.getLogger(__name__)
 # (arcface_torch's checkpoint_gpu_*.pt uses the first).
 _WRAPPER_KEYS = ("state_dict_backbone", "backbone", "state_dict", "model")
 _DDP_PREFIX = "module."
-
-# The first weight of each network and its output width at width_mult 1: a file's width follows.
-_FIRST_LAYER: dict[str, tuple[str, int]] = {
-    **{name: ("conv1.weight", 64) for name in ("r18", "r34", "r50", "r100", "r200", "r2060")},
-    "mbf": ("layers.0.layers.0.weight", 128),
-    "mbf_large": ("layers.0.layers.0.weight", 256),
-    **{name: ("patch_embed.proj.weight", 256) for name in ("vit_t", "vit_t_dp005_mask0")},
-    **{name: ("patch_embed.proj.weight", 512)
-       for name in ("vit_s", "vit_s_dp005_mask_0", "vit_b", "vit_b_dp005_mask_005")},
-    "vit_l_dp005_mask_005": ("patch_embed.proj.weight", 768),
-    "vit_h": ("patch_embed.proj.weight", 1024),
-}
 
 
 def _is_state_dict(obj: object) -> bool:
@@ -86,10 +74,9 @@ def suggest_network(state_dict: dict[str, torch.Tensor]) -> str | None:
         return None
     num_features = state_dict[embedding_keys[-1]].shape[0]
     candidates = []
-    for name in NETWORKS:
-        first_key, base_width = _FIRST_LAYER[name]
-        if first_key in state_dict:
-            candidates.append((name, state_dict[first_key].shape[0] / base_width))
+    for name, backbone in REGISTRY.items():
+        if backbone.first_weight in state_dict:
+            candidates.append((name, state_dict[backbone.first_weight].shape[0] / backbone.first_width))
     # Networks at their own width first: a full-size vit_l checkpoint also fits vit_b scaled by 1.5.
     candidates.sort(key=lambda candidate: candidate[1] != 1)
     for name, width_mult in candidates:

@@ -35,8 +35,8 @@ from pathlib import Path
 import train
 from checkpoint import checkpointer, manifest, sharded
 from tools.step_memory import table
+from training.config import load_config
 from training.memory_plan import memory_plan
-from utils.config import load_config
 
 ROOT = Path(__file__).resolve().parent.parent
 SETTINGS = ["rec=synthetic", "network=r18", "network_kwargs={'width_mult': 0.0625}", "embedding_size=512",

@@ -23,9 +23,9 @@ import torch
 
 from bench.bench_train import median_step_times, where
 from bench.step_memory import compare
+from training.config import load_config
 from training.state import build_training_state
 from training.step import train_step
-from utils.config import load_config
 from utils.device import configure_numerics
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -30,9 +30,9 @@ from pathlib import Path
 import torch
 
 from bench import step_split
+from training.config import load_config
 from training.state import build_training_state
 from training.step import train_step
-from utils.config import load_config
 from utils.device import configure_numerics
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -39,9 +39,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import train
 from tools import make_synthetic
+from training.config import load_config
 from training.state import build_training_state
 from training.step import train_step
-from utils.config import load_config
 from utils.device import configure_numerics
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -44,10 +44,10 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from backbones import get_model
 from bench.floor import gemm_rate, seconds
+from training.config import load_config
 from training.speedups import onednn_nhwc_crash
 from training.state import TrainingState, build_training_state, wrap_for_the_step
 from training.step import train_step
-from utils.config import load_config
 from utils.device import configure_numerics
 
 ROOT = Path(__file__).resolve().parent.parent

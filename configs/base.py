@@ -2,10 +2,10 @@
 
 An experiment file (e.g. configs/ms1mv3_r50_pair.py) assigns module-level names that override
 these, or is an arcface_torch config file (`config = edict()`, `config.key = value`), run unchanged;
-`train.py configs/X.py --set key=value` overrides both. Only keys defined here exist: a misspelt
-key is an error that suggests the closest one. The annotation of each key is its type; `--set`
-values are parsed as Python literals and checked against it (a `Literal[...]` lists the values a
-key accepts).
+`train.py configs/X.py --set key=value` overrides both. Only keys defined here exist (and those a margin
+family added later declares in its own file, margin_families.py): a misspelt key is an error that suggests
+the closest one. The annotation of each key is its type; `--set` values are parsed as Python literals and
+checked against it (a `Literal[...]` lists the values a key accepts).
 """
 from typing import Literal
 
@@ -34,17 +34,18 @@ erase_p: float = 0.0              # random erasing per view (Zhong et al.; torch
                                   # [0.3, 3.3] is set to black (0); applied last, e.g. 0.5 on small data; 0: off
 
 # --- model --------------------------------------------------------------------------------
-network: str = "r50"              # backbone: r18 r34 r50 r100 r200 r2060 mbf mbf_large vit_t vit_s vit_b, and
-                                  # vit_t_dp005_mask0 vit_s_dp005_mask_0 vit_b_dp005_mask_005 vit_l_dp005_mask_005 vit_h
+network: str = "r50"              # backbone: a name of backbones/registry.py's (arcface_torch's: r18 ... r2060, mbf,
+                                  # vit_t ... vit_h); a misspelt one is an error listing them all
 network_kwargs: dict = {}         # extra backbone options, e.g. {"width_mult": 0.25} for CPU-sized runs
 embedding_size: int = 512         # length of the face embedding
 dropout: float = 0.0              # dropout before the embedding layer
 
 # --- loss ---------------------------------------------------------------------------------
-margin_family: Literal["combined", "subcenter", "adaface", "curricular",  # the margin softmax: "combined"
-                       "elastic_arc", "elastic_cos"] = "combined"  # (margin_list, arcface_torch's), "subcenter"
-                                  # (margin_list over subcenter_k centres per class), or the others with their keys
-                                  # below; every family scales by margin_scale (README: the papers' settings)
+margin_family: str = "combined"   # the margin softmax, a family of margin_families.py: "combined" (margin_list,
+                                  # arcface_torch's), "subcenter" (margin_list over subcenter_k centres per class),
+                                  # "adaface", "curricular", "elastic_arc", "elastic_cos" with their keys below (a
+                                  # family added later declares its own); every family scales by margin_scale
+                                  # (README: the papers' settings)
 margin_list: tuple[float, ...] = (1.0, 0.5, 0.0)  # (m1, m2, m3): target logit s*(cos(m1*theta + m2) - m3);
                                                   # ArcFace (1, 0.5, 0), CosFace (1, 0, 0.4)
 margin_scale: float = 64.0        # s, the logit scale

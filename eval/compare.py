@@ -29,6 +29,7 @@ from pathlib import Path
 
 from backbones.trained import BACKBONE_NAME, MODEL_INFO_NAME
 from eval.table import boxed_table
+from margin_families import FAMILIES
 from utils.cli import exit_on_user_error
 from utils.errors import ConfigError, DataError, located
 
@@ -137,17 +138,18 @@ def _saved_step(folder: Path) -> int | None:
 
 
 def _margin(config: dict[str, str]) -> str:
-    family = config.get("margin_family", "'combined'").strip("'")
-    if family in ("combined", "subcenter"):
-        return f"{family} {config.get('margin_list', '')} s={config.get('margin_scale', '?')}"
-    return f"{family} s={config.get('margin_scale', '?')}"
+    """The family and the keys its declaration shows (a family this version does not know: its name alone)."""
+    name = config.get("margin_family", "'combined'").strip("'")
+    shown = FAMILIES[name].shown if name in FAMILIES else ()
+    return " ".join([name, *(config.get(key, "") for key in shown), f"s={config.get('margin_scale', '?')}"])
 
 
 def differing_keys(runs: Sequence[RunSummary]) -> list[str]:
     """The config keys whose values are not the same in every run (a run without a config line counts as
-    different), sorted; the margin's own keys are left to the margin column."""
+    different), sorted; the keys the margin column shows are left to it."""
+    shown = {key for family in FAMILIES.values() for key in family.shown}
     keys = sorted({key for run in runs for key in run.config} - set(_ALWAYS_DIFFERENT)
-                  - {"margin_family", "margin_list", "margin_scale"})
+                  - {"margin_family", "margin_scale", *shown})
     return [key for key in keys if len({run.config.get(key) for run in runs}) > 1]
 
 

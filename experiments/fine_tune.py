@@ -31,7 +31,7 @@ import time
 from pathlib import Path
 
 from dataset import RecordReader, unpack
-from utils.config import load_config
+from training.config import load_config
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIG = "configs/finetune_my_faces.py"

@@ -19,10 +19,10 @@ import tempfile
 import time
 from pathlib import Path
 
+from margin_families import FAMILIES
 from tools import make_synthetic
 
 ROOT = Path(__file__).resolve().parent.parent
-FAMILIES = ("combined", "subcenter", "adaface", "curricular", "elastic_arc", "elastic_cos")
 FINAL = re.compile(r"training finished at global step (\d+): synthetic_val Accuracy-Flip ([\d.]+)")
 
 
@@ -44,7 +44,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--epochs", type=int, default=2)
     parser.add_argument("--seed", type=int, default=2048, help="training seed (the data is fixed)")
-    parser.add_argument("--families", nargs="+", default=list(FAMILIES), choices=FAMILIES)
+    parser.add_argument("--families", nargs="+", default=list(FAMILIES), choices=list(FAMILIES))
     args = parser.parse_args(argv)
     families = ["combined", *[family for family in args.families if family != "combined"]]
     with tempfile.TemporaryDirectory() as tmp:

@@ -52,7 +52,7 @@ from pathlib import Path
 
 import torch
 
-from utils.config import load_config
+from training.config import load_config
 from utils.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -44,11 +44,11 @@ from checkpoint.run_dir import LOCK_NAME, lock_run_dir
 from checkpoint.sharded import checkpoint_folder, read_whole, save_state
 from partial_fc import class_range
 from training.components import SavedPosition, is_centre_rows
+from training.config import load_config
 from training.ema import trained_state_dict
 from training.state import StepCounter, architecture, build_training_state
 from utils.atomic import atomic_save
 from utils.cli import exit_on_user_error
-from utils.config import load_config
 from utils.errors import CheckpointError, ConfigError, RunDirError
 from utils.lr_scheduler import POLY_POWER, jump_to_step, poly_factor
 from utils.progress import progress

@@ -19,7 +19,7 @@ from pathlib import Path
 from backbones.trained import load_saved_backbone
 from eval.verification import load_bin, test
 from tools import make_synthetic
-from utils.config import load_config
+from training.config import load_config
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -34,13 +34,13 @@ from torch.profiler import ProfilerActivity, profile, record_function
 from torch.utils.hooks import RemovableHandle
 
 from dataset import build_dataset, build_loader
+from training.config import load_config
 from training.ema import BackboneEMA
 from training.memory_plan import memory_plan
 from training.semi_siamese import semi_siamese
 from training.state import TrainingState, build_training_state, wrap_for_the_step
 from training.step import StepOutcome, train_step
 from utils.cli import exit_on_user_error
-from utils.config import load_config
 from utils.distributed import init_distributed, is_main, rank, world
 
 MAX_STEPS = 12  # steps run until one was taken (fp16 skips its first ones: the grad scale backs off)

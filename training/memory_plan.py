@@ -35,9 +35,10 @@ from types import SimpleNamespace
 
 import torch
 
+from margin_families import centres_per_class, family_named
 from partial_fc import class_range
 from training.backbone_trace import backbone_memory, inference_memory
-from training.state import num_subcenters, precision
+from training.state import precision
 from utils.compat import half_gemm_inputs
 from utils.image import IMAGE_SIZE
 
@@ -66,13 +67,13 @@ def memory_plan(cfg: SimpleNamespace, num_classes: int | None, world_size: int) 
     centres_trained = not cfg.sst or cfg.sst_centre_weight > 0
     if num_classes is not None:
         rows = class_range(num_classes, 0, world_size)[1]
-        centres = rows * num_subcenters(cfg) * cfg.embedding_size * FLOAT32
+        centres = rows * centres_per_class(cfg) * cfg.embedding_size * FLOAT32
         forward, backward = _softmax_peaks(cfg, rows, world_size)
         # The step's autocast ends between the softmax's forward and backward, freeing the backbone's
         # weight casts that no backward keeps (under checkpointing): the backward peaks above less.
         columns = _sampled_columns(cfg, rows, world_size)
         # Sampled: a sparse gradient, the sampled rows and their indices (micro-batches' unions: at most their sum)
-        gradient = centres if columns is None else cfg.gradient_acc * columns * num_subcenters(cfg) * (
+        gradient = centres if columns is None else cfg.gradient_acc * columns * centres_per_class(cfg) * (
             cfg.embedding_size * FLOAT32 + INDEX)
         logits = max(forward, backward - backbone.released(cfg.batch_size)) if centres_trained else 0
         plan.update(class_centres=centres, centre_gradient=gradient if centres_trained else 0,
@@ -174,9 +175,10 @@ def _softmax_peaks(cfg: SimpleNamespace, rows: int, world_size: int) -> tuple[in
 
     With K sub-centres the GEMMs have C*K columns: the forward's (N, C*K) cosines shrink to (N, C) through
     their max (and its int64 indices, kept as uint8), the backward spreads the (N, C) gradient back to
-    (N, C*K). CurricularFace keeps a second (N, C) buffer, its negatives' derivative, through the forward."""
+    (N, C*K). A family may keep more (N, C) buffers through the forward (its negatives_buffers: CurricularFace's
+    negatives' derivative)."""
     local = cfg.batch_size * cfg.num_views
-    n, d, k = local * world_size, cfg.embedding_size, num_subcenters(cfg)
+    n, d, k = local * world_size, cfg.embedding_size, centres_per_class(cfg)
     sampled_columns = _sampled_columns(cfg, rows, world_size)
     sampled = sampled_columns is not None
     columns = rows if sampled_columns is None else sampled_columns
@@ -189,17 +191,17 @@ def _softmax_peaks(cfg: SimpleNamespace, rows: int, world_size: int) -> tuple[in
     if k > 1:  # the uint8 index of each class's sub-centre, from the max's forward to the backward
         beside += n * columns
     reduced = nck + nc + 2 * nc if k > 1 else nc  # the max: its input, its values and int64 indices at once
-    slope = nc if cfg.margin_family == "curricular" else 0
+    negatives = nc * family_named(cfg.margin_family).negatives_buffers
     spread = nck if k > 1 else 0  # the backward's (N, C*K) gradient beside the (N, C) one
     filter_mask = n * columns if cfg.interclass_filtering_threshold > 0 else 0  # the (N, C) boolean mask
     if cfg.fp16 or cfg.bf16:  # the backward's GEMMs in half precision, their results brought to float32
         # The cosines' GEMM writes float32: from half-precision casts of its inputs where the device has such a
         # GEMM (CUDA, the device `auto` picks when there is one), else in float32 without casts.
         casts = (nd + cd) * HALF // FLOAT32 if half_gemm_inputs("cuda" if torch.cuda.is_available() else "cpu") else 0
-        forward = max(casts + nck, reduced, nc + slope + filter_mask)
+        forward = max(casts + nck, reduced, nc + negatives + filter_mask)
         gemms = nc + spread + (nck + nd + cd) * HALF // FLOAT32 + nd + cd
     else:
-        forward = max(reduced, nc + slope + filter_mask)
+        forward = max(reduced, nc + negatives + filter_mask)
         gemms = nc + spread + nd + cd
     projection = 4 * columns * k * FLOAT32  # the normalisation's backward: a few values per centre
     return beside + forward, beside + max(gemms, nc + spread + nd + cd + projection)

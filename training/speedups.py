@@ -13,6 +13,7 @@ from types import SimpleNamespace
 import torch
 from torch import nn
 
+from backbones.registry import backbone_named
 from utils.errors import ConfigError
 
 ONEDNN_CHANNEL_BLOCK = 16  # oneDNN's channel block with AVX-512 (AVX2's is 8, so 16 covers both)
@@ -53,11 +54,13 @@ def to_channels_last(cfg: SimpleNamespace, backbone: nn.Module) -> None:
 
 
 def layout_advice(cfg: SimpleNamespace, world_size: int) -> str | None:
-    """What to set with compile_backbone on several processes, or None. inductor computes a ResNet's convolutions
-    in NHWC and hands DDP their weights' gradients so; DDP's buckets follow the weights' layout, so with NCHW
-    weights every gradient is copied into its bucket each step, and torch warns that the strides do not match
-    (measured on this CPU with 2 processes; with channels_last both are NHWC and it does not warn)."""
-    if cfg.compile_backbone is None or cfg.channels_last or world_size < 2 or not cfg.network.startswith("r"):
+    """What to set with compile_backbone on several processes, or None. inductor computes the convolutions of a
+    network declaring nhwc_gradients (the ResNets) in NHWC and hands DDP their weights' gradients so; DDP's buckets
+    follow the weights' layout, so with NCHW weights every gradient is copied into its bucket each step, and torch
+    warns that the strides do not match (measured on this CPU with 2 processes; with channels_last both are NHWC and
+    it does not warn)."""
+    if (cfg.compile_backbone is None or cfg.channels_last or world_size < 2
+            or not backbone_named(cfg.network).nhwc_gradients):
         return None
     return ("compile_backbone on several processes: inductor gives DDP the convolutions' weight gradients in NHWC "
             "and the weights are NCHW, so each step copies every gradient (torch warns 'Grad strides do not match "

@@ -17,7 +17,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from backbones import get_model
-from losses import AdaFaceMargin, CombinedMarginLoss, CurricularMargin, ElasticMargin
+from margin_families import build_margin, centres_per_class
 from partial_fc import PartialFC
 from training.components import Centres, Component, GradScale, MarginState, Optimizer, Schedule
 from training.ema import BackboneEMA
@@ -172,33 +172,15 @@ def architecture(cfg: SimpleNamespace, num_classes: int, photo_preparation: str 
     centre per class (arcface_torch's, earlier versions') keep matching."""
     shape = {"network": cfg.network, "network_kwargs": dict(cfg.network_kwargs),
              "embedding_size": cfg.embedding_size, "num_classes": num_classes}
-    if num_subcenters(cfg) > 1:
-        shape["num_subcenters"] = num_subcenters(cfg)
+    if centres_per_class(cfg) > 1:
+        shape["num_subcenters"] = centres_per_class(cfg)
     return {**shape, **({"photo_preparation": photo_preparation} if photo_preparation else {})}
-
-
-def num_subcenters(cfg: SimpleNamespace) -> int:
-    """Centres per class: subcenter_k for sub-center ArcFace, else one."""
-    return cfg.subcenter_k if cfg.margin_family == "subcenter" else 1
 
 
 def describe_margin(cfg: SimpleNamespace) -> str:
     """The margin family and the values it uses, as --dry-run and the start-up log show them."""
-    k = num_subcenters(cfg)
+    k = centres_per_class(cfg)
     return f"{cfg.margin_family}: {build_margin(cfg)!r}" + (f" over {k} sub-centres per class" if k > 1 else "")
-
-
-def build_margin(cfg: SimpleNamespace):
-    """The margin family `margin_family` names, with its keys (configs/base.py)."""
-    family, s = cfg.margin_family, cfg.margin_scale
-    if family == "adaface":
-        return AdaFaceMargin(s, cfg.adaface_m, cfg.adaface_h, cfg.adaface_t_alpha)
-    if family == "curricular":
-        return CurricularMargin(s, cfg.curricular_m, cfg.curricular_alpha)
-    if family in ("elastic_arc", "elastic_cos"):
-        return ElasticMargin(s, family.removeprefix("elastic_"), cfg.elastic_m, cfg.elastic_std, cfg.elastic_plus)
-    return CombinedMarginLoss(s, *cfg.margin_list, cfg.interclass_filtering_threshold,
-                              straight_through=cfg.straight_through_margin)  # combined, and subcenter's K centres
 
 
 def build_networks(cfg: SimpleNamespace, num_classes: int, device: torch.device) -> tuple[nn.Module, PartialFC]:
@@ -212,7 +194,7 @@ def build_networks(cfg: SimpleNamespace, num_classes: int, device: torch.device)
     # sampled centres' gradient is sparse, for build_optimizer's update.
     pfc = PartialFC(build_margin(cfg), cfg.embedding_size, num_classes, cfg.sample_rate, view_weights=cfg.view_weights,
                     seed=cfg.seed, defer_label_check=device.type == "cuda",
-                    num_subcenters=num_subcenters(cfg), sparse_grad=True,
+                    num_subcenters=centres_per_class(cfg), sparse_grad=True,
                     compile_margin_softmax=cfg.compile_margin_softmax).to(device)
     return backbone, pfc
 

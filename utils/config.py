@@ -3,8 +3,8 @@
 A config file is plain Python whose module-level names are the keys (names starting with `_`,
 imported modules, functions, classes and typing forms are helpers, not keys), or an arcface_torch
 config file whose `config = edict()` holds them (`config.key = value`): both merge onto base.py.
-configs/base.py defines every key and annotates its type; anything else is an error naming the key
-and the closest valid one.
+configs/base.py defines every key and annotates its type (a component above this floor, a margin family,
+may declare keys of its own: `Declared`); anything else is an error naming the key and the closest valid one.
 """
 from __future__ import annotations
 
@@ -15,31 +15,65 @@ import os
 import runpy
 import types
 import typing
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 
 from utils.errors import ConfigError, located
 
 BASE_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "base.py"
 
 
-def load_config(path: str | os.PathLike, overrides: Sequence[str] = ()) -> SimpleNamespace:
-    """The merged configuration: base defaults, the file's values, then each `key=value` override.
+@dataclass(frozen=True)
+class KeyRule:
+    """A config key a component above this floor declares (a margin family): the values it accepts and a good one,
+    for the error that names the fix. A key configs/base.py does not list (a family added later) also brings its
+    `type` and `default`."""
+
+    key: str
+    accepts: Callable[[Any], bool]  # None is always accepted: "the component's own default"
+    asked: str                      # what `accepts` admits, in words, e.g. "in [0, pi)"
+    example: str                    # e.g. "0.5 (the paper's)"
+    type: Any = None                # None: the key is configs/base.py's
+    default: Any = None
+
+
+@dataclass(frozen=True)
+class Declared:
+    """What the components above this floor add to configs/base.py (they may import this module, not the other way
+    round): their own keys, and the value checks that read their declarations."""
+
+    keys: tuple[KeyRule, ...] = ()
+    check: Callable[[dict], None] | None = None
+
+
+def load_config(path: str | os.PathLike, overrides: Sequence[str] = (), declared: Declared = Declared()
+                ) -> SimpleNamespace:
+    """The merged configuration: base defaults and `declared`'s own keys, the file's values, then each `key=value`
+    override, checked (with `declared.check` last).
 
     `output` left empty (None, as arcface_torch's files leave it) becomes `output/<config file name>`.
     """
     defaults, types_by_key = _read_base()
+    examples = {}  # the declared keys' good values: configs/base.py does not describe them
+    for rule in declared.keys:
+        if rule.type is not None and rule.key not in types_by_key:
+            defaults[rule.key], types_by_key[rule.key] = rule.default, rule.type
+            examples[rule.key] = rule.example
     values = dict(defaults)
     source = str(path)
     for key, value in _read_config_file(Path(path)).items():
-        values[key] = _checked(key, value, types_by_key, f"config file {source}")
+        values[key] = _checked(key, value, types_by_key, f"config file {source}", examples)
     for item in overrides:
         key, value = _parse_override(item, types_by_key)
-        values[key] = _checked(key, value, types_by_key, f"--set {item}")
+        values[key] = _checked(key, value, types_by_key, f"--set {item}", examples)
     if not values["output"]:
         values["output"] = os.path.join("output", Path(path).stem)
     _check_values(values)
+    if declared.check is not None:
+        declared.check(values)
     return SimpleNamespace(**values)
 
 
@@ -130,20 +164,20 @@ def _require_known(key: str, types_by_key: dict, where: str) -> None:
                       "(every key is listed in configs/base.py)")
 
 
-def _checked(key: str, value, types_by_key: dict, where: str):
+def _checked(key: str, value, types_by_key: dict, where: str, examples: Mapping[str, str]):
     _require_known(key, types_by_key, where)
     expected = types_by_key[key]
     if not _matches(value, expected):
         raise ConfigError(f"config key {key!r} must be {_type_name(expected)}, not {type(value).__name__} {value!r} "
-                          f"(from {where}); {_spelling(key, value, expected, where)}")
+                          f"(from {where}); {_spelling(key, value, expected, where, examples)}")
     return _coerced(value, expected)
 
 
-def _spelling(key: str, value, expected, where: str) -> str:
+def _spelling(key: str, value, expected, where: str, examples: Mapping[str, str]) -> str:
     """How to write a value that does not fit: a lone item of a tuple key as a one-item tuple, in the syntax
-    of where it came from; else where the key is described."""
+    of where it came from; else a declared key's example, or where the key is described."""
     if not _matches((value,), expected):
-        return "see configs/base.py"
+        return f"e.g. {key}={examples[key]}" if key in examples else "see configs/base.py"
     if where.startswith("--set"):
         return f'write a tuple, e.g. --set "{key}={(value,)!r}"'
     return f"write a tuple, e.g. {key} = {(value,)!r}"
@@ -228,7 +262,6 @@ def _check_values(values: dict) -> None:
         raise ConfigError("config keys 'fp16' and 'bf16' are both True; choose one (--set bf16=False)")
     _check_augmentations(values["crop_scale"], values["erase_p"])
     _check_margins(values["margin_list"], values["margin_scale"])
-    _check_family(values)
     if not 0.0 <= values["sample_rate"] <= 1.0:
         raise ConfigError(f"config key 'sample_rate' must be in [0, 1], not {values['sample_rate']}; 1.0 uses every "
                           "class centre, 0 only the classes of each step's batch")
@@ -270,7 +303,8 @@ def _check_semi_siamese(values: dict) -> None:
 
 
 def _check_margins(margin_list: tuple[float, ...], scale: float) -> None:
-    """The target logit s*(cos(m1*theta + m2) - m3) must exist and favour the target: s > 0, m1 > 0, m2 in [0, pi)."""
+    """The target logit s*(cos(m1*theta + m2) - m3) must exist and favour the target: s > 0, m1 > 0, m2 in [0, pi).
+    margin_list is arcface_torch's own key, in every one of its configs: checked whichever family is chosen."""
     if len(margin_list) != 3:
         raise ConfigError(f"config key 'margin_list' must hold three numbers (m1, m2, m3), not {margin_list!r}")
     m1, m2, _ = margin_list
@@ -284,31 +318,21 @@ def _check_margins(margin_list: tuple[float, ...], scale: float) -> None:
                           "(ArcFace: 0.5), e.g. margin_list=(1.0, 0.5, 0.0)")
 
 
-_ANGLE = (lambda v: 0.0 <= v < math.pi, "in [0, pi)")
-_RATE = (lambda v: 0.0 <= v <= 1.0, "in [0, 1]")
+# Ranges a component's KeyRule may name: (the check, what it admits in words).
+ANGLE = (lambda v: 0.0 <= v < math.pi, "in [0, pi)")
+RATE = (lambda v: 0.0 <= v <= 1.0, "in [0, 1]")
+NOT_NEGATIVE = (lambda v: v >= 0.0, "at least 0")
 _FRACTION = (lambda v: 0.0 <= v < 1.0, "in [0, 1)")
-_NOT_NEGATIVE_VALUE = (lambda v: v >= 0.0, "at least 0")
-# Each margin family's own keys: (key, (the check, what it asks), an example value).
-_FAMILY_KEYS = {
-    "subcenter": (("subcenter_k", (lambda v: 2 <= v <= 255, "an integer from 2 to 255"), "3"),),
-    "adaface": (("adaface_m", _ANGLE, "0.4"), ("adaface_h", _NOT_NEGATIVE_VALUE, "0.333"),
-                ("adaface_t_alpha", _RATE, "0.01")),
-    "curricular": (("curricular_m", _ANGLE, "0.5"), ("curricular_alpha", _RATE, "0.01")),
-    **dict.fromkeys(("elastic_arc", "elastic_cos"), (("elastic_m", _ANGLE, "None"),
-                                                     ("elastic_std", _NOT_NEGATIVE_VALUE, "None"))),
-}
 
 
-def _check_family(values: dict) -> None:
-    """The chosen margin family's keys (configs/base.py) must make a margin that favours the target."""
-    family = values["margin_family"]
-    for key, (ok, asked), example in _FAMILY_KEYS.get(family, ()):
-        if values[key] is not None and not ok(values[key]):
-            raise ConfigError(f"config key {key!r} must be {asked} for margin_family={family!r}, not {values[key]}; "
-                              f"e.g. {key}={example} (the paper's)")
-    if values["interclass_filtering_threshold"] > 0 and family not in ("combined", "subcenter"):
-        raise ConfigError(f"config key 'interclass_filtering_threshold' filters the combined margin's negatives only, "
-                          f"not those of margin_family={family!r}; set it to 0")
+def check_rules(values: Mapping, rules: Sequence[KeyRule], owner: str) -> None:
+    """ConfigError for the first key whose value (unless None) a rule refuses; `owner` says whose rule it is, e.g.
+    "margin_family='adaface'"."""
+    for rule in rules:
+        value = values[rule.key]
+        if value is not None and not rule.accepts(value):
+            raise ConfigError(f"config key {rule.key!r} must be {rule.asked} for {owner}, not {value}; "
+                              f"e.g. {rule.key}={rule.example}")
 
 
 def check_data_path(cfg: SimpleNamespace) -> None:
