@@ -5,8 +5,9 @@ A run folder holds:
   resumable exactly on the same world size and on any other;
 - `backbone.pth` and `model.json` (backbones/trained.py): the plain backbone state_dict, as
   arcface_torch saves it, the network it belongs to and its last verification's operating points;
-- `config.json` (checkpoint/run_dir.py): the config file and the `--set` overrides the run was
-  started (or last resumed) with, so that `--resume` keeps what was said without it being said again.
+- `config.json` (checkpoint/run_dir.py): the run's record of its config, the config file and the `--set`
+  overrides the run was started (or last resumed) with, so that `--resume` keeps what was said without it
+  being said again, and the values they resolved to, which eval.compare reads.
 
 A run also resumes from a folder arcface_torch wrote, from an earlier version's `checkpoint.pt` or from a
 bare backbone .pth, on any world size: checkpoint/sources.py has one importer per kind.
@@ -200,7 +201,7 @@ class Checkpointer:
 
     def _published(self, folder: Path, shown_step: int, on_terminal: bool) -> None:
         log.info("saved %s at global step %d", folder, shown_step, extra=None if on_terminal else FILE_ONLY)
-        run_on_rank0(lambda: write_run_config(self.output, self.config_file, self.overrides), share=False)
+        run_on_rank0(lambda: write_run_config(self.output, self.config_file, self.overrides, self.config), share=False)
 
     def _save_on_terminal(self, counter: StepCounter, final: bool) -> bool:
         """Every save is said in training.log (a stopped run's last line names the last one, and the log must
