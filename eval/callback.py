@@ -7,6 +7,7 @@ from collections.abc import Mapping, Sequence
 
 from torch import nn
 
+from dataset import TRAINING_RECORDS, preparation_note, record_path, recorded_preparation
 from eval.verification import (
     VerificationSet,
     flip_fused,
@@ -17,7 +18,6 @@ from eval.verification import (
     test,
     threshold_accuracy_line,
 )
-from facedata.preparation_record import TRAINING_RECORDS, preparation_note, record_path, recorded_preparation
 from utils.distributed import is_main, run_on_rank0
 from utils.errors import ConfigError, located
 from utils.image import IMAGE_SIZE

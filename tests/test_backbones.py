@@ -25,7 +25,7 @@ from backbones import NETWORKS, fuse_batchnorm, get_model, read_face_image, read
 from backbones.iresnet import IBasicBlock, IResNet
 from backbones.trained import load_saved_backbone, save_backbone
 from backbones.vit import Attention
-from facedata.photos import Preparation
+from dataset import Preparation
 from tests.distributed_helpers import run_world
 from training.state import ddp_backbone
 from utils.errors import ConfigError, UserError

@@ -18,9 +18,9 @@ import torch
 from PIL import Image
 
 from backbones import get_model
+from dataset import render_faces
 from eval import compare, ijb
 from eval.gallery import gallery_file
-from facedata.synthetic import render_faces
 from gpu_acceptance.runs import scalars
 from tests.run_helpers import run_here
 from tests.test_eval_cli import assert_one_sentence, assert_visible_curve
