@@ -343,6 +343,8 @@ def _train_in_folder(cfg: SimpleNamespace, device: torch.device, source, restart
                      signals: StopSignals) -> dict[str, float]:
     """Config -> data -> training state -> resume -> loop (with its saves) in the locked run folder."""
     setup_logging(cfg.output)
+    # For whoever reads the log, as arcface_torch's does; what tools read back is the run's record of its config,
+    # config.json (checkpoint/run_dir.write_run_config).
     log.info("config: %s", ", ".join(f"{k}={v!r}" for k, v in sorted(vars(cfg).items())))
     log.info("margin %s", describe_margin(cfg))
     if settings.kept:
