@@ -5,7 +5,7 @@
 
 Each argument is a run folder train.py wrote. From its model.json: the network (and its options) and
 the number of classes; from its config.json, the run's record of its config: the margin family and the config
-keys whose values differ between the runs (as the run was last started: a resume may change some; a folder
+keys whose values differ between the runs (as of its last save: a resume may change some; a folder
 without that record, written by an earlier pairface or not saved yet, gives them by its training.log's last
 config line); from its training.log: the last global step, images/s (the median
 over the logged speed lines) and, per verification set, the last and the best Accuracy-Flip, each with its
@@ -123,9 +123,9 @@ def read_run(folder: str | os.PathLike) -> RunSummary:
 
 
 def _read_config(folder: Path, log: str) -> dict[str, str]:
-    """Every config key of the run's last start, its value as Python writes it (so that both sources read
-    alike): from config.json's record, else from the log's last config line (an earlier pairface's folder, or
-    a run not saved yet); {} when neither says."""
+    """Every config key of the run as of its last save, its value as Python writes it (so that both sources
+    read alike): from config.json's record, else from the log's last config line (an earlier pairface's folder,
+    or a run not saved yet); {} when neither says."""
     path = folder / RUN_CONFIG_NAME
     if path.is_file():
         fix = "pass a run folder train.py wrote, or move the damaged config.json away"
@@ -133,7 +133,7 @@ def _read_config(folder: Path, log: str) -> dict[str, str]:
             record = json.loads(path.read_text())
         except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
             raise DataError(f"{path} cannot be read as JSON ({error}); {fix}") from None
-        config = record.get("config") if isinstance(record, dict) else []
+        config = record.get("config") if isinstance(record, dict) else record
         if isinstance(config, dict):
             return {key: repr(_as_loaded(value)) for key, value in config.items()}
         if config is not None:  # None: an earlier pairface's record, of the config file and --set alone
