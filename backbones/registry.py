@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import difflib
+import logging
 
 from torch import nn
 
@@ -9,6 +10,8 @@ from backbones.iresnet import IRESNET_CHECKPOINT_SEGMENTS, IRESNET_LAYERS, IResN
 from backbones.mobilefacenet import MOBILEFACENET_CONFIGS, MobileFaceNet
 from backbones.vit import VIT_CONFIGS, VisionTransformer
 from utils.errors import ConfigError
+
+log = logging.getLogger(__name__)
 
 NETWORKS: tuple[str, ...] = (
     "r18", "r34", "r50", "r100", "r200", "r2060", "mbf", "mbf_large",
@@ -46,8 +49,10 @@ def get_model(
 ) -> nn.Module:
     """Build backbone ``name``: (N, 3, 112, 112) float images in [-1, 1] -> (N, num_features) float32.
 
-    ``dropout`` applies to the flattened trunk output just before the embedding layer. ``fp16``
-    runs the trunk under autocast (float16 on GPU, bfloat16 on CPU) and the head in float32.
+    ``dropout`` applies to the flattened trunk output just before the embedding layer. ``fp16`` is
+    arcface_torch's argument, taken so that its calls run unchanged, and changes nothing: the trunk runs in
+    the precision of the autocast its caller opens (train.py's step opens the one autocast, from the config's
+    fp16 or bf16), the head in float32 (a True value is logged as a warning saying so).
     ``width_mult`` scales every channel width (ViT: the embedding width), e.g. 0.125 for CPU demos;
     the default 1.0 is arcface_torch's network, parameter for parameter. ViTs also take
     ``mask_ratio``, ``drop_path_rate`` and ``using_checkpoint`` (defaults: arcface_torch's for that
@@ -55,7 +60,12 @@ def get_model(
     unknown name, option or impossible width.
     """
     _check_name(name)
-    common = dict(num_features=num_features, dropout=dropout, fp16=fp16, width_mult=width_mult)
+    if fp16:
+        # A warning, not an error: arcface_torch's calls and an earlier model.json's network_kwargs still build.
+        log.warning("get_model('%s', fp16=True): the network runs in the precision of the autocast its caller "
+                    "opens, not its own; for training set fp16=True in the config (not in network_kwargs), elsewhere "
+                    "open torch.autocast around the call", name)
+    common = dict(num_features=num_features, dropout=dropout, width_mult=width_mult)
     if name in IRESNET_LAYERS:
         _check_options(name, kw, ())
         segments = IRESNET_CHECKPOINT_SEGMENTS.get(name, (0, 0, 0, 0))
