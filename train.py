@@ -68,13 +68,13 @@ from utils.cli import report
 from utils.compat import require_supported_torch
 from utils.config import check_data_path, planned_world_size
 from utils.device import choose_device, configure_numerics, describe_device
-from utils.distributed import agreed, backend, cleanup, init_distributed, is_main, lost_peer, nodes, rank, world
+from utils.distributed import backend, cleanup, init_distributed, is_main, lost_peer, nodes, rank, run_on_rank0, world
 from utils.errors import ConfigError, TrainingError, UserError
 from utils.launcher import adopt_srun_environment, launched_rank, local_process, torchrun_run_id
 from utils.log import SpeedLogger, log_to_file_only, setup_logging
 from utils.metrics import Metrics, open_metrics
 from utils.network import describe_host
-from utils.rank0_verdict import CONFIG_ERROR, NO_CONFIG_ERROR, rank0_had_config_error, tell
+from utils.rank0_verdict import CONFIG_ERROR, NO_CONFIG_ERROR, announce_verdict, rank0_had_config_error
 from utils.sizes import parse_size
 from utils.stop import EXIT_INTERRUPTED, EXIT_PREEMPTED, RunStopped, StopRequest, StopSignals
 from utils.watchdog import EXIT_STATUS, exit_within
@@ -125,7 +125,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         device = choose_device(cfg.device, *local_process())
         configure_numerics(device, cfg.tf32, cfg.deterministic)
         if launched_rank() == 0:
-            tell(phase, NO_CONFIG_ERROR)
+            announce_verdict(phase, NO_CONFIG_ERROR)
         phase = "training"
         _train_in_process_group(cfg, device, RunSettings(args.config, overrides, kept))
     except UserError as error:
@@ -183,7 +183,7 @@ def _report_user_error(error: UserError, phase: str) -> None:
     report(error)
     log_to_file_only(f"error: {error}")
     if launched_rank() == 0:
-        tell(phase, CONFIG_ERROR if config_error else NO_CONFIG_ERROR)
+        announce_verdict(phase, CONFIG_ERROR if config_error else NO_CONFIG_ERROR)
 
 
 def _report_interrupt(output: str | None, continue_with: str) -> None:
@@ -321,11 +321,11 @@ def train(cfg: SimpleNamespace, device: torch.device, settings: RunSettings,
 
     A start that torchrun makes again for the same run (after a lost process or node, or when a node
     joins) continues the run in its folder, as resume="auto" does, whatever `resume` says."""
-    restarted = agreed(lambda: continues_torchrun_run(cfg.output, torchrun_run_id()))
-    source = agreed(lambda: resolve_resume(cfg.output, AUTO if restarted else cfg.resume,
+    restarted = run_on_rank0(lambda: continues_torchrun_run(cfg.output, torchrun_run_id()))
+    source = run_on_rank0(lambda: resolve_resume(cfg.output, AUTO if restarted else cfg.resume,
                                            settings.resume_command.with_sets))
     made = not os.path.isdir(cfg.output)
-    lock = agreed(lambda: lock_run_dir(cfg.output, torchrun_run_id()), share=False)
+    lock = run_on_rank0(lambda: lock_run_dir(cfg.output, torchrun_run_id()), share=False)
     try:
         return _train_in_folder(cfg, device, source, restarted, settings, signals)
     except UserError:
@@ -344,6 +344,8 @@ def _train_in_folder(cfg: SimpleNamespace, device: torch.device, source, restart
                      signals: StopSignals) -> dict[str, float]:
     """Config -> data -> training state -> resume -> loop (with its saves) in the locked run folder."""
     setup_logging(cfg.output)
+    # For whoever reads the log, as arcface_torch's does; what tools read back is the run's record of its config,
+    # config.json (checkpoint/run_dir.write_run_config).
     log.info("config: %s", ", ".join(f"{k}={v!r}" for k, v in sorted(vars(cfg).items())))
     log.info("margin %s", describe_margin(cfg))
     if settings.kept:
@@ -384,13 +386,13 @@ def _train_in_folder(cfg: SimpleNamespace, device: torch.device, source, restart
              len(dataset), dataset.num_classes, world(), counter.steps_per_epoch, total_steps, counter.global_step)
     if not _steps_left(cfg, counter, stop, checkpointer.renumbering):
         return {}
-    best = agreed(lambda: cfg.keep_best and BestModel(cfg.output, cfg.keep_best, trained_as), share=False)
+    best = run_on_rank0(lambda: cfg.keep_best and BestModel(cfg.output, cfg.keep_best, trained_as), share=False)
     metrics = open_metrics(cfg, counter.shown_step if source else None)
     try:
         results = _loop(cfg, state, loader, counter, checkpointer, stop, metrics, signals, best)
     except BaseException as error:
         stopped = _stop_on_lost_peer(error, cfg, settings)  # before the save in flight, which may wait on the peer
-        checkpointer.settle()
+        checkpointer.finish_save_before_stop()
         if stopped is not None:
             raise stopped from error
         raise
@@ -501,7 +503,7 @@ def _loop(cfg, state: TrainingState, loader: FaceLoader, counter: StepCounter, c
             if outcome != StepOutcome.LOSS_NONFINITE:  # a skipped fp16 overflow step still has a loss worth logging
                 speed(counter.shown_step, losses, epoch, lr, grad_scale)
             final = counter.global_step == stop
-            if (request := signals.agreed()) and not final:  # at the last step, finishing is the quicker stop
+            if (request := signals.strongest_request()) and not final:  # at the last step, finishing stops sooner
                 _stop(request, counter, checkpointer)
             with speed.paused():
                 # The last step is always verified, before the last save: model.json records its thresholds.
@@ -527,14 +529,14 @@ def _loop(cfg, state: TrainingState, loader: FaceLoader, counter: StepCounter, c
 
 
 def _stop(request: StopRequest, counter: StepCounter, checkpointer: Checkpointer) -> NoReturn:
-    """Stop between two steps, as every rank agreed: preempted (save first) or interrupted by Ctrl-C."""
+    """Stop between two steps, at the strongest request of any rank: preempted (save first) or interrupted by Ctrl-C."""
     step = counter.shown_step
     if request == StopRequest.PREEMPT:
         checkpointer.save_for_exit(counter)
         saved = (f"checkpoint saved; continue with: {checkpointer.continue_with}" if checkpointer.save_all_states
                  else "backbone.pth saved (save_all_states=False: --resume starts from it with new class centres)")
         raise _stopped(f"preempted at global step {step}: {saved}", EXIT_PREEMPTED)
-    checkpointer.settle()  # a save in flight is published first, so that the line says what is on disk
+    checkpointer.finish_save_before_stop()  # a save in flight is published first, so that the line says what is on disk
     saved_at = checkpointer.saved_at + counter.shown_offset  # the shown step, as every line of the log counts
     last_save = f" (last saved at global step {saved_at})" if checkpointer.saved_at >= 0 else ""
     raise _stopped(f"stopped by Ctrl-C at global step {step}, without saving{last_save}; "

@@ -1,4 +1,4 @@
-"""What every backbone shares: a mixed-precision trunk, a float32 embedding head, width scaling."""
+"""What every backbone shares: a trunk in its caller's precision, a float32 embedding head, width scaling."""
 from __future__ import annotations
 
 import contextlib
@@ -16,7 +16,7 @@ class Backbone:
     """What one network name declares; backbones/registry.py registers each, and get_model, the weights' checks and
     the memory plan ask it (none of them names a network)."""
 
-    build: Callable[..., nn.Module]  # (num_features, dropout, fp16, width_mult, **options) -> the network
+    build: Callable[..., nn.Module]  # (num_features, dropout, width_mult, **options) -> the network
     first_weight: str                # its first layer's weight in the state_dict, whose output width at
     first_width: int                 # width_mult 1 is this: a weights file's width is read from it
     options: tuple[str, ...] = ()    # options it takes beyond get_model's own
@@ -24,21 +24,16 @@ class Backbone:
                                      # ResNets): training/speedups.py asks for channels_last to match them
 
 
-def autocast_dtype(device_type: str) -> torch.dtype:
-    """float16 on GPUs (paired with the GradScaler); bfloat16 on CPU, the only half type it autocasts."""
-    return torch.float16 if device_type == "cuda" else torch.bfloat16
-
-
 def at_least_float32(x: torch.Tensor) -> torch.Tensor:
     """Half-precision tensors go up to float32; float32 and float64 (references) stay as they are."""
     return x.to(torch.promote_types(x.dtype, torch.float32))
 
 
-def _autocast(device_type: str, enabled: bool) -> contextlib.AbstractContextManager:
+def _outside_autocast(device_type: str) -> contextlib.AbstractContextManager:
     # Devices without autocast (e.g. "meta", used to build networks without memory) run as they are.
     if not torch.amp.is_autocast_available(device_type):
         return contextlib.nullcontext()
-    return torch.autocast(device_type, dtype=autocast_dtype(device_type), enabled=enabled)
+    return torch.autocast(device_type, enabled=False)
 
 
 def scaled_width(channels: int, width_mult: float, what: str = "channel count") -> int:
@@ -59,16 +54,12 @@ def scaled_width(channels: int, width_mult: float, what: str = "channel count") 
 class FaceBackbone(nn.Module):
     """An image -> embedding network split into a trunk and an embedding head.
 
-    With ``fp16=True`` the trunk runs under autocast; with ``fp16=False`` it runs in whatever
-    precision the caller chose (float32, or a bfloat16 autocast around the call). The head always
-    runs in float32, outside any autocast, so the embedding the margin softmax sees is float32.
-    Subclasses implement ``forward_trunk`` and ``forward_head``; their parameters stay direct
+    The trunk runs in whatever precision the caller chose: float32, or the autocast the caller opens around
+    the call (training's is the step's one autocast, TrainingState.autocast, from the config's fp16 or bf16).
+    The head always runs in float32, outside any autocast, so the embedding the margin softmax sees is
+    float32. Subclasses implement ``forward_trunk`` and ``forward_head``; their parameters stay direct
     attributes so that ``state_dict()`` keys are exactly arcface_torch's.
     """
-
-    def __init__(self, fp16: bool = False) -> None:
-        super().__init__()
-        self.fp16 = fp16
 
     def forward_trunk(self, x: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
@@ -77,9 +68,6 @@ class FaceBackbone(nn.Module):
         raise NotImplementedError
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # fp16=False leaves the trunk to whatever autocast the caller opened (e.g. train.py's bf16).
-        trunk_precision = _autocast(x.device.type, enabled=True) if self.fp16 else contextlib.nullcontext()
-        with trunk_precision:
-            x = self.forward_trunk(x)
-        with _autocast(x.device.type, enabled=False):
+        x = self.forward_trunk(x)
+        with _outside_autocast(x.device.type):
             return self.forward_head(at_least_float32(x))

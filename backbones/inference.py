@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from facedata.photos import Preparation, PreparedFace, stretch_warning
+from dataset import Preparation, PreparedFace, stretch_warning
 from utils.image import normalize
 
 logger = logging.getLogger(__name__)

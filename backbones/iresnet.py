@@ -101,11 +101,10 @@ class IResNet(FaceBackbone):
         layers: tuple[int, int, int, int],
         num_features: int = 512,
         dropout: float = 0.0,
-        fp16: bool = False,
         width_mult: float = 1.0,
         checkpoint_segments: tuple[int, int, int, int] = (0, 0, 0, 0),
     ) -> None:
-        super().__init__(fp16)
+        super().__init__()
         self.checkpoint_segments = checkpoint_segments
         base = scaled_width(64, width_mult)
         widths = (base, 2 * base, 4 * base, 8 * base)

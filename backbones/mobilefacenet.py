@@ -92,10 +92,9 @@ class MobileFaceNet(FaceBackbone):
         scale: int,
         num_features: int = 512,
         dropout: float = 0.0,
-        fp16: bool = False,
         width_mult: float = 1.0,
     ) -> None:
-        super().__init__(fp16)
+        super().__init__()
         unit = scaled_width(64, width_mult)  # arcface_torch's widths are all multiples of 64
 
         def width(multiple_of_64: int) -> int:

@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from backbones.weights import load_backbone, read_state_dict, suggest_network
-from facedata.photos import PREPARATIONS
+from dataset import PREPARATIONS
 from utils.atomic import atomic_save, write_bytes
 from utils.config import check_network_options
 from utils.distributed import is_main

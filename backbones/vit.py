@@ -116,13 +116,12 @@ class VisionTransformer(FaceBackbone):
         depth: int,
         num_features: int = 512,
         dropout: float = 0.0,
-        fp16: bool = False,
         width_mult: float = 1.0,
         mask_ratio: float = 0.1,
         drop_path_rate: float = 0.1,
         using_checkpoint: bool = False,
     ) -> None:
-        super().__init__(fp16)
+        super().__init__()
         embed_dim = scaled_width(embed_dim, width_mult, "ViT embedding width")
         if embed_dim % NUM_HEADS:
             raise ConfigError(

@@ -29,11 +29,8 @@ import torch
 from PIL import Image
 from torchvision.io import decode_jpeg
 
+from dataset import InsightfaceWriter, build_dataset, build_loader, encode, render_faces, side_by_side
 from facedata.dali_aug import gaussian_blur, grey, hue_saturation, low_resolution
-from facedata.faces import build_dataset
-from facedata.loader import build_loader
-from facedata.packing import InsightfaceWriter, encode, side_by_side
-from facedata.synthetic import render_faces
 
 DISTINCT_FACES = 240  # drawn once, reused across records: the bench measures reading, not drawing
 COMPARED_BATCHES = 8  # of GPU- vs CPU-decoded batches

@@ -27,8 +27,8 @@ from PIL import Image
 
 from backbones import flip_fused_embeddings, get_model, read_face_image
 from backbones.trained import load_saved_backbone
+from dataset import render_faces
 from eval.gallery import gallery_file, gallery_people, load_gallery, photos_digest, top_matches
-from facedata.synthetic import render_faces
 from tools import search
 
 BUDGET = 0.050

@@ -19,9 +19,8 @@ import time
 
 import torch
 
+from dataset import FaceLoader, build_dataset
 from facedata.device_decode import decode_batch
-from facedata.faces import build_dataset
-from facedata.loader import FaceLoader
 
 WARMUP_BATCHES = 3
 

@@ -1,8 +1,8 @@
 """Where a training step's time goes, per network and view count, and how far it is from the hardware:
 images/s; the step split into data (the batch's copy to the device), backbone forward, PartialFC (its
 forward and backward: from the embeddings to their gradient), backbone backward and optimizer (unscale,
-clip, the agreed outcome, the step, the LR); and MFU, the step's useful FLOPs per second over the GEMM rate
-measured in the same run (a large matmul in the step's dtype). The backbone's FLOPs are counted at 112x112
+clip, the worst outcome over the ranks, the step, the LR); and MFU, the step's useful FLOPs per second over
+the GEMM rate measured in the same run (a large matmul in the step's dtype). The backbone's FLOPs are counted at 112x112
 by torch's FlopCounterMode on the meta device, three times the forward's for a training step (forward,
 the input's and the weights' gradients; checkpointing's recomputation is not useful work).
 

@@ -31,7 +31,7 @@ from backbones import suggest_network
 from checkpoint.restored import Restored
 from partial_fc import PartialFC, class_range
 from training.state import TrainingState, restore_components
-from utils.distributed import agreed, is_main
+from utils.distributed import is_main, run_on_rank0
 from utils.errors import CheckpointError
 from utils.lr_scheduler import schedule_power
 from utils.progress import progress
@@ -308,7 +308,7 @@ def restore_arcface(marker: Path, architecture: dict, state: TrainingState, stre
     its optimizer state from rank 0's file, this rank's centre rows and their optimizer state from the
     files that hold them. Collective: rank 0 checks the files first and every rank raises its error.
     `stream` gets a progress line per file read (command lines pass one)."""
-    layout = agreed(lambda: _checked(marker, architecture, state))
+    layout = run_on_rank0(lambda: _checked(marker, architecture, state))
     first = _load(layout.backbone_file())
     state.backbone.load_state_dict(first["state_dict_backbone"] if layout.kind == TRAIN_V2 else first, strict=True)
     centre_state = _read_rows(layout, state.pfc, stream)

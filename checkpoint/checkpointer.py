@@ -5,8 +5,9 @@ A run folder holds:
   resumable exactly on the same world size and on any other;
 - `backbone.pth` and `model.json` (backbones/trained.py): the plain backbone state_dict, as
   arcface_torch saves it, the network it belongs to and its last verification's operating points;
-- `config.json` (checkpoint/run_dir.py): the config file and the `--set` overrides the run was
-  started (or last resumed) with, so that `--resume` keeps what was said without it being said again.
+- `config.json` (checkpoint/run_dir.py): the run's record of its config, the config file and the `--set`
+  overrides the run was started (or last resumed) with, so that `--resume` keeps what was said without it
+  being said again, and the values they resolved to, which eval.compare reads.
 
 A run also resumes from a folder arcface_torch wrote, from an earlier version's `checkpoint.pt` or from a
 bare backbone .pth, on any world size: checkpoint/sources.py has one importer per kind.
@@ -38,7 +39,7 @@ from dataset import FaceLoader
 from training.components import rank_components
 from training.state import CENTRES_GROUP, StepCounter, TrainingState, exported_backbone, group_lrs
 from utils.device import use_device_in_this_thread
-from utils.distributed import agreed, checkpoint_group, world
+from utils.distributed import checkpoint_group, run_on_rank0, world
 from utils.log import FILE_ONLY
 from utils.lr_scheduler import jump_to_step
 
@@ -171,7 +172,7 @@ class Checkpointer:
         self.wait_for_save()
         step, on_terminal = counter.global_step, self._save_on_terminal(counter, final)
         if not self.save_all_states:
-            path = agreed(lambda: save_backbone(exported_backbone(self.state), self.output, self.architecture,
+            path = run_on_rank0(lambda: save_backbone(exported_backbone(self.state), self.output, self.architecture,
                                                 counter.verification))
             log.info("saved %s at global step %d (save_all_states=False: the backbone alone)", path,
                      counter.shown_step, extra=None if on_terminal else FILE_ONLY)
@@ -200,7 +201,7 @@ class Checkpointer:
 
     def _published(self, folder: Path, shown_step: int, on_terminal: bool) -> None:
         log.info("saved %s at global step %d", folder, shown_step, extra=None if on_terminal else FILE_ONLY)
-        agreed(lambda: write_run_config(self.output, self.config_file, self.overrides), share=False)
+        run_on_rank0(lambda: write_run_config(self.output, self.config_file, self.overrides, self.config), share=False)
 
     def _save_on_terminal(self, counter: StepCounter, final: bool) -> bool:
         """Every save is said in training.log (a stopped run's last line names the last one, and the log must
@@ -212,7 +213,7 @@ class Checkpointer:
             return True
         return False
 
-    def settle(self) -> None:
+    def finish_save_before_stop(self) -> None:
         """For a run stopping (on an error, a Ctrl-C): let a save in flight publish or fail as it would (its
         collectives must not outlive the process group); its own error is logged, not raised, so
         that the error that stopped the run is the one reported."""

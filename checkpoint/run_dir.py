@@ -1,7 +1,8 @@
 """The run folder: created for a new run, reopened for a resume, never overwritten by accident,
-and held by one training process at a time; what a resume starts from; and its `config.json`, the config
-file and the `--set` overrides the run was started (or last resumed) with, so that `--resume` keeps what
-was said without it being said again."""
+and held by one training process at a time; what a resume starts from; and its `config.json`, the run's
+record of its config: the config file and the `--set` overrides the run was started (or last resumed) with,
+so that `--resume` keeps what was said without it being said again, and every key's resolved value, which
+eval.compare reads back."""
 from __future__ import annotations
 
 import fcntl
@@ -9,7 +10,7 @@ import json
 import os
 import re
 import shlex
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
@@ -231,10 +232,13 @@ class ResumeCommand:
         return " ".join([launch_words(), shlex.quote(self.script), shlex.quote(self.config_file), *sets, "--resume"])
 
 
-def write_run_config(output: str, config_file: str, overrides: Sequence[str]) -> None:
+def write_run_config(output: str, config_file: str, overrides: Sequence[str], config: Mapping) -> None:
     """Rank 0, once a checkpoint of this start is published (a failed save leaves the old config.json as it
-    was): config.json, written only when it says something new."""
-    content = json.dumps({"config_file": str(config_file), "set": kept_overrides(overrides)}, indent=2).encode()
+    was): config.json, written only when it says something new. It is the run's one record of its config: how
+    it was given (`config_file`, `set`: what --resume keeps) and what it resolved to (`config`: every key's
+    value, which eval.compare reads back)."""
+    record = {"config_file": str(config_file), "set": kept_overrides(overrides), "config": dict(config)}
+    content = json.dumps(record, indent=2).encode()
     path = Path(output) / RUN_CONFIG_NAME
     if not path.is_file() or path.read_bytes() != content:
         atomic_save(content, path, write=write_bytes)

@@ -61,7 +61,7 @@ from training.fields import StateFieldError
 from training.state import TrainingState, exported_backbone, restore_components
 from utils.atomic import atomic_save, fsync_dir, os_error_behind, write_bytes
 from utils.compat import DCP_ALONE_WARNING, SHARDED_TENSOR_WARNING, dcp_group
-from utils.distributed import agreed, gather_objects, is_initialized, is_main, raise_first, rank, world
+from utils.distributed import gather_objects, is_initialized, is_main, raise_first, rank, run_on_rank0, world
 from utils.errors import CheckpointError
 from utils.torch_files import load_torch_file
 
@@ -139,17 +139,17 @@ def write_state(output: str | Path, staged: Staged, group=None) -> Path:
     output = Path(output)
     tmp = output / f"{TMP_FOLDER_PREFIX}{staged.step:09d}"
     target = output / f"{FOLDER_PREFIX}{staged.step:09d}"
-    agreed(lambda: _fresh(tmp, target), group=group)
+    run_on_rank0(lambda: _fresh(tmp, target), group=group)
     try:
         with _quiet_when_alone():
             dcp.save(staged.tensors, storage_writer=_writer(tmp, staged.tensors), **dcp_group(group))
     except CheckpointException as error:  # raised on every rank, whichever failed
-        agreed(lambda: shutil.rmtree(tmp, ignore_errors=True), group=group)
+        run_on_rank0(lambda: shutil.rmtree(tmp, ignore_errors=True), group=group)
         raise _failure("could not write", target, error, "the previous checkpoint is untouched: free disk space or "
                        "choose another output folder") from None
     shards = gather_objects(_own_shards(tmp), group=group)
     ranks = gather_objects(staged.rank_state, group=group)
-    return agreed(lambda: _complete_and_publish(output, tmp, target, staged, shards, ranks), group=group)
+    return run_on_rank0(lambda: _complete_and_publish(output, tmp, target, staged, shards, ranks), group=group)
 
 
 def _writer(tmp: Path, tensors: Mapping) -> FileSystemWriter:
@@ -315,7 +315,7 @@ def restore_state(source: Path, architecture: Mapping, state: TrainingState) -> 
     """Load the checkpoint `source` names (checkpoint.json, or a checkpoint folder) into `state`, each rank
     its own centre rows, after checking every file. Collective: a checkpoint that fails any check on any
     rank stops every rank with the same CheckpointError."""
-    verified = agreed(lambda: _checked(source, architecture))
+    verified = run_on_rank0(lambda: _checked(source, architecture))
     verify_shards(verified)
     template: dict = {}
     for component in state.components:

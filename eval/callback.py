@@ -7,6 +7,7 @@ from collections.abc import Mapping, Sequence
 
 from torch import nn
 
+from dataset import TRAINING_RECORDS, preparation_note, record_path, recorded_preparation
 from eval.verification import (
     VerificationSet,
     flip_fused,
@@ -17,8 +18,7 @@ from eval.verification import (
     test,
     threshold_accuracy_line,
 )
-from facedata.preparation_record import TRAINING_RECORDS, preparation_note, record_path, recorded_preparation
-from utils.distributed import agreed, is_main
+from utils.distributed import is_main, run_on_rank0
 from utils.errors import ConfigError, located
 from utils.image import IMAGE_SIZE
 from utils.metrics import Metrics
@@ -79,9 +79,9 @@ class VerificationCallback:
         self.kept_out: dict[str, dict[str, bool]] = {}
         self.unfit: set[str] = set()  # sets prepared unlike the training photos
         self.last_step = 0
-        agreed(lambda: check_val_targets(val_targets, rec_prefix))
-        # Read on rank 0 alone, agreed: a damaged .bin stops every rank with its own line.
-        agreed(lambda: self._load(val_targets, rec_prefix, image_size, highest or {}), share=False)
+        run_on_rank0(lambda: check_val_targets(val_targets, rec_prefix))
+        # Read on rank 0 alone (run_on_rank0): a damaged .bin stops every rank with its own line.
+        run_on_rank0(lambda: self._load(val_targets, rec_prefix, image_size, highest or {}), share=False)
 
     def _load(self, val_targets: Sequence[str], rec_prefix: str, image_size: tuple[int, int],
               highest: Mapping[str, float]) -> None:

@@ -4,8 +4,10 @@
     python -m eval.compare output/a output/b output/c --plot runs.png
 
 Each argument is a run folder train.py wrote. From its model.json: the network (and its options) and
-the number of classes; from its training.log: the margin family, the config keys whose values differ between
-the runs (the last start's config line: a resume may change some), the last global step, images/s (the median
+the number of classes; from its config.json, the run's record of its config: the margin family and the config
+keys whose values differ between the runs (as of its last save: a resume may change some; a folder
+without that record, written by an earlier pairface or not saved yet, gives them by its training.log's last
+config line); from its training.log: the last global step, images/s (the median
 over the logged speed lines) and, per verification set, the last and the best Accuracy-Flip, each with its
 folds' spread (a resumed run's log repeats steps: the latest line of a step counts, as TensorBoard shows it);
 from checkpoint.json: the step of the last checkpoint saved (what --resume continues from); from the
@@ -35,8 +37,10 @@ from utils.errors import ConfigError, DataError, located
 
 LOG_NAME = "training.log"
 POINTER_NAME = "checkpoint.json"  # the checkpoint package's pointer to the last save (a layer above eval's)
+RUN_CONFIG_NAME = "config.json"   # the checkpoint package's record of the run's config (checkpoint/run_dir.py)
 IJB_FARS = ("0.0001", "1e-05")
 _ACCURACY = re.compile(r"\[([^\]\s]+)\]\[(\d+)\]Accuracy-Flip: ([\d.]+)\+-([\d.]+)")
+# An earlier pairface's run folder has no config values in config.json: its log's config line holds them.
 _CONFIG = re.compile(r"^Training: .*?-config: (.*)$", re.MULTILINE)
 _CONFIG_ITEM = re.compile(r", (?=[a-z_0-9]+=)")  # between two key=value items (values may hold ", ")
 _ALWAYS_DIFFERENT = ("output",)  # every run has its own folder: not a difference worth a column
@@ -56,7 +60,7 @@ class RunSummary:
     accuracy: dict[str, dict[int, float]] = field(default_factory=dict)  # set -> step -> Accuracy-Flip
     spread: dict[str, dict[int, float]] = field(default_factory=dict)    # set -> step -> the folds' std
     tar: dict[str, dict[str, float]] = field(default_factory=dict)       # IJB target -> FAR -> TAR
-    config: dict[str, str] = field(default_factory=dict)                 # key -> value as the log wrote it
+    config: dict[str, str] = field(default_factory=dict)                 # key -> value as Python writes it
     saved_step: int | None = None                                        # of the last checkpoint saved
 
 
@@ -110,14 +114,42 @@ def read_run(folder: str | os.PathLike) -> RunSummary:
     for name, step, value, std in _ACCURACY.findall(log):
         accuracy.setdefault(name, {})[int(step)] = float(value)
         spread.setdefault(name, {})[int(step)] = float(std)
-    configs = _CONFIG.findall(log)
-    config = dict(item.split("=", 1) for item in _CONFIG_ITEM.split(configs[-1])) if configs else {}
     speeds = [float(images) for images, _ in _SPEED.findall(log)]
     steps = [int(step) for _, step in _SPEED.findall(log)] + [int(step) for step in _FINISHED.findall(log)]
     steps += [step for curve in accuracy.values() for step in curve]
     return RunSummary(name=str(folder), network=network, classes=classes, steps=max(steps) if steps else None,
                       images_per_second=statistics.median(speeds) if speeds else None, accuracy=accuracy,
-                      spread=spread, tar=_read_tar_tables(folder), config=config, saved_step=_saved_step(folder))
+                      spread=spread, tar=_read_tar_tables(folder), config=_read_config(folder, log),
+                      saved_step=_saved_step(folder))
+
+
+def _read_config(folder: Path, log: str) -> dict[str, str]:
+    """Every config key of the run as of its last save, its value as Python writes it (so that both sources
+    read alike): from config.json's record, else from the log's last config line (an earlier pairface's folder,
+    or a run not saved yet); {} when neither says."""
+    path = folder / RUN_CONFIG_NAME
+    if path.is_file():
+        fix = "pass a run folder train.py wrote, or move the damaged config.json away"
+        try:
+            record = json.loads(path.read_text())
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+            raise DataError(f"{path} cannot be read as JSON ({error}); {fix}") from None
+        config = record.get("config") if isinstance(record, dict) else record
+        if isinstance(config, dict):
+            return {key: repr(_as_loaded(value)) for key, value in config.items()}
+        if config is not None:  # None: an earlier pairface's record, of the config file and --set alone
+            raise DataError(f"{path} holds no mapping of config keys to values under 'config'; {fix}")
+    configs = _CONFIG.findall(log)
+    return dict(item.split("=", 1) for item in _CONFIG_ITEM.split(configs[-1])) if configs else {}
+
+
+def _as_loaded(value: object) -> object:
+    """A JSON value as the config loader holds it: JSON has lists where the config has tuples."""
+    if isinstance(value, list):
+        return tuple(_as_loaded(item) for item in value)
+    if isinstance(value, dict):
+        return {key: _as_loaded(item) for key, item in value.items()}
+    return value
 
 
 def _saved_step(folder: Path) -> int | None:
@@ -145,7 +177,7 @@ def _margin(config: dict[str, str]) -> str:
 
 
 def differing_keys(runs: Sequence[RunSummary]) -> list[str]:
-    """The config keys whose values are not the same in every run (a run without a config line counts as
+    """The config keys whose values are not the same in every run (a run without a config record counts as
     different), sorted; the keys the margin column shows are left to it."""
     shown = {key for family in FAMILIES.values() for key in family.shown}
     keys = sorted({key for run in runs for key in run.config} - set(_ALWAYS_DIFFERENT)

@@ -30,8 +30,7 @@ from torch import nn
 
 from backbones import face_tensor, flip_fused_embeddings
 from backbones.trained import SavedBackbone
-from facedata.packing import PACKABLE_SAID, PACKABLE_SUFFIXES
-from facedata.photos import Preparation, prepare_or_skip, stretch_warning
+from dataset import PACKABLE_SAID, PACKABLE_SUFFIXES, Preparation, prepare_or_skip, stretch_warning
 from utils.atomic import atomic_save
 from utils.errors import DataError, located
 from utils.progress import progress

@@ -38,13 +38,13 @@ from scipy import sparse
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
+from dataset import align_face
 from eval.cli import add_network_arguments, check_positive, open_network, output_prefix
 from eval.embedding import embed_batches, eval_mode, unwrap
 from eval.identification import det_curve, format_identification_table, gallery_row, mean_row
 from eval.ijb_1n import IdentificationLists, read_identification, save_searches, search_galleries
 from eval.roc import roc_points, save_roc_plot, tar_at_far
 from eval.table import boxed_table
-from facedata.alignment import align_face
 from utils.atomic import atomic_save, write_bytes
 from utils.cli import exit_on_user_error
 from utils.errors import ConfigError, DataError

@@ -86,7 +86,7 @@ ROWS: dict[str, dict[str, str]] = {
     "arcface_sgd": {**ARCFACE_SGD, "num_views": "1"},
     # two views with semi-siamese training's queue in place of the centres (configs/lfw_r18_sst.py's values)
     "sst": {"num_views": "2", "sst": "True", "sst_queue_size": "4096", "sst_momentum": "0.99"},
-    # a quarter of the queue: a quarter of the probe's own identity scored as strangers (experiments.sst_false_negatives)
+    # a quarter of the queue: a quarter of a probe's own people scored as strangers (experiments.sst_false_negatives)
     "sst_queue_1024": {"num_views": "2", "sst": "True", "sst_queue_size": "1024", "sst_momentum": "0.99"},
     "cosface": {**ADAMW, "margin_family": "'combined'", "margin_list": "(1.0, 0.0, 0.35)"},
     "arcface": {**ADAMW, "margin_family": "'combined'", "margin_list": "(1.0, 0.5, 0.0)"},

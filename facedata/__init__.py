@@ -1,4 +1,6 @@
-"""Face data for pairface: RecordIO without mxnet, V-view datasets, loaders, packing, synthetic faces.
+"""Face data for pairface, the implementation behind ``dataset.py``: RecordIO without mxnet, V-view datasets,
+loaders, packing, synthetic faces.
 
-``dataset.py`` names what train.py and the tools use; tests and benchmarks import the modules here.
+Outside this package, import what ``dataset.py`` exports from there (one path per name); only a test or
+benchmark of one module here imports that module's other names.
 """

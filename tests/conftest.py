@@ -13,8 +13,7 @@ import pytest
 import torch
 
 from backbones import get_model
-from facedata.packing import InsightfaceWriter, encode, side_by_side
-from facedata.synthetic import render_faces
+from dataset import InsightfaceWriter, encode, render_faces, side_by_side
 from gpu_acceptance.runs import INFO
 from tools import make_synthetic
 

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 
+from dataset import build_dataset, build_loader, render_faces
 from facedata.augment import SampleRandom
 from facedata.dali_aug import (
     ViewAugment,
@@ -18,9 +19,6 @@ from facedata.dali_aug import (
     hue_saturation,
     low_resolution,
 )
-from facedata.faces import build_dataset
-from facedata.loader import build_loader
-from facedata.synthetic import render_faces
 
 # DALI's hsv.h matrices, typed from upstream (not imported from the code under test).
 DALI_RGB_TO_YIQ = np.array([[0.299, 0.587, 0.114], [0.596, -0.274, -0.321], [0.211, -0.523, 0.311]])

@@ -25,7 +25,7 @@ from backbones import NETWORKS, fuse_batchnorm, get_model, read_face_image, read
 from backbones.iresnet import IBasicBlock, IResNet
 from backbones.trained import load_saved_backbone, save_backbone
 from backbones.vit import Attention
-from facedata.photos import Preparation
+from dataset import Preparation
 from tests.distributed_helpers import run_world
 from training.state import ddp_backbone
 from utils.errors import ConfigError, UserError
@@ -469,30 +469,43 @@ def test_every_user_error_is_one_sentence_saying_what_is_wrong_and_how_to_fix_it
 
 @pytest.mark.parametrize("name, trunk_end, head", [
     ("r18", "layer4", "fc"), ("mbf", "layers.7", "features"), ("vit_t", "blocks.11.mlp.fc2", "feature.0")])
-def test_fp16_runs_the_trunk_in_half_precision_and_the_head_in_float32(name, trunk_end, head):
+def test_under_the_callers_autocast_the_trunk_runs_in_half_precision_and_the_head_in_float32(name, trunk_end, head):
     torch.manual_seed(0)
-    mixed = get_model(name, fp16=True, width_mult=SMALL)
-    full = copy.deepcopy(mixed)
-    full.fp16 = False
-    calibrate_batchnorm(full)
-    mixed.load_state_dict(full.state_dict())
-    mixed.eval()
+    model = calibrate_batchnorm(get_model(name, width_mult=SMALL)).eval()
     seen = {}
-    modules = dict(mixed.named_modules())
+    modules = dict(model.named_modules())
     modules[trunk_end].register_forward_hook(lambda m, i, o: seen.__setitem__("trunk", o.dtype))
     modules[head].register_forward_hook(lambda m, i, o: seen.__setitem__("head", o.dtype))
     x = images(4)
-    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):  # a caller's autocast too
-        out = mixed(x)
+    with torch.no_grad():
+        reference = model.double()(x.double()).float()
+        model.float()
+        with torch.autocast("cpu", dtype=torch.bfloat16):  # the one autocast: the caller's
+            out = model(x)
     assert seen == {"trunk": torch.bfloat16, "head": torch.float32}
     assert out.dtype == torch.float32
-    with torch.no_grad():
-        reference = full(x)
     # bfloat16 keeps 8 bits of mantissa: the embeddings' directions must still agree closely.
     assert F.cosine_similarity(out, reference).min() > 0.99
 
 
-def test_without_fp16_the_trunk_follows_the_callers_autocast_and_the_head_stays_float32():
+def test_arcface_torchs_fp16_argument_builds_the_same_network_and_opens_no_autocast_of_its_own(caplog):
+    torch.manual_seed(0)
+    plain = get_model("r18", width_mult=SMALL).eval()
+    torch.manual_seed(0)
+    with caplog.at_level("WARNING", logger="backbones.registry"):
+        given = get_model("r18", fp16=True, width_mult=SMALL).eval()
+    assert [record.getMessage() for record in caplog.records] == [
+        "get_model('r18', fp16=True): the network runs in the precision of the autocast its caller opens, not its "
+        "own; for training set fp16=True in the config (not in network_kwargs), elsewhere open torch.autocast "
+        "around the call"]
+    seen = {}
+    given.layer4.register_forward_hook(lambda m, i, o: seen.__setitem__("trunk", o.dtype))
+    with torch.no_grad():
+        assert torch.equal(given(images(2)), plain(images(2)))
+    assert seen == {"trunk": torch.float32}
+
+
+def test_the_trunk_follows_the_callers_precision_and_the_head_stays_float32():
     model = get_model("r18", width_mult=SMALL).eval()
     seen = {}
     model.layer4.register_forward_hook(lambda m, i, o: seen.__setitem__("trunk", o.dtype))

@@ -240,14 +240,14 @@ def test_a_resume_from_an_earlier_versions_file_or_arcface_torchs_folder_or_a_ba
     assert not [message for message in caplog.messages if f"holds no {POINTER_NAME}" in message]  # said of folders
 
 
-def test_a_published_save_writes_the_config_file_and_overrides_the_run_was_started_with(tmp_path):
+def test_a_published_save_writes_the_config_file_overrides_and_values_the_run_was_started_with(tmp_path):
     for config_file, overrides, listed in (("configs/x.py", ["lr=0.2", "output=elsewhere"], ["lr=0.2"]),
                                            (None, None, [])):
         output = tmp_path / str(config_file).replace("/", "_")
         arguments = {} if config_file is None else dict(config_file=config_file, overrides=overrides)
         checkpointer(output, make_model("sgd"), **arguments).save(StepCounter(global_step=1))
         assert json.loads((output / RUN_CONFIG_NAME).read_text()) == {"config_file": config_file or "",
-                                                                       "set": listed}
+                                                                       "set": listed, "config": CONFIG}
 
 
 def test_without_save_all_states_a_save_writes_the_backbone_alone_with_its_verification(tmp_path):

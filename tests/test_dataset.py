@@ -12,8 +12,7 @@ import torch
 from PIL import Image
 from torchvision.io import decode_jpeg
 
-from facedata.faces import build_dataset
-from facedata.recordio import RecordReader, RecordWriter, pack, unpack
+from dataset import RecordReader, RecordWriter, build_dataset, pack, unpack
 from utils.errors import DataError
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures", "recordio")

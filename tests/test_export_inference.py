@@ -25,7 +25,7 @@ from torch import nn
 
 from backbones import WeightsError, get_model, load_backbone, read_face_image
 from backbones.trained import SavedBackbone, find_saved_backbone, load_saved_backbone
-from facedata.photos import Preparation
+from dataset import Preparation
 from tools import export_onnx, inference
 from utils.errors import ConfigError, FaceImageError
 

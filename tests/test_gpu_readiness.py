@@ -134,7 +134,7 @@ def test_deterministic_sets_what_it_says(monkeypatch):
 
 def _scaler_after(steps: list[str]) -> torch.amp.GradScaler:
     """A CPU GradScaler after steps that are "good", "overflow" (an infinite gradient the scaler finds
-    itself) or "agreed" (finite here, skipped because another rank's loss was not: training.step._back_off)."""
+    itself) or "other_rank" (finite here, skipped because another rank's loss was not: training.step._back_off)."""
     weight = torch.nn.Parameter(torch.ones(3))
     optimizer = torch.optim.SGD([weight], lr=0.1)
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10, growth_interval=3)
@@ -143,7 +143,7 @@ def _scaler_after(steps: list[str]) -> torch.amp.GradScaler:
         if kind == "overflow":
             weight.grad[0] = float("inf")
         scaler.unscale_(optimizer)
-        if kind == "agreed":
+        if kind == "other_rank":
             _back_off(scaler)
         else:
             scaler.step(optimizer)
@@ -153,12 +153,12 @@ def _scaler_after(steps: list[str]) -> torch.amp.GradScaler:
 
 
 @pytest.mark.parametrize("before", [[], ["good", "good"], ["good", "good", "good", "good"]])
-def test_an_agreed_skip_backs_the_scaler_off_as_an_overflow_would(before):
-    found, agreed = _scaler_after([*before, "overflow"]), _scaler_after([*before, "agreed"])
-    assert agreed.state_dict() == found.state_dict()
+def test_a_skip_for_another_ranks_loss_backs_the_scaler_off_as_an_overflow_would(before):
+    found, other_rank = _scaler_after([*before, "overflow"]), _scaler_after([*before, "other_rank"])
+    assert other_rank.state_dict() == found.state_dict()
     assert found.state_dict()["_growth_tracker"] == 0
     after = ["good", "good", "good"]  # one growth interval: both grow at the same step
-    assert _scaler_after([*before, "agreed", *after]).state_dict() == _scaler_after([*before, "overflow", *after]
+    assert _scaler_after([*before, "other_rank", *after]).state_dict() == _scaler_after([*before, "overflow", *after]
                                                                                   ).state_dict()
 
 

@@ -12,6 +12,7 @@ import pytest
 import torch
 from PIL import Image
 
+from dataset import align_face
 from eval.ijb import (
     AlignedFaces,
     embed_faces,
@@ -22,7 +23,7 @@ from eval.ijb import (
     template_features,
     template_pair_scores,
 )
-from facedata.alignment import ARCFACE_TEMPLATE, align_face, umeyama_similarity, warp_affine
+from facedata.alignment import ARCFACE_TEMPLATE, umeyama_similarity, warp_affine
 from references.ijb import upstream_template_scores
 from tests.test_verification import TinyNet
 from utils.errors import DataError

@@ -8,14 +8,20 @@ import pytest
 import torch
 from torch.utils.data import DistributedSampler
 
+from dataset import (
+    FaceLoader,
+    RecordReader,
+    RecordWriter,
+    build_dataset,
+    build_loader,
+    encode,
+    pack,
+    render_faces,
+    unpack,
+)
 from facedata import loader as loader_module
 from facedata.device_decode import decode_batch
-from facedata.faces import build_dataset
-from facedata.loader import FaceLoader, build_loader
-from facedata.packing import encode
-from facedata.recordio import RecordReader, RecordWriter, pack, unpack
 from facedata.staging import in_background, one_ahead
-from facedata.synthetic import render_faces
 from utils.errors import DataError
 
 NUM_SAMPLES = 30

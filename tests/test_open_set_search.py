@@ -17,7 +17,7 @@ import pytest
 import torch
 from PIL import Image
 
-from facedata.synthetic import render_faces
+from dataset import render_faces
 from tests.test_export_inference import trained_like, write_face
 from tests.test_search_and_compare import reference_unit_embeddings
 from tools import inference, search

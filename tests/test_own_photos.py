@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from facedata.synthetic import render_faces
+from dataset import render_faces
 from tests.run_helpers import ROOT
 
 pytestmark = pytest.mark.slow  # six commands, one of them training for ~120 steps

@@ -15,8 +15,7 @@ import torch
 from PIL import Image
 from torchvision.io import decode_jpeg
 
-from facedata.faces import build_dataset
-from facedata.recordio import RecordReader, unpack
+from dataset import RecordReader, build_dataset, unpack
 from tests.run_helpers import start_command
 from tools import make_synthetic, pack_rec
 

@@ -21,8 +21,8 @@ from PIL import Image
 from torchvision.io import decode_image
 
 from backbones import get_model
+from dataset import RecordReader, unpack
 from facedata.alignment import ARCFACE_TEMPLATE
-from facedata.recordio import RecordReader, unpack
 from tests.test_pack_tools import exits_with
 from tools import inference, make_bin, pack_rec, search
 

@@ -9,7 +9,7 @@ import pytest
 import torch.distributed as dist
 
 from tests.run_helpers import free_port
-from utils.rank0_verdict import CONFIG_ERROR, NO_CONFIG_ERROR, rank0_had_config_error, tell
+from utils.rank0_verdict import CONFIG_ERROR, NO_CONFIG_ERROR, announce_verdict, rank0_had_config_error
 
 
 @pytest.fixture
@@ -34,22 +34,22 @@ def hear_in_background(phase: str, timeout: timedelta = timedelta(seconds=60)) -
 @pytest.mark.parametrize(("verdict", "expected"), [(CONFIG_ERROR, True), (NO_CONFIG_ERROR, False)])
 def test_a_rank_learns_rank0s_verdict_once_it_is_told(agent_store, verdict, expected):
     thread, heard = hear_in_background("startup")  # waits: nothing has been told yet
-    tell("startup", verdict)
+    announce_verdict("startup", verdict)
     thread.join(60)
     assert heard == [expected]
     assert agent_store.get("pairface/restart0/startup").decode() == verdict
 
 
 def test_verdicts_of_other_phases_or_restarts_are_not_heard(agent_store, monkeypatch):
-    tell("startup", CONFIG_ERROR)
+    announce_verdict("startup", CONFIG_ERROR)
     assert not rank0_had_config_error("training", timedelta(seconds=0.5))  # rank 0 said nothing of it
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")  # torchrun started the workers again
     assert not rank0_had_config_error("startup", timedelta(seconds=0.5))
-    tell("startup", CONFIG_ERROR)
+    announce_verdict("startup", CONFIG_ERROR)
     assert rank0_had_config_error("startup")
 
 
 def test_outside_torchrun_s_agent_store_nothing_waits(monkeypatch):
     monkeypatch.delenv("TORCHELASTIC_USE_AGENT_STORE", raising=False)
-    tell("startup", NO_CONFIG_ERROR)  # nobody to tell: a no-op
+    announce_verdict("startup", NO_CONFIG_ERROR)  # nobody listens: a no-op
     assert rank0_had_config_error("startup", timedelta(days=1))  # the error is the same on every process

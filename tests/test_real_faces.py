@@ -13,9 +13,9 @@ import pytest
 from PIL import Image
 from sklearn.metrics import roc_curve
 
+from dataset import render_faces
 from eval import verification
 from experiments import real_faces
-from facedata.synthetic import render_faces
 from gpu_acceptance.runs import load_backbone_strict
 
 TRAIN_PEOPLE, TEST_PEOPLE, PHOTOS = 6, 6, 3

@@ -16,8 +16,9 @@ import pytest
 import torch
 from torchvision.io import decode_jpeg
 
+from dataset import IRHeader, RecordReader, RecordWriter, pack, unpack
 from facedata import recordio
-from facedata.recordio import IRHeader, RecordReader, RecordWriter, encode_parts, header_label, pack, unpack
+from facedata.recordio import encode_parts, header_label
 from utils.errors import DataError
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures", "recordio")

@@ -18,9 +18,9 @@ import torch
 from PIL import Image
 
 from backbones import get_model
+from dataset import render_faces
 from eval import compare, ijb
 from eval.gallery import gallery_file
-from facedata.synthetic import render_faces
 from gpu_acceptance.runs import scalars
 from tests.run_helpers import run_here
 from tests.test_eval_cli import assert_one_sentence, assert_visible_curve
@@ -252,6 +252,10 @@ def test_compare_tables_both_runs_with_dashes_for_what_one_did_not_measure(runs,
         "synthetic_val last": "-", "synthetic_val best": "-", "IJBC TAR@FAR=0.0001": "-", "IJBC TAR@FAR=1e-05": "-",
         "images/s": f"{statistics.median(speeds[plain]):.1f}"}
     assert_visible_curve(plot)
+    # The differs cells come from each run's record of its config, which holds the values the --set gave.
+    recorded = json.loads((verified / "config.json").read_text())
+    assert (recorded["config"]["num_epoch"], recorded["config"]["verbose"]) == (16, 40)
+    assert "num_epoch=16" in recorded["set"]
 
 
 def test_compare_without_plot_never_overwrites_an_earlier_plot(runs, tmp_path, capsys, monkeypatch):

@@ -15,8 +15,7 @@ import pytest
 import torch
 from PIL import Image
 
-from facedata.recordio import RecordReader, unpack
-from facedata.synthetic import render_faces
+from dataset import RecordReader, render_faces, unpack
 from tests.test_export_inference import trained_like
 from tools import make_bin, pack_rec, search
 

@@ -12,12 +12,10 @@ import pytest
 import torch
 from PIL import Image
 
+from dataset import build_dataset, build_loader, render_faces
 from facedata.augment import SampleRandom, coins
 from facedata.crop_erase import CropErase, crop_resize, draw_crop_erase, erase, resize, resize_in_float
 from facedata.dali_aug import dali_augment, draw_augments
-from facedata.faces import build_dataset
-from facedata.loader import build_loader
-from facedata.synthetic import render_faces
 from utils.config import ConfigError, load_config
 
 SIZE = 112

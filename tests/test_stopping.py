@@ -150,7 +150,7 @@ def test_a_signal_that_lands_in_a_log_write_is_said_after_it_without_a_logging_e
         with StopSignals() as signals:
             signals.stepping = True
             logging.info("a line being written")
-            assert signals.agreed() == asked  # the boundary waits until the request's line is out
+            assert signals.strongest_request() == asked  # the boundary waits until the request's line is out
             signals.stepping = False
         handler.flush()
     finally:

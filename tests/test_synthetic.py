@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 from sklearn.discriminant_analysis import LinearDiscriminantAnalysis
 
-from facedata.synthetic import render_faces, verification_pairs
+from dataset import render_faces, verification_pairs
 
 
 def best_threshold_accuracy(features: np.ndarray, issame: list[bool]) -> float:

@@ -12,7 +12,7 @@ import torch
 from torch.utils.data import DistributedSampler
 
 import train
-from facedata.recordio import RecordReader, RecordWriter, pack, unpack
+from dataset import RecordReader, RecordWriter, pack, unpack
 from gpu_acceptance.runs import load_run
 from tests.nan_injection import nan_at_steps
 from tests.run_helpers import continue_command, run_here, start_cli

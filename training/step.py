@@ -33,7 +33,7 @@ class StepOutcome(IntEnum):
 
 def train_step(state: TrainingState, micro_batches, cfg: SimpleNamespace) -> tuple[torch.Tensor, StepOutcome]:
     """One optimizer step over the micro-batches. Returns ([loss, view losses...] averaged over the
-    micro-batches, detached, on the device; the outcome every rank agreed on): a step is taken on
+    micro-batches, detached, on the device; the worst outcome over the ranks): a step is taken on
     every rank, or skipped on every rank."""
     state.keep_bn_buffers()
     state.before_step()
@@ -49,7 +49,7 @@ def train_step(state: TrainingState, micro_batches, cfg: SimpleNamespace) -> tup
     state.scaler.unscale_(state.optimizer)
     grad_norm = nn.utils.clip_grad_norm_(state.backbone.parameters(), cfg.max_grad_norm)
     losses = torch.stack(micro_losses).mean(dim=0)
-    outcome = _agreed_outcome(losses[0], grad_norm, state.pfc.weight.grad)
+    outcome = _worst_outcome_of_all_ranks(losses[0], grad_norm, state.pfc.weight.grad)
     if outcome == StepOutcome.LOSS_NONFINITE and state.pfc.defer_label_check:
         for _, labels in micro_batches:  # a bad label is a data error, not a diverging loss
             state.pfc.check_labels(labels)
@@ -86,7 +86,8 @@ def _forward_backward(state: TrainingState, images: torch.Tensor, labels: torch.
     return torch.cat([loss.detach().reshape(1), per_view])
 
 
-def _agreed_outcome(loss: torch.Tensor, grad_norm: torch.Tensor, centre_grad: torch.Tensor | None) -> StepOutcome:
+def _worst_outcome_of_all_ranks(loss: torch.Tensor, grad_norm: torch.Tensor,
+                                centre_grad: torch.Tensor | None) -> StepOutcome:
     """The worst outcome over ranks, computed on the device: the step's one wait for the device."""
     # The sum is non-finite exactly when an element is (short of an overflow no real gradient reaches), and
     # unlike isfinite(centre_grad) it needs no temporaries the size of the centre matrix.

@@ -89,7 +89,7 @@ def init_distributed(device: torch.device, timeout_minutes: float, check_seconds
         reason = re.sub(r"^\[[^\]]*\]\s*", "", str(error)).strip().splitlines()[0]
         raise NetworkError(_network_line(f"{watchdog.phase}: {reason}", name)) from error
     finally:
-        watchdog.settle()
+        watchdog.stand_down()
 
 
 def _network_line(reason: str, backend_name: str) -> str:
@@ -160,7 +160,7 @@ def checkpoint_group():
     return dist.new_group(backend="gloo", timeout=_group_timeout) if is_initialized() else None
 
 
-def agreed(decide, share: bool = True, group=None):
+def run_on_rank0(decide, share: bool = True, group=None):
     """Run `decide()` on rank 0 and raise its error on every rank, so that no process is left waiting at
     a collective for one that stopped. A user error is raised as it is everywhere; any other failure
     (a bug) keeps its traceback on rank 0 and stops the others with a line that points there. Returns

@@ -40,7 +40,7 @@ def _key(phase: str) -> str:
     return f"pairface/restart{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/{phase}"
 
 
-def tell(phase: str, verdict: str) -> None:
+def announce_verdict(phase: str, verdict: str) -> None:
     """Rank 0: announce how `phase` ended (CONFIG_ERROR, NO_CONFIG_ERROR) to the ranks that wait for it."""
     store = _agent_store(VERDICT_TIMEOUT)
     if store is not None:

@@ -52,7 +52,7 @@ class RunStopped(Exception):
 
 class StopSignals:
     """While inside `with StopSignals() as signals:`, SIGTERM, SIGUSR1 and SIGINT are requests that
-    `signals.agreed()` turns into one decision for every rank; outside, they act as they did before,
+    `signals.strongest_request()` turns into one decision for every rank; outside, they act as they did before,
     except that once a stop was asked for, the process ignores SIGTERM and SIGUSR1 until it exits.
 
     Collective to create (it may create the process group that carries the decision)."""
@@ -115,13 +115,13 @@ class StopSignals:
             name = signal.Signals(number).name
             self._announcements.put(f"{name}: saving a checkpoint after this step, then stopping")
 
-    def agreed(self) -> StopRequest:
+    def strongest_request(self) -> StopRequest:
         """The strongest request any rank has received. Collective: every rank calls it at each step boundary.
 
         It travels through a host-side (gloo) group, so that asking costs the step no wait for the device."""
         if self.requested != StopRequest.NONE:
             self._wait_for_announcements()  # this rank's signal line comes before what the stop writes
-        agreed = StopRequest(int(all_reduce_max(torch.tensor(float(self.requested)), group=self._group).item()))
+        strongest = StopRequest(int(all_reduce_max(torch.tensor(float(self.requested)), group=self._group).item()))
         # A rank stopping for another rank's signal is stopped too: it also ignores SIGTERMs on its way out.
-        self.requested = max(self.requested, agreed)
-        return agreed
+        self.requested = max(self.requested, strongest)
+        return strongest

@@ -33,14 +33,14 @@ def exit_within(seconds: float) -> None:
 
 class StartWatchdog:
     """Started for `seconds`; the main thread names what it waits for (`phase`) as it goes and calls
-    `settle()` when the start is over, either way. If it has not by then, this process writes
+    `stand_down()` when the start is over, either way. If it has not by then, this process writes
     `error: <line(phase)>` on stderr and exits with EXIT_STATUS."""
 
     def __init__(self, seconds: float, line: Callable[[str], str]) -> None:
         self.deadline = time.monotonic() + seconds
         self.phase = "the start"
         self._line = line
-        self._settled = threading.Event()
+        self._stood_down = threading.Event()
         self._claim = threading.Lock()  # whoever takes it reports: the main thread's own error, or this watchdog
         self._thread = threading.Thread(target=self._watch, name="start-watchdog", daemon=True)
         self._thread.start()
@@ -48,15 +48,15 @@ class StartWatchdog:
     def remaining(self) -> float:
         return max(0.0, self.deadline - time.monotonic())
 
-    def settle(self) -> None:
+    def stand_down(self) -> None:
         """The start is over (it succeeded, or its error is about to be raised): the watchdog stands down. If it
         has already begun to report, this waits for the process to end, so that only its line is written."""
         if not self._claim.acquire(blocking=False):
             self._thread.join()  # the watchdog ends the process
-        self._settled.set()
+        self._stood_down.set()
 
     def _watch(self) -> None:
-        if self._settled.wait(self.remaining()) or not self._claim.acquire(blocking=False):
+        if self._stood_down.wait(self.remaining()) or not self._claim.acquire(blocking=False):
             return
         # Ending the process is the only way out of the C++ wait; the line goes to stderr here because no caller
         # above the blocked main thread will ever see an exception.

@@ -1,5 +1,5 @@
-"""StopSignals.agreed() in two real gloo processes: a signal delivered to one rank alone stops both at the same
-step boundary, with the same request, and the rank that received nothing is stopped as the signalled one is
+"""StopSignals.strongest_request() in two real gloo processes: a signal delivered to one rank alone stops both at
+the same step boundary, with the same request, and the rank that received nothing is stopped as the signalled one is
 (it too ignores the SIGTERMs that torchrun sends once a worker has exited)."""
 from __future__ import annotations
 
@@ -33,16 +33,16 @@ def _one_rank_signalled(rank: int, world_size: int, signalled_rank: int) -> dict
         sigint_before = signal.getsignal(signal.SIGINT)
         with StopSignals() as signals:
             signals.stepping = True
-            first = signals.agreed()  # a step boundary with no signal anywhere
+            first = signals.strongest_request()  # a step boundary with no signal anywhere
             if rank == signalled_rank:
                 os.kill(os.getpid(), number)
                 _wait_for_handler(signals)
             dist.barrier()  # the signal has been received before any rank reaches the next boundary
             own = signals.requested
-            second = signals.agreed()
+            second = signals.strongest_request()
             after = signals.requested
             signals.stepping = False
-        seen[name] = {"first": first, "own": own, "agreed": second, "after": after,
+        seen[name] = {"first": first, "own": own, "strongest": second, "after": after,
                       "sigterm": signal.getsignal(signal.SIGTERM), "sigusr1": signal.getsignal(signal.SIGUSR1),
                       "sigint_restored": signal.getsignal(signal.SIGINT) == sigint_before}
         dist.barrier()
@@ -57,14 +57,14 @@ def rounds() -> dict[int, list[dict]]:
 
 @pytest.mark.parametrize("signalled", [1, 0])
 @pytest.mark.parametrize("name", SIGNALS)
-def test_a_signal_to_one_rank_is_the_agreed_request_of_both(rounds, signalled, name):
+def test_a_signal_to_one_rank_is_the_strongest_request_of_both(rounds, signalled, name):
     quiet = 1 - signalled
     by_rank = [rank_seen[name] for rank_seen in rounds[signalled]]
     assert by_rank[quiet]["own"] == StopRequest.NONE  # this rank received nothing itself
     assert by_rank[signalled]["own"] == EXPECTED[name]
     for seen in by_rank:
         assert seen["first"] == StopRequest.NONE
-        assert seen["agreed"] == EXPECTED[name]
+        assert seen["strongest"] == EXPECTED[name]
         assert seen["after"] == EXPECTED[name]  # the quiet rank now stops as the signalled one does
     # leaving the block, every rank, the quiet one too, ignores later SIGTERMs and SIGUSR1s (a Ctrl-C acts again)
     for seen in by_rank:
