@@ -27,7 +27,8 @@ import numpy as np
 
 def identity_sizes(data: Path) -> np.ndarray:
     """Records per identity of an insightface train.rec/train.idx (the header's image keys 1..a-1)."""
-    from facedata.recordio import RecordReader, header_label, unpack  # noqa: PLC0415
+    from dataset import RecordReader, unpack  # noqa: PLC0415
+    from facedata.recordio import header_label  # noqa: PLC0415
 
     reader = RecordReader(str(data / "train.idx"), str(data / "train.rec"))
     first_identity_key = int(unpack(reader.read(0))[0].label[0])

@@ -7,18 +7,21 @@ whose __all__ is the list checked against)."""
 from __future__ import annotations
 
 import ast
+import subprocess
 from pathlib import Path
 
 import dataset
 import facedata
 
 ROOT = Path(__file__).resolve().parent.parent
-SKIPPED = {".git", ".venv", "facedata", "mutants", "output", "data"}
 
 
 def project_files() -> list[Path]:
-    return [path for path in ROOT.rglob("*.py")
-            if not SKIPPED & set(path.relative_to(ROOT).parts) and path.name != "dataset.py"]
+    """The repository's Python files (git's list: not the virtual environments or the runs beside them)."""
+    listed = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard", "*.py"], cwd=ROOT,
+                            capture_output=True, text=True, check=True).stdout.split()
+    return [ROOT / name for name in listed
+            if Path(name).parts[0] != "facedata" and name != "dataset.py" and (ROOT / name).is_file()]
 
 
 def test_names_dataset_exports_come_from_dataset_everywhere_outside_facedata():

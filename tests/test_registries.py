@@ -70,8 +70,8 @@ def addcos(monkeypatch):
 class TinyNet(FaceBackbone):
     """One strided convolution, pooled to 4x4, then the embedding head."""
 
-    def __init__(self, num_features: int = 512, dropout: float = 0.0, fp16: bool = False, width_mult: float = 1.0):
-        super().__init__(fp16)
+    def __init__(self, num_features: int = 512, dropout: float = 0.0, width_mult: float = 1.0):
+        super().__init__()
         width = scaled_width(8, width_mult)
         self.stem = nn.Conv2d(3, width, 3, stride=4, padding=1, bias=False)
         self.bn = nn.BatchNorm2d(width)
