@@ -90,10 +90,11 @@ class TrainingState:
 
 
 # The one registry: every piece of saved state, in the order a resume loads it (the backbone first: the
-# components that follow it find the checkpoint's weights there). A new piece of saved state is its
-# component class and its line here.
+# components that follow it find the checkpoint's weights there), the run's own objects last (registry). A new
+# piece of saved state is its component class and its line here.
 COMPONENTS: tuple[type[Component], ...] = (
     Backbone,
+    RandomStreams,
     Centres,
     Optimizer,
     Schedule,
@@ -101,7 +102,6 @@ COMPONENTS: tuple[type[Component], ...] = (
     MarginState,
     BackboneEMA,
     SemiSiamese,
-    RandomStreams,
     StepCounter,
     LoaderPosition,
 )
