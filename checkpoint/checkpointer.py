@@ -126,9 +126,7 @@ class Checkpointer:
         schedule and the epoch go on where they were (the exact sample order cannot). The shown step goes
         on counting from where it was."""
         saved = restored.progress
-        shown = counter.shown_step
-        counter.global_step = round(saved["global_step"] * counter.steps_per_epoch / saved["steps_per_epoch"])
-        counter.shown_offset = shown - counter.global_step
+        counter.renumber(saved["steps_per_epoch"])
         jump_to_step(self.state.scheduler, counter.global_step)
         for component in self._per_rank(counter):
             if component.rank_0_stands_in:
@@ -136,7 +134,8 @@ class Checkpointer:
         log.warning("resuming a run of %d process(es) and %d steps per epoch with %d and %d: step %d becomes step "
                     "%d of the LR schedule; the log and TensorBoard go on counting from step %d; the data order of "
                     "this epoch differs from the original run", restored.world_size, saved["steps_per_epoch"],
-                    world(), counter.steps_per_epoch, saved["global_step"], counter.global_step, shown)
+                    world(), counter.steps_per_epoch, saved["global_step"], counter.global_step,
+                    counter.shown_step)
         return Renumbering(saved["global_step"], saved["steps_per_epoch"], counter.steps_per_epoch,
                            counter.global_step)
 

@@ -43,6 +43,13 @@ class StepCounter(Component):
         """Step `step` of the LR schedule as the log and TensorBoard count it."""
         return step + self.shown_offset
 
+    def renumber(self, saved_steps_per_epoch: int) -> None:
+        """The loaded step, saved by a run of `saved_steps_per_epoch` steps per epoch, as the same fraction of
+        training in this run's steps; the shown step stays where it was."""
+        shown = self.shown_step
+        self.global_step = round(self.global_step * self.steps_per_epoch / saved_steps_per_epoch)
+        self.shown_offset = shown - self.global_step
+
     def state_dict(self) -> dict:
         return {"progress": {"global_step": self.global_step, "epoch": self.epoch,
                              "steps_per_epoch": self.steps_per_epoch, "nonfinite_total": self.nonfinite_total,
