@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 import torch
 from torch.distributed.checkpoint import FileSystemReader
 
@@ -23,42 +24,40 @@ from tests.run_helpers import ROOT
 from tests.toy_state import INFO, make_model, take_steps
 from training.best_model import BEST, RECORD_KEY, BestModel
 from training.components import SavedPosition, exported_backbone
-from training.state import COMPONENTS, StepCounter, architecture, build_components, build_training_state
+from training.state import COMPONENTS, StepCounter, architecture, build_components, build_training_state, registry
 from utils.config import load_config
 
 NUM_CLASSES = 20
 
 
-def test_every_key_a_checkpoint_holds_belongs_to_exactly_one_component_of_the_registry(tmp_path):
+@pytest.mark.parametrize("config", [{}, {"ema_decay": 0.5}], ids=["plain", "ema"])
+def test_every_key_a_checkpoint_holds_belongs_to_exactly_one_component_of_the_run(tmp_path, config):
     model = make_model("sgd")
-    model.components = build_components(model, {"ema_decay": 0.5})  # an optional component too
+    model.components = build_components(model, config)
     take_steps(model)
-    save_state(tmp_path, model, StepCounter(global_step=2, steps_per_epoch=10), SavedPosition({"skipped": 3}),
-               INFO, {"lr": 0.1})
+    counter, position = StepCounter(global_step=2, steps_per_epoch=10), SavedPosition({"skipped": 3})
+    save_state(tmp_path, model, counter, position, INFO, {"lr": 0.1})
     folder = tmp_path / json.loads((tmp_path / POINTER_NAME).read_text())["directory"]
     content = json.loads((folder / "state.json").read_text())
     tensors = {fqn.split(".", 1)[0] for fqn in FileSystemReader(folder).read_metadata().state_dict_metadata}
     listed = set(json.loads((folder / MANIFEST_NAME).read_text())["files"])
 
-    owners: dict[str, list[str]] = {}
-    for component in COMPONENTS:
-        for key in component.keys:
-            owners.setdefault(key, []).append(component.__name__)
-    assert all(len(names) == 1 for names in owners.values()), owners
+    components = registry(model, counter, position)
+    assert {type(component) for component in components} <= set(COMPONENTS)
+    owners = [key for component in components for key in component.keys]
+    assert len(owners) == len(set(owners)), owners
 
-    def owned(keys, where) -> set[str]:
-        return {key for key in keys if any(key in cls.keys and where(cls) for cls in COMPONENTS)}
+    def owned(where) -> set[str]:
+        return {key for component in components if where(component) for key in component.keys
+                if key not in component.file_keys and key not in component.tensor_keys}
 
-    run = set(content["run"]) - set(RUN_DESCRIPTION)
-    assert run == owned(run, lambda cls: not cls.per_rank) and "progress" in run
+    assert set(content["run"]) - set(RUN_DESCRIPTION) == owned(lambda component: not component.per_rank)
     for entry in content["ranks"]:
-        assert set(entry) == owned(entry, lambda cls: cls.per_rank) == {"rng", "loader"}
-    assert tensors == owned(tensors, lambda cls: key_kind(cls, "tensor_keys")) == {"centres", "optimizer", "ema"}
-    assert "backbone.pth" in listed and owned({"backbone"}, lambda cls: key_kind(cls, "file_keys")) == {"backbone"}
-
-
-def key_kind(cls, kind: str) -> bool:
-    return bool(getattr(cls, kind))
+        assert set(entry) == owned(lambda component: component.per_rank) == {"rng", "loader"}
+    assert tensors == {key for component in components for key in component.tensor_keys}
+    assert tensors == ({"centres", "optimizer", "ema"} if config else {"centres", "optimizer"})
+    assert [key for component in components for key in component.file_keys] == ["backbone"]
+    assert "backbone.pth" in listed
 
 
 def small_config(*overrides: str):
@@ -75,8 +74,11 @@ def test_each_component_is_built_once_with_the_training_state(monkeypatch):
             return original(klass, state, config)
 
         monkeypatch.setattr(cls, "build", classmethod(counted))
-    build_training_state(small_config("ema_decay=0.5"), NUM_CLASSES, torch.device("cpu"), steps_per_epoch=10)
+    state = build_training_state(small_config("ema_decay=0.5"), NUM_CLASSES, torch.device("cpu"), steps_per_epoch=10)
     assert built == {cls.__name__: 1 for cls in COMPONENTS}
+    # the backbone with its average, the process's random streams, centres, optimizer, schedule, grad scaler,
+    # margin state: the step counter and the loader's position are the run's own (registry)
+    assert len(state.components) == 7
 
 
 def test_a_bare_backbone_start_of_an_ema_run_averages_from_the_loaded_weights(tmp_path):

@@ -102,26 +102,26 @@ class Component(Protocol):
 # --- run-wide state: rank 0 saves it, every rank loads it --------------------------------------------
 
 class Backbone(Component):
-    """The backbone's weights and BatchNorm statistics, as backbone.pth: the exported backbone (the trained
-    one, or what a component makes of it: an EMA's averages), rank 0's (DDP keeps the weights equal on every
-    rank, but each rank's BatchNorm statistics follow its own batches). Loaded first: a component that follows
-    the backbone (the EMA) finds the file's weights in it."""
+    """The backbone's weights and BatchNorm statistics, as backbone.pth, rank 0's (DDP keeps the weights equal on
+    every rank, but each rank's BatchNorm statistics follow its own batches). Loaded first: the components that
+    follow the backbone find the file's weights in it. With ema_decay, training/ema.py's BackboneEMA stands in
+    for it (backbone.pth then holds the average)."""
 
     keys = file_keys = ("backbone",)
 
-    def __init__(self, state):
-        self.state = state
+    def __init__(self, backbone: nn.Module):
+        self.backbone = backbone
 
     @classmethod
-    def build(cls, state, config: Mapping) -> Backbone:
-        return cls(state)
+    def build(cls, state, config: Mapping) -> Backbone | None:
+        return None if config.get("ema_decay") else cls(state.backbone)
 
     def state_dict(self) -> dict:
-        return {"backbone": exported_backbone(self.state).state_dict()}
+        return {"backbone": self.backbone.state_dict()}
 
     def load_state_dict(self, saved: Mapping) -> None:
         if "backbone" in saved:
-            self.state.backbone.load_state_dict(saved["backbone"], strict=True)
+            self.backbone.load_state_dict(saved["backbone"], strict=True)
 
 
 def exported_backbone(state) -> nn.Module:

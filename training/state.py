@@ -94,13 +94,13 @@ class TrainingState:
 # piece of saved state is its component class and its line here.
 COMPONENTS: tuple[type[Component], ...] = (
     Backbone,
+    BackboneEMA,  # the backbone with ema_decay
     RandomStreams,
     Centres,
     Optimizer,
     Schedule,
     GradScale,
     MarginState,
-    BackboneEMA,
     SemiSiamese,
     StepCounter,
     LoaderPosition,
