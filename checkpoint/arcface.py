@@ -351,7 +351,7 @@ def _read_rows(layout: Layout, pfc: PartialFC, stream: TextIO | None) -> tuple[t
     """This rank's centre rows and their optimizer state, each read from the files that hold them: one file
     open at a time, no matrix beyond this rank's rows."""
     pieces = layout.pieces(pfc.class_start, pfc.num_local)
-    centres = torch.empty_like(pfc.weight, requires_grad=False)
+    centres = torch.empty_like(pfc.weight)
     targets: dict[str, torch.Tensor] = {}
     at = 0
     for source, first, rows in progress(pieces, len(pieces), "reading class centres", stream):
