@@ -119,3 +119,18 @@ def test_the_best_accuracy_is_the_step_counters_raised_to_what_the_kept_model_re
 
 def recorded(output: Path) -> dict:
     return json.loads((output / BEST / "model.json").read_text())[RECORD_KEY]
+
+
+def test_the_step_is_one_number_whose_display_offset_survives_a_renumbering():
+    """A run of 10 steps per epoch saved at step 25 (shown as 30 after an earlier renumbering), resumed with
+    4 steps per epoch: step 10 of the schedule (25 * 4 / 10), still shown as 30, and counting on from there."""
+    saved = StepCounter(global_step=25, steps_per_epoch=10, shown_offset=5, nonfinite_in_a_row=2,
+                        best_accuracy={"lfw": 0.9}).state_dict()
+    assert saved == {"progress": {"global_step": 25, "epoch": 2, "steps_per_epoch": 10, "nonfinite_total": 0,
+                                  "shown_offset": 5, "best_accuracy": {"lfw": 0.9}, "verification": {}}}
+    resumed = StepCounter(steps_per_epoch=4)
+    resumed.load_state_dict(json.loads(json.dumps(saved)))
+    assert (resumed.global_step, resumed.steps_per_epoch, resumed.nonfinite_in_a_row) == (25, 4, 0)
+    resumed.renumber(saved_steps_per_epoch=10)
+    assert (resumed.global_step, resumed.shown_step, resumed.epoch, resumed.shown(12)) == (10, 30, 2, 32)
+    assert resumed.best_accuracy == {"lfw": 0.9}
