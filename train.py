@@ -49,6 +49,7 @@ from dataset import (
 )
 from eval.callback import VerificationCallback, check_keep_best, check_val_targets
 from training.best_model import BestModel
+from training.components import exported_backbone
 from training.config import load_config
 from training.memory_plan import describe, describe_fit, device_bytes, fit, memory_plan
 from training.speedups import layout_advice
@@ -60,7 +61,6 @@ from training.state import (
     backbone_frozen,
     build_training_state,
     describe_margin,
-    exported_backbone,
     wrap_for_the_step,
 )
 from training.step import StepOutcome, train_step
@@ -386,7 +386,8 @@ def _train_in_folder(cfg: SimpleNamespace, device: torch.device, source, restart
              len(dataset), dataset.num_classes, world(), counter.steps_per_epoch, total_steps, counter.global_step)
     if not _steps_left(cfg, counter, stop, checkpointer.renumbering):
         return {}
-    best = run_on_rank0(lambda: cfg.keep_best and BestModel(cfg.output, cfg.keep_best, trained_as), share=False)
+    best = run_on_rank0(
+        lambda: cfg.keep_best and BestModel(cfg.output, cfg.keep_best, trained_as, counter.best_accuracy), share=False)
     metrics = open_metrics(cfg, counter.shown_step if source else None)
     try:
         results = _loop(cfg, state, loader, counter, checkpointer, stop, metrics, signals, best)
@@ -448,11 +449,11 @@ def _steps_left(cfg: SimpleNamespace, counter: StepCounter, stop: int, renumberi
     if counter.shown_offset and cfg.max_steps:
         log.info("max_steps=%d counts steps of the LR schedule (%d per epoch now): this run stops at its step %d, "
                  "shown in the log and TensorBoard as step %d", cfg.max_steps, counter.steps_per_epoch, stop,
-                 stop + counter.shown_offset)
+                 counter.shown(stop))
     if counter.global_step < stop:
         return True
     end = f"step {stop}" if not counter.shown_offset else \
-        f"step {stop} of the LR schedule, shown as step {stop + counter.shown_offset}"
+        f"step {stop} of the LR schedule, shown as step {counter.shown(stop)}"
     log.warning("nothing was trained: the run resumed at global step %d%s, already at or past the end of training "
                 "(%s: max_steps=%d, num_epoch=%d); raise max_steps or num_epoch to train on", counter.shown_step,
                 f" ({renumbering.describe()})" if renumbering else "", end, cfg.max_steps, cfg.num_epoch)
@@ -486,7 +487,7 @@ def _loop(cfg, state: TrainingState, loader: FaceLoader, counter: StepCounter, c
     verification accuracies. Log lines, verification and TensorBoard count shown steps (StepCounter.shown_step)."""
     verification = VerificationCallback(cfg.verbose, cfg.val_targets, cfg.rec, metrics=metrics,
                                         highest=counter.best_accuracy)
-    speed = SpeedLogger(cfg.frequent, stop + counter.shown_offset, cfg.batch_size * world() * cfg.gradient_acc,
+    speed = SpeedLogger(cfg.frequent, counter.shown(stop), cfg.batch_size * world() * cfg.gradient_acc,
                         cfg.num_views, metrics=metrics, start_step=counter.shown_step)
     grad_scale = state.scaler.get_scale if state.scaler.is_enabled() else None  # a host sync: read when needed
     results = {}
@@ -512,9 +513,10 @@ def _loop(cfg, state: TrainingState, loader: FaceLoader, counter: StepCounter, c
                             else verification(counter.shown_step, exported))
                 if accuracy is not None:
                     results = accuracy
-                    counter.best_accuracy, counter.verification = verification.highest, verification.operating_points
+                    counter.verification = verification.operating_points  # its best accuracy is counter's already
                     if best:
-                        best.offer(counter.shown_step, accuracy, exported, verification.operating_points)
+                        best.offer(counter.shown_step, accuracy, verification.improved, exported,
+                                   verification.operating_points)
                 if checkpointer.after_step(counter, final) and cfg.save_artifacts and cfg.using_wandb:
                     checkpointer.wait_for_save()  # the artifact is the published backbone.pth
                     if is_main():
@@ -537,8 +539,8 @@ def _stop(request: StopRequest, counter: StepCounter, checkpointer: Checkpointer
                  else "backbone.pth saved (save_all_states=False: --resume starts from it with new class centres)")
         raise _stopped(f"preempted at global step {step}: {saved}", EXIT_PREEMPTED)
     checkpointer.finish_save_before_stop()  # a save in flight is published first, so that the line says what is on disk
-    saved_at = checkpointer.saved_at + counter.shown_offset  # the shown step, as every line of the log counts
-    last_save = f" (last saved at global step {saved_at})" if checkpointer.saved_at >= 0 else ""
+    last_save = (f" (last saved at global step {counter.shown(checkpointer.saved_at)})" if checkpointer.saved_at >= 0
+                 else "")
     raise _stopped(f"stopped by Ctrl-C at global step {step}, without saving{last_save}; "
                    f"{last_good(checkpointer.output, checkpointer.continue_with)}; to save before stopping, send "
                    "SIGTERM or SIGUSR1 instead of Ctrl-C", EXIT_INTERRUPTED)

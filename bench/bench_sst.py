@@ -10,7 +10,7 @@ device):
   sst            the prototype queue of `--queue-size` slots alone, the gallery network's two extra forwards
   sst + centres  both losses (sst_centre_weight 0.5)
 Step times: the modes interleaved in rounds, each the median, so that a machine shared with other work slows
-them alike. Peak memory: bench/step_memory.py's measurement of one step (torch.profiler's record of every CPU
+them alike. Peak memory: tools/step_memory.py's measurement of one step (torch.profiler's record of every CPU
 allocation, or the CUDA allocator's peak), beside the memory plan's prediction (training/memory_plan.py).
 """
 from __future__ import annotations
@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from bench.bench_train import median_step_times, where
-from bench.step_memory import compare
+from tools.step_memory import compare
 from training.config import load_config
 from training.state import build_training_state
 from training.step import train_step

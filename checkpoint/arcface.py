@@ -310,8 +310,7 @@ def restore_arcface(marker: Path, architecture: dict, state: TrainingState, stre
     `stream` gets a progress line per file read (command lines pass one)."""
     layout = run_on_rank0(lambda: _checked(marker, architecture, state))
     first = _load(layout.backbone_file())
-    state.backbone.load_state_dict(first["state_dict_backbone"] if layout.kind == TRAIN_V2 else first, strict=True)
-    centre_state = _read_rows(layout, state.pfc, stream)
+    centres, centre_state = _read_rows(layout, state.pfc, stream)
     optimizer_state = {}
     if layout.kind == TRAIN_V2:
         saved = first["state_optimizer"]
@@ -327,7 +326,9 @@ def restore_arcface(marker: Path, architecture: dict, state: TrainingState, stre
     # This run's param groups stay: its config says lr, momentum and weight decay; what the files said
     # goes back as Restored.config, and the resume logs where the two differ. No schedule in pairface's form:
     # the resume jumps to the step; no grad scaler, EMA or margin state: they start afresh.
-    restore_components(state, {"optimizer": {str(index): values for index, values in optimizer_state.items()},
+    restore_components(state, {"backbone": first["state_dict_backbone"] if layout.kind == TRAIN_V2 else first,
+                               "centres": centres,
+                               "optimizer": {str(index): values for index, values in optimizer_state.items()},
                                "param_groups": state.optimizer.state_dict()["param_groups"]})
     _log_import(layout, centre_state, schedule_power(state.scheduler))
     return Restored(progress={"global_step": layout.global_step, "steps_per_epoch": layout.steps_per_epoch,
@@ -346,23 +347,23 @@ def _checked(marker: Path, architecture: dict, state: TrainingState) -> Layout:
     return layout
 
 
-def _read_rows(layout: Layout, pfc: PartialFC, stream: TextIO | None) -> dict[str, torch.Tensor]:
-    """Copy this rank's centre rows into pfc.weight and return their optimizer state, each read from the
-    files that hold them: one file open at a time, no matrix beyond this rank's rows."""
+def _read_rows(layout: Layout, pfc: PartialFC, stream: TextIO | None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """This rank's centre rows and their optimizer state, each read from the files that hold them: one file
+    open at a time, no matrix beyond this rank's rows."""
     pieces = layout.pieces(pfc.class_start, pfc.num_local)
+    centres = torch.empty_like(pfc.weight)
     targets: dict[str, torch.Tensor] = {}
     at = 0
-    with torch.no_grad():
-        for source, first, rows in progress(pieces, len(pieces), "reading class centres", stream):
-            weight, shard_state = layout.read_shard(source)
-            pfc.weight[at:at + rows].copy_(weight[first:first + rows])
-            for name, value in shard_state.items():
-                if torch.is_tensor(value) and value.dim():
-                    target = targets.setdefault(name, torch.empty(pfc.weight.shape, dtype=value.dtype,
-                                                                  device=pfc.weight.device))
-                    target[at:at + rows].copy_(value[first:first + rows])
-            at += rows
-    return targets
+    for source, first, rows in progress(pieces, len(pieces), "reading class centres", stream):
+        weight, shard_state = layout.read_shard(source)
+        centres[at:at + rows].copy_(weight[first:first + rows])
+        for name, value in shard_state.items():
+            if torch.is_tensor(value) and value.dim():
+                target = targets.setdefault(name, torch.empty(pfc.weight.shape, dtype=value.dtype,
+                                                              device=pfc.weight.device))
+                target[at:at + rows].copy_(value[first:first + rows])
+        at += rows
+    return centres, targets
 
 
 def _log_import(layout: Layout, centre_state: dict, power: float) -> None:

@@ -36,8 +36,8 @@ from checkpoint.restored import Restored
 from checkpoint.run_dir import WHERE_KEYS, write_run_config
 from checkpoint.sources import Source
 from dataset import FaceLoader
-from training.components import rank_components
-from training.state import CENTRES_GROUP, StepCounter, TrainingState, exported_backbone, group_lrs
+from training.components import Component, exported_backbone
+from training.state import CENTRES_GROUP, StepCounter, TrainingState, group_lrs, registry
 from utils.device import use_device_in_this_thread
 from utils.distributed import checkpoint_group, run_on_rank0, world
 from utils.log import FILE_ONLY
@@ -109,10 +109,9 @@ class Checkpointer:
         if restored is None:
             return None
         saved = restored.progress
-        counter.resume(saved)
+        counter.load_state_dict({"progress": saved})
         if saved["steps_per_epoch"] == counter.steps_per_epoch and restored.rank_state is not None:
-            counter.global_step = saved["global_step"]
-            for component in rank_components(self.loader):
+            for component in self._per_rank(counter):
                 component.load_state_dict(restored.rank_state)
         elif saved["global_step"]:  # step 0 (arcface_torch's 2021 layout) is step 0 however an epoch is cut
             self.renumbering = self._renumber(restored, counter)
@@ -128,19 +127,22 @@ class Checkpointer:
         schedule and the epoch go on where they were (the exact sample order cannot). The shown step goes
         on counting from where it was."""
         saved = restored.progress
-        shown = saved["global_step"] + counter.shown_offset
-        counter.global_step = round(saved["global_step"] * counter.steps_per_epoch / saved["steps_per_epoch"])
-        counter.shown_offset = shown - counter.global_step
+        counter.renumber(saved["steps_per_epoch"])
         jump_to_step(self.state.scheduler, counter.global_step)
-        for component in rank_components(self.loader):
+        for component in self._per_rank(counter):
             if component.rank_0_stands_in:
                 component.load_state_dict(restored.first_rank_state)
         log.warning("resuming a run of %d process(es) and %d steps per epoch with %d and %d: step %d becomes step "
                     "%d of the LR schedule; the log and TensorBoard go on counting from step %d; the data order of "
                     "this epoch differs from the original run", restored.world_size, saved["steps_per_epoch"],
-                    world(), counter.steps_per_epoch, saved["global_step"], counter.global_step, shown)
+                    world(), counter.steps_per_epoch, saved["global_step"], counter.global_step,
+                    counter.shown_step)
         return Renumbering(saved["global_step"], saved["steps_per_epoch"], counter.steps_per_epoch,
                            counter.global_step)
+
+    def _per_rank(self, counter: StepCounter) -> list[Component]:
+        """The run's components that every process saves for itself (its random streams, its loader's position)."""
+        return [component for component in registry(self.state, counter, self.loader) if component.per_rank]
 
     def _follow_schedule_changes(self, saved_config: Mapping, counter: StepCounter) -> None:
         """A resume that changes lr, backbone_lr_mult, num_epoch or warmup_epoch goes on along the new schedule
@@ -178,7 +180,7 @@ class Checkpointer:
                      counter.shown_step, extra=None if on_terminal else FILE_ONLY)
         else:
             sharded = _sharded()
-            staged = sharded.stage_state(self.state, counter.saved(), self.loader, self.architecture,
+            staged = sharded.stage_state(self.state, counter, self.loader, self.architecture,
                                          self.config, self._staging.copy if self._staging else None)
             if self._staging:
                 self._in_flight = (BackgroundSave(lambda: sharded.write_state(self.output, staged, self._group),

@@ -19,6 +19,7 @@ from checkpoint.manifest import IntegrityError, read_checked_json
 from checkpoint.pointer import FOLDER_PREFIX, POINTER_NAME
 from checkpoint.sources import WEIGHTS_NAMES, Source, find_resume_source
 from checkpoint.state_file import STATE_NAME
+from training.progress import SavedProgress
 from utils.atomic import atomic_save, write_bytes
 from utils.config import override_key
 from utils.errors import CheckpointError, ConfigError, RunDirError, located
@@ -88,7 +89,7 @@ def finished_run(output: Path) -> tuple[int, str, int] | None:
         if step < (config["max_steps"] if by_max_steps else total):
             return None
         key = "max_steps" if by_max_steps else "num_epoch"
-        return step + progress.get("shown_offset", 0), key, config[key]
+        return SavedProgress(progress).shown_step, key, config[key]
     except (OSError, IntegrityError, KeyError, TypeError, ValueError):
         return None
 

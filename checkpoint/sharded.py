@@ -56,9 +56,10 @@ from checkpoint.pointer import (
 from checkpoint.restored import Restored, check_architecture
 from checkpoint.safe_dcp import SHARD_FILE, MetadataError, SafeReader, TensorsOnlyPlanner, read_metadata
 from checkpoint.state_file import STATE_NAME, check_state
-from training.components import Component, rank_components
+from training.components import Component
 from training.fields import StateFieldError
-from training.state import TrainingState, exported_backbone, restore_components
+from training.progress import StepCounter, as_counter
+from training.state import TrainingState, registry, restore_components
 from utils.atomic import atomic_save, fsync_dir, os_error_behind, write_bytes
 from utils.compat import DCP_ALONE_WARNING, SHARDED_TENSOR_WARNING, dcp_group
 from utils.distributed import gather_objects, is_initialized, is_main, raise_first, rank, run_on_rank0, world
@@ -66,7 +67,10 @@ from utils.errors import CheckpointError
 from utils.torch_files import load_torch_file
 
 METADATA_NAME = ".metadata"
-RUN_RECORD = {"model", "config", "world_size", "progress"}  # state.json's run entries that are no component's
+# state.json's run entries that describe the run rather than hold its state: what the weights are shaped for
+# (a resume checks it), the config (a resume compares it) and the number of processes (whose per-rank state a
+# resume can take as it is)
+RUN_DESCRIPTION = ("model", "config", "world_size")
 EXPORTED = (BACKBONE_NAME, MODEL_INFO_NAME)  # linked into the run folder once published
 _DAMAGED = "it is damaged or incomplete"
 
@@ -88,34 +92,30 @@ class Staged:
     run: dict = field(default_factory=dict)  # rank 0: everything else, as JSON
 
 
-def stage_state(state: TrainingState, progress: Mapping, loader, architecture: Mapping, config: Mapping,
+def stage_state(state: TrainingState, progress: StepCounter | Mapping, loader, architecture: Mapping, config: Mapping,
                 host_copy: Callable[[str, torch.Tensor], torch.Tensor] | None = None) -> Staged:
-    """The content of a save of `state` (its components) and of `loader`'s position (a Stateful) now.
-    `host_copy(name, tensor)` copies each tensor to host memory (for a save written while training goes on);
-    without it the save refers to the live tensors."""
+    """The content of a save of every component of the run now: `state`'s, the step counter `progress` (or its
+    saved form) and `loader`'s position (a Stateful). `host_copy(name, tensor)` copies each tensor to host
+    memory (for a save written while training goes on); without it the save refers to the live tensors."""
     copy = host_copy or (lambda _, tensor: tensor.detach())
-    tensors: dict = {}
-    run: dict = {}
-    for component in state.components:
-        for key, value in component.state_dict().items():
-            if key in component.tensor_keys:
-                tensors[key] = _staged_tensors(component, (key,), value, copy)
-            else:
-                run[key] = value
-    rank_state: dict = {}
-    for component in rank_components(loader):
-        rank_state.update(component.state_dict())
+    counter = as_counter(progress)
     # Folders are named, and checkpoint.json counts, by the shown step (the log's): it never runs backwards,
     # where the schedule's step restarts lower on a resume with more steps per epoch.
-    staged = Staged(step=progress["global_step"] + progress.get("shown_offset", 0), architecture=dict(architecture),
-                    tensors=tensors, rank_state=rank_state)
+    staged = Staged(step=counter.shown_step, architecture=dict(architecture), tensors={}, rank_state={})
+    run: dict = {}
+    for component in registry(state, counter, loader):
+        for key, value in component.state_dict().items():
+            if key in component.file_keys:
+                if is_main():  # rank 0's file (the backbone's BatchNorm statistics are each rank's own)
+                    staged.backbone = {name: copy(f"{key}.{name}", tensor).cpu() for name, tensor in value.items()}
+            elif key in component.tensor_keys:
+                staged.tensors[key] = _staged_tensors(component, (key,), value, copy)
+            elif component.per_rank:
+                staged.rank_state[key] = value
+            else:
+                run[key] = value
     if is_main():
-        # Rank 0's backbone: DDP keeps the weights equal on every rank, but each rank's BatchNorm
-        # statistics follow its own batches; the exported backbone.pth is rank 0's.
-        staged.backbone = {key: copy(f"backbone.{key}", value).cpu() for key, value in
-                           exported_backbone(state).state_dict().items()}
-        staged.run = {"model": dict(architecture), "config": dict(config), "world_size": world(),
-                      "progress": dict(progress), **run}
+        staged.run = {"model": dict(architecture), "config": dict(config), "world_size": world(), **run}
     return staged
 
 
@@ -126,7 +126,7 @@ def _staged_tensors(component: Component, path: tuple[str, ...], value, copy: Ca
     return {name: _staged_tensors(component, (*path, str(name)), item, copy) for name, item in value.items()}
 
 
-def save_state(output: str | Path, state: TrainingState, progress: Mapping, loader, architecture: Mapping,
+def save_state(output: str | Path, state: TrainingState, progress: StepCounter | Mapping, loader, architecture: Mapping,
                config: Mapping) -> Path:
     """Write `state` and publish it now (write_state of stage_state). Collective; returns the folder."""
     return write_state(output, stage_state(state, progress, loader, architecture, config))
@@ -349,16 +349,18 @@ def _checked(source: Path, architecture: Mapping) -> Verified:
 
 
 def _apply(verified: Verified, loaded: dict, state: TrainingState) -> Restored:
-    """Put the backbone, then every component, in place: each gets its keys of state.json's run record and
-    the tensors DCP loaded for it."""
+    """Put every component in place, the backbone first: each gets its keys of state.json's run record, of
+    backbone.pth and of the tensors DCP loaded for it. The step counter's and each process's own entries go back
+    as Restored: the checkpointer decides how they apply (a renumbered step, rank 0's loader position)."""
     run, ranks = verified.content["run"], verified.content["ranks"]
     backbone = load_torch_file(verified.folder / BACKBONE_NAME,
                                lambda reason: damaged(verified.folder, f"{BACKBONE_NAME}: {reason}"))
-    state.backbone.load_state_dict(backbone, strict=True)
     tensor_keys = {key for component in state.components for key in component.tensor_keys}
-    restore_components(state, {**{key: value for key, value in run.items() if key not in tensor_keys}, **loaded})
-    held = {fqn.split(".", 1)[0] for fqn in verified.tensors} | set(run) - RUN_RECORD
-    unused = sorted(held - {key for component in state.components for key in component.keys})
+    restore_components(state, {**{key: value for key, value in run.items() if key not in tensor_keys}, **loaded,
+                               "backbone": backbone})  # training.components.Backbone's file
+    held = {fqn.split(".", 1)[0] for fqn in verified.tensors} | set(run) - set(RUN_DESCRIPTION)
+    owned = {key for component in [*state.components, StepCounter] for key in component.keys}
+    unused = sorted(held - owned)
     if unused and is_main():
         log.warning("checkpoint %s also holds %s, which no part of this run's training state loads (its config "
                     "leaves that part out, e.g. ema_decay=0): not restored", verified.folder, ", ".join(unused))

@@ -101,16 +101,15 @@ class EarlierCheckpoint:
         checkpoint = read_legacy(path)
         check_architecture(checkpoint["model"], architecture, path)
         pfc = state.pfc
-        state.backbone.load_state_dict(checkpoint["backbone"], strict=True)
-        with torch.no_grad():
-            pfc.weight.copy_(pfc.local_rows(checkpoint["class_centres"]))
         saved = checkpoint["optimizer"]
         centres_at = optimizer_index(state.optimizer, pfc.weight)
         optimizer_state = {str(index): {name: pfc.local_rows(value) if index == centres_at and torch.is_tensor(value)
                                         and value.shape[0] == pfc.num_classes and value.dim() == 2 else value
                                         for name, value in per_param.items()}
                            for index, per_param in saved["state"].items()}
-        restore_components(state, {"optimizer": optimizer_state, "param_groups": saved["param_groups"],
+        restore_components(state, {"backbone": checkpoint["backbone"],
+                                   "centres": pfc.local_rows(checkpoint["class_centres"]),
+                                   "optimizer": optimizer_state, "param_groups": saved["param_groups"],
                                    "scheduler": checkpoint["scheduler"], "grad_scaler": checkpoint["grad_scaler"]})
         same_world = checkpoint["world_size"] == world()
         return Restored(progress=checkpoint["progress"], world_size=checkpoint["world_size"],
@@ -130,7 +129,7 @@ class BareBackbone:
     def restore(self, path: Path, architecture: Mapping, state: TrainingState) -> None:
         weights = load_backbone(architecture["network"], path, num_features=architecture["embedding_size"],
                                 **architecture["network_kwargs"])
-        state.backbone.load_state_dict(weights.state_dict())
+        restore_components(state, {"backbone": weights.state_dict()})  # an EMA, too, starts from these weights
         log.info("initialised the backbone from %s (a bare backbone: class centres, optimizer and schedule "
                  "start fresh)", path)
 

@@ -1,15 +1,14 @@
 """A checkpoint's `state.json`, checked field by field before any of it is used.
 
-The run's own record (model, config, progress, world size) is checked here; every component of the training
-state checks its own fields (training/components.py, the classes of training.state.COMPONENTS and
-RANK_COMPONENTS), so that a file that does not hold what pairface writes is one line naming the field. Keys
-nothing reads are let through.
+The run's description (model, config, world size) is checked here; every component of the one registry
+(training.state.COMPONENTS) checks its own fields, in `run` or, for each process's own state, in every entry of
+`ranks`, so that a file that does not hold what pairface writes is one line naming the field. Keys nothing
+reads are let through.
 """
 from __future__ import annotations
 
 from collections.abc import Mapping
 
-from training.components import RANK_COMPONENTS
 from training.fields import StateFieldError, field, integer, json_list, json_object, number
 from training.state import COMPONENTS
 
@@ -23,15 +22,15 @@ def check_state(content: Mapping) -> None:
     json_object(field(run, "model", "run"), "run.model")
     _check_config(json_object(field(run, "config", "run"), "run.config"))
     world_size = integer(field(run, "world_size", "run"), "run.world_size", low=1)
-    _check_progress(json_object(field(run, "progress", "run"), "run.progress"))
-    for component in COMPONENTS:
-        component.check(run, "run")
     ranks = json_list(field(content, "ranks", ""), "ranks")
     if len(ranks) != world_size:
         raise StateFieldError("ranks", f"holds {len(ranks)} entries, but run.world_size says {world_size} processes "
                                        "saved one each")
-    for index, entry in enumerate(ranks):
-        for component in RANK_COMPONENTS:
+    for component in COMPONENTS:
+        if not component.per_rank:
+            component.check(run, "run")
+            continue
+        for index, entry in enumerate(ranks):
             component.check(json_object(entry, f"ranks[{index}]"), f"ranks[{index}]")
 
 
@@ -45,16 +44,3 @@ def _check_config(config: Mapping) -> None:
             integer(config[key], f"run.config.{key}", low=1)
     if "warmup_epoch" in config:
         integer(config["warmup_epoch"], "run.config.warmup_epoch")
-
-
-def _check_progress(progress: Mapping) -> None:
-    for key, low in (("global_step", 0), ("steps_per_epoch", 1), ("nonfinite_total", 0)):
-        integer(field(progress, key, "run.progress"), f"run.progress.{key}", low=low)
-    if "epoch" in progress:
-        integer(progress["epoch"], "run.progress.epoch", low=0)
-    if "shown_offset" in progress:
-        integer(progress["shown_offset"], "run.progress.shown_offset")
-    for name, value in json_object(progress.get("best_accuracy", {}), "run.progress.best_accuracy").items():
-        number(value, f"run.progress.best_accuracy.{name}")
-    for name, value in json_object(progress.get("verification", {}), "run.progress.verification").items():
-        json_object(value, f"run.progress.verification.{name}")

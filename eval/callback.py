@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 
 from torch import nn
 
@@ -59,32 +59,33 @@ class VerificationCallback:
     """Every ``every`` steps (config key ``verbose``), accuracy on each ``.bin`` set, logged as upstream logs it
     and written to ``metrics`` (TensorBoard, W&B) when given.
 
-    ``highest``: Accuracy-Highest per set so far (a resumed run's, so that it goes on from there);
-    ``operating_points`` holds each set's threshold of the last evaluation (eval.verification.operating_point),
-    which the run records with its model. Only the main rank loads and evaluates; on the others every call
-    does nothing.
+    ``highest``: Accuracy-Highest per set so far, updated in place (the run's StepCounter.best_accuracy, the one
+    place a run keeps its best accuracy, so that a resumed run goes on from there); ``improved`` names the sets
+    whose last evaluation beat it. ``operating_points`` holds each set's threshold of the last evaluation
+    (eval.verification.operating_point), which the run records with its model. Only the main rank loads and
+    evaluates; on the others every call does nothing.
     """
 
     def __init__(self, every: int, val_targets: Sequence[str], rec_prefix: str,
                  image_size: tuple[int, int] = (IMAGE_SIZE, IMAGE_SIZE), batch_size: int = 64,
-                 metrics: Metrics | None = None, highest: Mapping[str, float] | None = None) -> None:
+                 metrics: Metrics | None = None, highest: dict[str, float] | None = None) -> None:
         if every < 1:
             raise ValueError(f"every={every}: verification needs a positive interval of steps")
         self.every = every
         self.batch_size = batch_size
         self.metrics = metrics
         self.sets: dict[str, VerificationSet] = {}
-        self.highest: dict[str, float] = {}
+        self.highest: dict[str, float] = {} if highest is None else highest
+        self.improved: set[str] = set()
         self.operating_points: dict[str, dict] = {}
         self.kept_out: dict[str, dict[str, bool]] = {}
         self.unfit: set[str] = set()  # sets prepared unlike the training photos
         self.last_step = 0
         run_on_rank0(lambda: check_val_targets(val_targets, rec_prefix))
         # Read on rank 0 alone (run_on_rank0): a damaged .bin stops every rank with its own line.
-        run_on_rank0(lambda: self._load(val_targets, rec_prefix, image_size, highest or {}), share=False)
+        run_on_rank0(lambda: self._load(val_targets, rec_prefix, image_size), share=False)
 
-    def _load(self, val_targets: Sequence[str], rec_prefix: str, image_size: tuple[int, int],
-              highest: Mapping[str, float]) -> None:
+    def _load(self, val_targets: Sequence[str], rec_prefix: str, image_size: tuple[int, int]) -> None:
         trained, where = recorded_preparation(rec_prefix), record_path(os.path.join(rec_prefix, TRAINING_RECORDS))
         for target in val_targets:
             name, path = resolve_target(target, rec_prefix)
@@ -92,7 +93,7 @@ class VerificationCallback:
             if folds := fold_note(path, self.sets[name][1]):
                 logger.info(folds)
             self.kept_out[name] = kept_out(path)
-            self.highest[name] = highest.get(name, 0.0)
+            self.highest.setdefault(name, 0.0)
             # As eval.verification checks it: a set whose faces differ from the training photos' gets no threshold.
             note = preparation_note(path, trained, where)
             if note and note.startswith("warning: "):
@@ -115,9 +116,12 @@ class VerificationCallback:
             return {}
         step = self.last_step if global_step is None else global_step
         results = {}
+        self.improved = set()
         for name, data_set in self.sets.items():
             _, _, accuracy, std, xnorm, embeddings = test(data_set, backbone, self.batch_size, 10)
-            self.highest[name] = max(self.highest[name], accuracy)
+            if accuracy > self.highest[name]:
+                self.improved.add(name)
+                self.highest[name] = accuracy
             logger.info("[%s][%d]XNorm: %f", name, step, xnorm)
             logger.info("[%s][%d]Accuracy-Flip: %1.5f+-%1.5f", name, step, accuracy, std)
             logger.info("[%s][%d]Accuracy-Highest: %1.5f", name, step, self.highest[name])

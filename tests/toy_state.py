@@ -14,7 +14,7 @@ from utils.lr_scheduler import build_scheduler
 
 NUM_CLASSES, DIM = 7, 3
 INFO = {"network": "toy", "network_kwargs": {}, "embedding_size": DIM, "num_classes": NUM_CLASSES}
-# What a run saves beside the tensors (training.state.StepCounter.saved()), a resume reads back.
+# What a run saves beside the tensors (training.progress.StepCounter's "progress"), a resume reads back.
 PROGRESS = {"global_step": 2, "steps_per_epoch": 10, "nonfinite_total": 0}
 
 

@@ -241,7 +241,7 @@ def to_pairface(src: Path, dst: Path, cfg, stream: TextIO | None = None) -> list
     shapes = architecture(cfg, num_classes)
     restored = restore_arcface(marker, shapes, state, stream)
     jump_to_step(state.scheduler, saved.global_step)
-    save_state(dst, state, saved.saved(), SavedPosition(restored.first_rank_state["loader"]), shapes,
+    save_state(dst, state, saved, SavedPosition(restored.first_rank_state["loader"]), shapes,
                {**vars(cfg), "output": str(dst)})  # backbone.pth and model.json with it
     return [f"wrote {dst}: a pairface run at global step {saved.global_step} (epoch {saved.epoch}, "
             f"{saved.steps_per_epoch} steps per epoch counted for one process) from arcface_torch's {layout.kind} "

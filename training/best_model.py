@@ -4,8 +4,11 @@ Training's last model is not always its best (on small data the held-out accurac
 classes are memorised), so a run can keep the backbone.pth (and the model.json with that verification's
 threshold, for tools.inference) of its best Accuracy-Flip on a named set. ``best`` is a link to a folder
 ``best-step<N>``: a new best is written whole into a folder of its own, then the link is swapped in one rename,
-so a kill at any moment leaves the previous best whole. The best so far is what ``best/model.json`` records, so
-a resumed run (from a checkpoint older than the best, too) replaces it only with a better one.
+so a kill at any moment leaves the previous best whole.
+
+The best accuracy itself is kept in one place, the run's StepCounter.best_accuracy (which verification logs
+as Accuracy-Highest and each checkpoint saves): a start raises its entry of the set to what ``best/model.json``
+records, so that a run resumed from a checkpoint older than the kept model replaces it only with a better one.
 """
 from __future__ import annotations
 
@@ -13,7 +16,7 @@ import json
 import logging
 import os
 import shutil
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from pathlib import Path
 
 from torch import nn
@@ -31,15 +34,19 @@ _PARTIAL_PREFIX = ".partial-"
 
 
 class BestModel:
-    """The best model on ``set_name`` in ``output/best``: ``offer`` it each verification's accuracies. The run's
-    main process alone holds one (it alone verifies)."""
+    """The best model on ``set_name`` in ``output/best``: ``offer`` it each verification. The run's main process
+    alone holds one (it alone verifies). `best_accuracy`: the run's best accuracy per set (StepCounter's), whose
+    entry for the set is raised to the kept model's."""
 
-    def __init__(self, output: str | os.PathLike, set_name: str, architecture: Mapping) -> None:
+    def __init__(self, output: str | os.PathLike, set_name: str, architecture: Mapping,
+                 best_accuracy: dict[str, float]) -> None:
         self.output = Path(output)
         self.link = self.output / BEST
         self.set_name = set_name
         self.architecture = dict(architecture)
-        self.accuracy, self.step = self._recorded()
+        accuracy, self.step = self._recorded()  # the step of the kept model, -1 when none is kept yet
+        if self.step >= 0:
+            best_accuracy[set_name] = max(best_accuracy.get(set_name, accuracy), accuracy)
 
     def _recorded(self) -> tuple[float, int]:
         """(accuracy, step) that ``best/model.json`` records, or (-1, -1) when nothing is kept yet."""
@@ -63,18 +70,19 @@ class BestModel:
                                   f"of {self.output}")
         return accuracy, step
 
-    def offer(self, step: int, accuracies: Mapping[str, float], backbone: nn.Module,
+    def offer(self, step: int, accuracies: Mapping[str, float], improved: Collection[str], backbone: nn.Module,
               operating_points: Mapping[str, dict]) -> None:
-        """Keep ``backbone`` when its accuracy on the set beats the best so far."""
+        """Keep ``backbone`` when its accuracy on the set is the best so far (the set is among those the
+        verification `improved`), or when no model is kept yet."""
         accuracy = accuracies.get(self.set_name)
-        if accuracy is None or accuracy <= self.accuracy:
+        if accuracy is None or (self.set_name not in improved and self.step >= 0):
             return
         folder = self._write(step, accuracy, backbone, operating_points)
         for superseded in self._folders():  # what keep_best asks for; the link no longer points there
             if superseded != folder:
                 shutil.rmtree(superseded, ignore_errors=True)
-        was = f"{self.accuracy:.5f} at global step {self.step}" if self.step >= 0 else "none before"
-        self.accuracy, self.step = accuracy, step
+        was = f"the one of global step {self.step}" if self.step >= 0 else "none before"
+        self.step = step
         log.info("best %s Accuracy-Flip %.5f at global step %d (%s): kept in %s", self.set_name, accuracy, step, was,
                  self.link)
 

@@ -1,14 +1,17 @@
 """The training state as components: each piece a checkpoint saves is an object with torch's Stateful
 protocol (``state_dict()`` / ``load_state_dict()``) that also checks what it loads, so that the checkpointer
-(checkpoint/sharded.py) iterates over them instead of knowing their fields. A new piece of state is a new
-component and its line in ``training.state.COMPONENTS`` (or ``rank_components`` for per-process state).
+(checkpoint/sharded.py) and every importer (checkpoint/arcface.py, checkpoint/sources.py) iterate over them
+instead of knowing their fields. A new piece of state is a new component and its line in the one registry,
+``training.state.COMPONENTS``.
 
 Where a component's state goes: ``state_dict()`` returns ``{key: value}`` for the keys it owns. A key in
-``tensor_keys`` holds tensors, written by torch.distributed.checkpoint (each rank its own: centre rows as
-blocks of the global matrix, ``shard``; a tensor every rank holds alike is written once); every other key
-is plain JSON in state.json: rank 0's under ``run``, or every rank's under ``ranks`` for a ``per_rank``
-component. ``check(section, where)`` raises StateFieldError for the first of its JSON fields that is not
-what pairface writes; the checkpointer runs every component's check before it loads anything.
+``file_keys`` is written by rank 0 as a torch file of its own (the backbone's backbone.pth, the file
+arcface_torch and the tools read); a key in ``tensor_keys`` holds tensors, written by
+torch.distributed.checkpoint (each rank its own: centre rows as blocks of the global matrix, ``shard``; a
+tensor every rank holds alike is written once); every other key is plain JSON in state.json: rank 0's under
+``run``, or every rank's under ``ranks`` for a ``per_rank`` component. ``check(section, where)`` raises
+StateFieldError for the first of its JSON fields that is not what pairface writes; the checkpointer runs every
+component's check before it loads anything.
 """
 from __future__ import annotations
 
@@ -47,14 +50,17 @@ class Component(Protocol):
     """One piece of the training state as a checkpoint saves it (subclass to inherit the defaults)."""
 
     keys: tuple[str, ...]  # the keys it owns in its section of state.json (and DCP's, for tensor_keys)
+    file_keys: tuple[str, ...] = ()  # those rank 0 writes as a torch file of their own (backbone.pth)
     tensor_keys: tuple[str, ...] = ()  # those holding tensors, which DCP writes
     per_rank: bool = False  # every rank's own state (ranks[i]), else rank 0's (run)
     rank_0_stands_in: bool = False  # per_rank: on another number of processes, rank 0's is loaded on every rank
 
     @classmethod
     def build(cls, state, config: Mapping) -> Component | None:
-        """This run's instance over `state` (a TrainingState), or None where `config` leaves it out."""
-        ...
+        """This run's instance over `state` (a TrainingState), built once with it; None where `config` leaves
+        it out, and for the components that are the run's own objects, passed with every save and resume
+        (the step counter, the loader's position: training.state.registry)."""
+        return None
 
     def state_dict(self) -> dict:
         """{key: value} for its keys, now: JSON values, and tensors under tensor_keys (not copied)."""
@@ -62,7 +68,8 @@ class Component(Protocol):
 
     def load_state_dict(self, saved: Mapping) -> None:
         """Put back what state_dict returned: `saved` holds those of its keys the checkpoint has (a key an
-        earlier version did not write is absent), already checked, tensors loaded through `template`."""
+        earlier version, arcface_torch or a bare backbone did not write is absent: the component keeps what it
+        has or starts afresh), already checked, tensors loaded through `template`."""
         ...
 
     @classmethod
@@ -94,6 +101,38 @@ class Component(Protocol):
 
 # --- run-wide state: rank 0 saves it, every rank loads it --------------------------------------------
 
+class Backbone(Component):
+    """The backbone's weights and BatchNorm statistics, as backbone.pth, rank 0's (DDP keeps the weights equal on
+    every rank, but each rank's BatchNorm statistics follow its own batches). Loaded first: the components that
+    follow the backbone find the file's weights in it. With ema_decay, training/ema.py's BackboneEMA stands in
+    for it (backbone.pth then holds the average)."""
+
+    keys = file_keys = ("backbone",)
+
+    def __init__(self, backbone: nn.Module):
+        self.backbone = backbone
+
+    @classmethod
+    def build(cls, state, config: Mapping) -> Backbone | None:
+        return None if config.get("ema_decay") else cls(state.backbone)
+
+    def state_dict(self) -> dict:
+        return {"backbone": self.backbone.state_dict()}
+
+    def load_state_dict(self, saved: Mapping) -> None:
+        if "backbone" in saved:
+            self.backbone.load_state_dict(saved["backbone"], strict=True)
+
+
+def exported_backbone(state) -> nn.Module:
+    """The backbone that backbone.pth and verification use: the trained one unless a component (an EMA) says
+    otherwise."""
+    backbone = state.backbone
+    for component in state.components:
+        backbone = component.exported(backbone)
+    return backbone
+
+
 class Centres(Component):
     """The class centres, each rank's rows a block of the global (num_classes * K, D) matrix: a run on
     another number of processes reads its rows from whichever files hold them."""
@@ -117,7 +156,13 @@ class Centres(Component):
         return {"centres": centre_block(self.pfc, self.pfc.weight)}  # loaded into the weights in place
 
     def load_state_dict(self, saved: Mapping) -> None:
-        """Nothing left to do: DCP loaded the rows into the weights."""
+        """This rank's rows: DCP loaded them into the weights already; an importer hands them over."""
+        if "centres" not in saved:
+            return
+        rows = row_block_rows(saved["centres"])
+        if rows.data_ptr() != self.pfc.weight.data_ptr():
+            with torch.no_grad():
+                self.pfc.weight.copy_(rows)
 
 
 class Optimizer(Component):
@@ -166,6 +211,8 @@ class Optimizer(Component):
         return {"optimizer": tensors}
 
     def load_state_dict(self, saved: Mapping) -> None:
+        if "param_groups" not in saved:  # a bare backbone: the optimizer starts afresh
+            return
         state = {int(index): {name: row_block_rows(value) for name, value in values.items()}
                  for index, values in saved.get("optimizer", {}).items()}
         for index, values in saved.get("optimizer_values", {}).items():
@@ -316,7 +363,8 @@ class MarginState(Component):
             self.pfc.load_margin_state_dict(margin)
         elif self.pfc.margin_state.numel():
             log.warning("the checkpoint holds no state of the %s margin (it was trained with %s): its state "
-                        "starts afresh", family, (margin or {}).get("family", "an earlier version or arcface_torch"))
+                        "starts afresh", family, (margin or {}).get("family", "an earlier version or arcface_torch, "
+                                                                               "or it holds a backbone alone"))
 
 
 # --- per-process state: every rank saves its own ---------------------------------------------------------
@@ -329,6 +377,10 @@ class RandomStreams(Component):
     keys = ("rng",)
     per_rank = True
 
+    @classmethod
+    def build(cls, state, config: Mapping) -> RandomStreams:
+        return cls()
+
     def state_dict(self) -> dict:
         version, internal, gauss = random.getstate()
         _, keys, position, has_gauss, cached_gauss = np.random.get_state()
@@ -340,6 +392,8 @@ class RandomStreams(Component):
 
     def load_state_dict(self, saved: Mapping) -> None:
         """Also checkpoint.pt's encoding (an earlier version's: tuples and tensors)."""
+        if "rng" not in saved:  # arcface_torch's files hold none: the streams go on as seeded
+            return
         state = saved["rng"]
         random.setstate(_as_tuples(state["python"]))
         torch.set_rng_state(_byte_tensor(state["torch"]))
@@ -376,7 +430,8 @@ class LoaderPosition(Component):
         return {"loader": dict(self.loader.state_dict())}
 
     def load_state_dict(self, saved: Mapping) -> None:
-        self.loader.load_state_dict(saved["loader"])
+        if "loader" in saved:
+            self.loader.load_state_dict(saved["loader"])
 
     @classmethod
     def check(cls, section: Mapping, where: str) -> None:
@@ -395,14 +450,6 @@ class SavedPosition:
 
     def load_state_dict(self, position: Mapping) -> None:
         self.position = dict(position)
-
-
-def rank_components(loader) -> list[Component]:
-    """Every process's own state, in the order it is put back: its random streams and its loader's position."""
-    return [RandomStreams(), LoaderPosition(loader)]
-
-
-RANK_COMPONENTS = (RandomStreams, LoaderPosition)  # their classes, whose checks run before anything loads
 
 
 # --- shared by the components and the foreign formats' importers ----------------------------------------

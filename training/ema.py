@@ -7,10 +7,10 @@ averaged before this one (the warm-up of TensorFlow's ExponentialMovingAverage, 
 soon forgotten); the averages start as the weights the run starts from. BatchNorm statistics are not
 averaged: the exported backbone takes the trained one's (averages already).
 
-In a checkpoint, backbone.pth holds the exported backbone (the averages): this component saves the trained
-parameters in their place (DCP tensors under "ema", the same on every rank, so written once and read on any
-number of processes) and n as JSON; a resume takes the averages from backbone.pth and the trained weights
-from here, bit for bit.
+The component stands in for training/components.py's Backbone: in a checkpoint, backbone.pth holds the exported
+backbone (the averages), and the trained parameters go in their place (DCP tensors under "ema", the same on
+every rank, so written once and read on any number of processes) with n as JSON; a resume takes the averages from
+backbone.pth and the trained weights from here, bit for bit.
 """
 from __future__ import annotations
 
@@ -21,19 +21,20 @@ from collections.abc import Mapping
 import torch
 from torch import nn
 
-from training.components import Component
+from training.components import Backbone
 from training.fields import integer
 from utils.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
 
-class BackboneEMA(Component):
-    keys = ("ema", "ema_updates")
+class BackboneEMA(Backbone):
+    keys = ("backbone", "ema", "ema_updates")
     tensor_keys = ("ema",)
 
     def __init__(self, backbone: nn.Module, decay: float):
-        self.backbone, self.decay = backbone, decay
+        super().__init__(backbone)
+        self.decay = decay
         self.average = copy.deepcopy(backbone).requires_grad_(False)
         self.updates = 0
 
@@ -63,8 +64,9 @@ class BackboneEMA(Component):
         return self.average
 
     def state_dict(self) -> dict:
-        """The trained weights (backbone.pth holds the averages) and the steps averaged."""
-        return {"ema": {name: p.detach() for name, p in self.backbone.named_parameters()},
+        """The averages as backbone.pth, the trained weights and the steps averaged."""
+        return {"backbone": self.exported(self.backbone).state_dict(),
+                "ema": {name: p.detach() for name, p in self.backbone.named_parameters()},
                 "ema_updates": self.updates}
 
     def template(self, saved: Mapping[str, tuple]) -> dict:
@@ -74,7 +76,9 @@ class BackboneEMA(Component):
         return {"ema": {name: torch.empty_like(p) for name, p in self.backbone.named_parameters()}}
 
     def load_state_dict(self, saved: Mapping) -> None:
-        """The backbone holds backbone.pth's weights when this runs: the averages, if the checkpoint has them."""
+        """backbone.pth's weights (the averages, if the checkpoint has them) into the backbone, then from there
+        into the average, and the trained weights back into the backbone."""
+        super().load_state_dict(saved)
         averages, weights = self._pairs()
         with torch.no_grad():
             torch._foreach_copy_(averages, weights)

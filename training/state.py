@@ -2,14 +2,16 @@
 
 `TrainingState` holds the backbone (and its DistributedDataParallel wrapper), the class centres
 (`PartialFC`), one optimizer over both, the LR schedule and the grad scaler, and the components a checkpoint
-saves them through (training/components.py, registered in `COMPONENTS`); `StepCounter` says where the run
-stands. Both are what a checkpoint saves and a resume puts back.
+saves them through (training/components.py), built once with it. `COMPONENTS` is the one registry of every
+piece of saved state: those components, the step counter (training/progress.py) and each process's own state
+(its random streams, its loader's position); `registry` gives a run's instances of them all, which a save
+writes and every importer puts back.
 """
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import InitVar, dataclass, field
 from types import SimpleNamespace
 
 import torch
@@ -19,9 +21,20 @@ from torch.nn.parallel import DistributedDataParallel
 from backbones import get_model
 from margin_families import build_margin, centres_per_class
 from partial_fc import PartialFC
-from training.components import Centres, Component, GradScale, MarginState, Optimizer, Schedule
+from training.components import (
+    Backbone,
+    Centres,
+    Component,
+    GradScale,
+    LoaderPosition,
+    MarginState,
+    Optimizer,
+    RandomStreams,
+    Schedule,
+)
 from training.ema import BackboneEMA
 from training.optimizer import RowSparseAdamW, RowSparseSGD
+from training.progress import StepCounter
 from training.semi_siamese import SemiSiamese
 from training.speedups import check_speedups, compiled_for_the_step, to_channels_last
 from utils.compat import ddp_without_buffer_sync
@@ -41,11 +54,11 @@ class TrainingState:
     scaler: torch.amp.GradScaler
     precision: torch.dtype | None  # the autocast type of the step (float16, bfloat16), None for float32
     bn_buffers: list[torch.Tensor] = field(default_factory=list)  # room to keep BatchNorm statistics in
-    components: list[Component] = field(default_factory=list)  # what a checkpoint saves: build_components
+    components: list[Component] = field(init=False)  # what a checkpoint saves: build_components
+    config: InitVar[Mapping | None] = None  # the run's config, which says the optional components
 
-    def __post_init__(self) -> None:
-        if not self.components:  # built by hand (a test, a tool): the components every run has
-            self.components = build_components(self, {})
+    def __post_init__(self, config: Mapping | None) -> None:
+        self.components = build_components(self, config or {})
 
     def before_step(self) -> None:
         """A step begins: the components that hold what a step proposes (the SST queue's features) forget what a
@@ -76,82 +89,45 @@ class TrainingState:
         _copy_all(list(self.backbone.buffers()), self.bn_buffers)
 
 
-# The training state's components, in the order a resume loads them (after the backbone): a new piece of
-# training state is its component class and its line here.
+# The one registry: every piece of saved state, in the order a resume loads it (the backbone first: the
+# components that follow it find the checkpoint's weights there), the run's own objects last (registry). A new
+# piece of saved state is its component class and its line here.
 COMPONENTS: tuple[type[Component], ...] = (
+    Backbone,
+    BackboneEMA,  # the backbone with ema_decay
+    RandomStreams,
     Centres,
     Optimizer,
     Schedule,
     GradScale,
     MarginState,
-    BackboneEMA,
     SemiSiamese,
+    StepCounter,
+    LoaderPosition,
 )
-
-
-def exported_backbone(state: TrainingState) -> nn.Module:
-    """The backbone that backbone.pth and verification use: the trained one unless a component (an EMA) says
-    otherwise."""
-    backbone = state.backbone
-    for component in state.components:
-        backbone = component.exported(backbone)
-    return backbone
 
 
 def build_components(state, config: Mapping) -> list[Component]:
     """The components of `state` (a TrainingState, or anything with its networks, optimizer, schedule and
-    scaler) that `config` asks for."""
+    scaler) that `config` asks for, in COMPONENTS's order: all but the run's own objects (registry)."""
     return [component for cls in COMPONENTS if (component := cls.build(state, config)) is not None]
+
+
+def registry(state, counter: StepCounter, loader) -> list[Component]:
+    """Every component of a run, in COMPONENTS's order: those built once with `state`, the run's step counter
+    and its loader's position (`loader`: a FaceLoader, or any Stateful of a loader's position), which the run
+    holds itself and passes with each save and resume, as torchtitan passes its state."""
+    return [*state.components, counter, LoaderPosition(loader)]
 
 
 def restore_components(state, saved: Mapping) -> None:
     """Put every component of `state` back from `saved` (its keys, in the form the components' state_dict gives,
-    tensors included), once the backbone holds the checkpoint's weights. Every importer (pairface's checkpoint,
-    arcface_torch's, an earlier version's) restores through here, so that what a component does on loading holds
-    on every path: the optimizer state in its parameters' memory layouts, the EMA's averages from the loaded
-    weights. A key the format does not hold is absent, and its component keeps what it has or starts afresh."""
+    tensors included), the backbone first. Every importer (pairface's checkpoint, arcface_torch's, an earlier
+    version's, a bare backbone) restores through here, so that what a component does on loading holds on every
+    path: the optimizer state in its parameters' memory layouts, the EMA's averages from the loaded weights. A
+    key the format does not hold is absent, and its component keeps what it has or starts afresh."""
     for component in state.components:
         component.load_state_dict({key: saved[key] for key in component.keys if key in saved})
-
-
-@dataclass
-class StepCounter:
-    """Where a run stands: optimizer steps taken (skipped ones included), non-finite losses met, and what
-    its verifications found. Everything but the streak of non-finite losses is saved with each checkpoint.
-
-    `global_step` is the step of the LR schedule; a resume on another world size or batch size renumbers it
-    (the same fraction of training). The log and TensorBoard show `shown_step` = global_step + shown_offset
-    instead, which goes on counting across such a resume, so that curves never run backwards.
-    """
-
-    global_step: int = 0
-    steps_per_epoch: int = 1
-    nonfinite_in_a_row: int = 0
-    nonfinite_total: int = 0
-    shown_offset: int = 0
-    best_accuracy: dict[str, float] = field(default_factory=dict)  # Accuracy-Highest per verification set
-    verification: dict[str, dict] = field(default_factory=dict)    # the last verification's operating points
-
-    @property
-    def epoch(self) -> int:
-        return self.global_step // self.steps_per_epoch
-
-    @property
-    def shown_step(self) -> int:
-        return self.global_step + self.shown_offset
-
-    def saved(self) -> dict:
-        return {"global_step": self.global_step, "epoch": self.epoch, "steps_per_epoch": self.steps_per_epoch,
-                "nonfinite_total": self.nonfinite_total, "shown_offset": self.shown_offset,
-                "best_accuracy": dict(self.best_accuracy), "verification": dict(self.verification)}
-
-    def resume(self, saved: Mapping) -> None:
-        """Take what a checkpoint's progress says (the step is the caller's: it may be renumbered); keys
-        that earlier versions or arcface_torch did not save keep their defaults."""
-        self.nonfinite_total = saved.get("nonfinite_total", 0)  # the first checkpoint.pt counted none
-        self.shown_offset = saved.get("shown_offset", 0)
-        self.best_accuracy = dict(saved.get("best_accuracy", {}))
-        self.verification = dict(saved.get("verification", {}))
 
 
 def _copy_all(targets: list[torch.Tensor], sources: list[torch.Tensor]) -> None:
@@ -234,10 +210,8 @@ def build_training_state(cfg: SimpleNamespace, num_classes: int, device: torch.d
     scheduler = build_scheduler(optimizer, steps_per_epoch * cfg.warmup_epoch, steps_per_epoch * cfg.num_epoch,
                                 cfg.lr_power)
     scaler = torch.amp.GradScaler(device.type, enabled=cfg.fp16, growth_interval=100)
-    state = TrainingState(backbone=backbone, ddp_backbone=backbone, pfc=pfc, optimizer=optimizer,
-                          scheduler=scheduler, scaler=scaler, precision=precision(cfg))
-    state.components = build_components(state, vars(cfg))
-    return state
+    return TrainingState(backbone=backbone, ddp_backbone=backbone, pfc=pfc, optimizer=optimizer,
+                         scheduler=scheduler, scaler=scaler, precision=precision(cfg), config=vars(cfg))
 
 
 def wrap_for_the_step(state: TrainingState, cfg: SimpleNamespace, device: torch.device) -> None:
