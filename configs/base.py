@@ -125,7 +125,8 @@ warmup_epoch: int = 0             # linear warmup from 0 to lr, then polynomial 
                                   # negative (arcface_torch's 3millions.py: -1): no warmup, and its PolyScheduler
                                   # then starts the decay below lr, at ((T - step) / (T - warmup steps)) ** lr_power
 lr_power: float = 2.0             # the decay's power: 2 is arcface_torch's PolyScheduler (its train.py), 1 the
-                                  # PolynomialLRWarmup of its train_v2.py (docs/training.md: which to choose)
+                                  # PolynomialLRWarmup of its train_v2.py; on LFW, 3 seeds, 1 against 2 can't be told
+                                  # apart (docs/training.md), so 2 stays, as every earlier run was trained
 max_steps: int = 0                # stop after this many optimizer steps (0: run num_epoch); the LR schedule still
                                   # spans num_epoch. Steps of that schedule: renumbered by a resume on another
                                   # batch size or world size (the log says which shown step it is then)
