@@ -26,10 +26,13 @@ DevTrain at 128 images a step: a multiple of 148 steps). Rows:
   "identity"``; a person with one photo gets it twice, flipped independently); ``two_view_augment``: two
   augmented copies of one photo; ``power_1``: the recipe with the LR decaying at power 1 (train_v2's);
 - ``arcface_sgd``: arcface_torch's one-GPU recipe (ArcFace at s = 64, SGD lr 0.02), one view;
+- ``one_view_s32``, ``one_view_adamw``, ``one_view_crop_erase``, ``one_view_wide``: the recipe search, one view
+  with one lever moved (s = 32; AdamW; random resized crop (0.7-1) with random erasing at 0.5; 1/4 width);
 - ``sst``: two views, semi-siamese training's prototype queue in place of the centres (a queue of 4,096 gallery
-  features, momentum 0.99: configs/lfw_r18_sst.py's values);
+  features, momentum 0.99: configs/lfw_r18_sst.py's values); ``sst_queue_1024``: its queue at a quarter;
 - one row per margin family on two views (``cosface``, ``arcface``, ``subcenter``, ``adaface``, ``curricular``,
   ``elastic_arc``, ``elastic_cos``) at s = 32 under AdamW, with each family's own keys as configs/base.py has them.
+Runs go to ``runs-<images>`` under --work, one folder per set of --set values (``runs-<images>+key=value``).
 Accuracy is Accuracy-Flip on 10 folds that each hold 50 same and 50 different pairs (eval.folds). The table gives
 each row's mean over its seeds of the last model's accuracy (and the seeds' spread), TAR at FAR 1e-2, the best
 verification's accuracy (kept by ``keep_best``: chosen on the held-out set itself, so optimistic), the CPU minutes
