@@ -335,22 +335,23 @@ def table(results: Sequence[Result], schedule: Schedule) -> str:
     run."""
     rows = by_row(results)
     reference, *_ = rows
+    width = max(18, *(len(name) + 2 for name in rows))
     seeds = sorted({result.seed for result in results})
     lines = [f"LFW DevTrain -> pairsDevTest, {schedule.images:,} images per run ({schedule.steps} steps of "
              f"{schedule.batch_images}, one LR schedule for every row), seeds {' '.join(map(str, seeds))}, load "
              f"average {os.getloadavg()[0]:.1f} at the end",
-             f"{'row':<18}{'seeds':>6}{'last acc':>10}{'sd':>7}{'TAR@1e-2':>10}{'best acc':>10}{'CPU min':>9}"
+             f"{'row':<{width}}{'seeds':>6}{'last acc':>10}{'sd':>7}{'TAR@1e-2':>10}{'best acc':>10}{'CPU min':>9}"
              f"  vs {reference} (last models; paired bootstrap over pairs and seeds)"]
     for name, runs in rows.items():
         last = np.array([run.last for run in runs])
         verdict = "" if name == reference else str(paired_verdict(np.stack([run.right for run in runs]),
                                                                   np.stack([run.right for run in rows[reference]])))
-        lines.append(f"{name:<18}{len(runs):>6}{last[:, 0].mean():>10.4f}{last[:, 0].std():>7.3f}"
+        lines.append(f"{name:<{width}}{len(runs):>6}{last[:, 0].mean():>10.4f}{last[:, 0].std():>7.3f}"
                      f"{last[:, 2].mean():>10.3f}{np.mean([run.best[0] for run in runs]):>10.4f}"
                      f"{np.mean([run.cpu_minutes for run in runs]):>9.1f}  {verdict}")
-    lines += ["", f"{'run':<18}{'seed':>6}{'last acc':>10}{'+-':>7}{'TAR@1e-2':>10}{'best acc':>10}{'CPU min':>9}"
+    lines += ["", f"{'run':<{width}}{'seed':>6}{'last acc':>10}{'+-':>7}{'TAR@1e-2':>10}{'best acc':>10}{'CPU min':>9}"
                   f"{'wall min':>10}  (+-: the spread of the 10 folds)"]
-    lines += [f"{run.name:<18}{run.seed:>6}{run.last[0]:>10.4f}{run.last[1]:>7.3f}{run.last[2]:>10.3f}"
+    lines += [f"{run.name:<{width}}{run.seed:>6}{run.last[0]:>10.4f}{run.last[1]:>7.3f}{run.last[2]:>10.3f}"
               f"{run.best[0]:>10.4f}{run.cpu_minutes:>9.1f}{run.wall_minutes:>10.1f}" for run in results]
     return "\n".join(lines)
 
