@@ -126,3 +126,19 @@ def test_a_folder_that_is_not_lfw_is_one_error_line(tmp_path):
         real_faces.main([str(tmp_path), "--work", str(tmp_path / "work")])
     assert str(stopped.value).startswith(f"error: {tmp_path} is not an LFW folder: missing ")
     assert "\n" not in str(stopped.value)
+
+
+def test_the_recipe_config_is_the_row_the_bench_measured():
+    """configs/lfw_r18_recipe.py trains what the one_view_s32 row trained at 37,888 images: configs/lfw_r18_pair.py
+    with the row's values, 128 photos a step, 4 passes over DevTrain's 9,525 photos (LFW's peopleDevTrain.txt)."""
+    from training.config import load_config
+
+    steps_per_epoch = 9_525 // 128
+    assert 4 * steps_per_epoch * 128 == 37_888
+    row = [f"{key}={value}" for key, value in real_faces.ROWS["one_view_s32"].items()]
+    measured = vars(load_config(real_faces.ROOT / real_faces.CONFIG, [*row, "batch_size=128", "num_epoch=4"]))
+    recipe = vars(load_config(real_faces.ROOT / "configs/lfw_r18_recipe.py"))
+    # its run folder (named for the file), how often it logs and verifies, where a second view would come from (none)
+    assert {key for key in measured if measured[key] != recipe[key]} <= {"output", "frequent", "verbose",
+                                                                         "view_source"}
+    assert recipe["num_views"] == 1 and recipe["margin_scale"] == 32.0
