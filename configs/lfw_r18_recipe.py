@@ -5,9 +5,10 @@
 
 configs/lfw_r18_pair.py with one view a sample and the logit scale halved, trained as experiments.real_faces trains
 its one_view_s32 row at 37,888 images: 296 steps of 128 photos (4 passes over DevTrain's 9,525). Of the levers tried
-(docs/real_faces.md: s = 32, AdamW, random resized crop with random erasing, lr_power 1, two views), s = 32 read
-highest. Budget and figure (2026-12-06, 3 seeds): about 12 CPU minutes a run; held-out Accuracy-Flip (10 balanced
-folds) 0.798, against 0.779 at s = 64: +1.9 points, can't tell at 95% [-0.2, +4.2]; far from 0.90.
+(docs/real_faces.md: s = 32, AdamW, random resized crop with random erasing, lr_power 1, two views: -0.7 points,
+can't tell), s = 32 read highest. Budget and figure (2026-12-06, 3 seeds): about 12 CPU minutes a run; held-out
+Accuracy-Flip (10 balanced folds) 0.798, against 0.779 at s = 64: +1.9 points, can't tell at 95% [-0.2, +4.2]; far
+from 0.90.
 """
 rec = "data/lfw_bench/lfw_devtrain"  # experiments.real_faces' work folder: train.rec/train.idx and lfw_devtest.bin
 num_views = 1
