@@ -17,6 +17,7 @@ from dataset import render_faces
 from eval import verification
 from experiments import real_faces
 from gpu_acceptance.runs import load_backbone_strict
+from training.config import load_config
 
 TRAIN_PEOPLE, TEST_PEOPLE, PHOTOS = 6, 6, 3
 
@@ -131,8 +132,6 @@ def test_a_folder_that_is_not_lfw_is_one_error_line(tmp_path):
 def test_the_recipe_config_is_the_row_the_bench_measured():
     """configs/lfw_r18_recipe.py trains what the one_view_s32 row trained at 37,888 images: configs/lfw_r18_pair.py
     with the row's values, 128 photos a step, 4 passes over DevTrain's 9,525 photos (LFW's peopleDevTrain.txt)."""
-    from training.config import load_config
-
     steps_per_epoch = 9_525 // 128
     assert 4 * steps_per_epoch * 128 == 37_888
     row = [f"{key}={value}" for key, value in real_faces.ROWS["one_view_s32"].items()]
