@@ -52,7 +52,7 @@ from eval.callback import VerificationCallback, check_keep_best, check_val_targe
 from training.best_model import BestModel
 from training.components import exported_backbone
 from training.config import load_config
-from training.memory_plan import describe, describe_fit, device_bytes, fit, memory_plan
+from training.memory_plan import check_world_size, describe, describe_fit, device_bytes, fit, memory_plan
 from training.speedups import layout_advice
 from training.state import (
     CENTRES_GROUP,
@@ -206,6 +206,7 @@ def _report_interrupt(output: str | None, continue_with: str) -> None:
 def dry_run_report(cfg: SimpleNamespace, world_size: int, as_json: bool, available: int | None) -> str:
     """The resolved configuration and the memory plan of one process of `world_size`; with `available`
     bytes per process, whether it fits and the largest batch_size and fewest processes that would."""
+    check_world_size(cfg, world_size)
     from_header = classes_in_header(cfg.rec) if cfg.num_classes is None and cfg.rec != "synthetic" else None
     num_classes = cfg.num_classes if from_header is None else from_header
     plan = memory_plan(cfg, num_classes, world_size)
