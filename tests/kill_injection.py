@@ -5,6 +5,7 @@ itself knows nothing of it.
     python -m tests.kill_injection os replace 'checkpoint\\.json' configs/X.py --set ...        # one process
     torchrun --nproc_per_node 2 -m tests.kill_injection os replace 'checkpoint\\.json' configs/X.py ...  # rank 0
     torchrun --nproc_per_node 2 -m tests.kill_injection --fsize 262144 configs/X.py ...  # every rank, a full disk
+    python -m tests.kill_injection --kill-children checkpoint.sharded write_state configs/X.py ...  # its data workers
 
 In a test, `KillSelfAt(...)`, `KillChildrenAt(...)` and `LimitFileSize(bytes)` are a `prepare` for
 run_helpers.run_child.
@@ -90,6 +91,9 @@ def main(argv: list[str]) -> int:
     if argv[0] == "--fsize":
         LimitFileSize(int(argv[1]))()
         return train.main(argv[2:])
+    if argv[0] == "--kill-children":
+        KillChildrenAt(argv[1], argv[2])()
+        return train.main(argv[3:])
     owner, function, pattern, *rest = argv
     KillSelfAt(owner, function, pattern)()
     return train.main(rest)
