@@ -26,7 +26,7 @@ import torch
 
 from backbones.trained import BACKBONE_NAME, MODEL_INFO_NAME, find_saved_backbone
 from checkpoint.checkpointer import Checkpointer, Renumbering, last_good
-from checkpoint.last_start import killed_start
+from checkpoint.last_start import KilledStart, killed_start
 from checkpoint.restored import Restored
 from checkpoint.run_dir import (
     AUTO,
@@ -352,7 +352,7 @@ def train(cfg: SimpleNamespace, device: torch.device, settings: RunSettings,
 
 
 def _train_in_folder(cfg: SimpleNamespace, device: torch.device, source, restarted: bool, settings: RunSettings,
-                     signals: StopSignals, killed=None) -> dict[str, float]:
+                     signals: StopSignals, killed: KilledStart | None = None) -> dict[str, float]:
     """Config -> data -> training state -> resume -> loop (with its saves) in the locked run folder. `killed`: how
     the run's last start in this folder ended, when it was killed (checkpoint.last_start), said once logging is up."""
     setup_logging(cfg.output)

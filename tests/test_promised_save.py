@@ -22,6 +22,7 @@ from pathlib import Path
 from checkpoint.pointer import POINTER_NAME
 from gpu_acceptance.runs import arguments
 from tests.kill_injection import KillSelfAt
+from tests.nan_injection import nan_at_steps
 from tests.run_helpers import ROOT, file_states, run_here, start_child, start_cli, wait_for_log
 from utils.source_watch import project_sources
 
@@ -98,6 +99,14 @@ def test_a_run_killed_during_its_promised_save_is_named_by_the_next_start_which_
     status, stderr = run_here(data, output, "batch_size=2", "max_steps=4", flags=["--start-over"])
     assert status == 1 and f"--start-over starts a run again in a folder whose run was killed before its first " \
         f"whole checkpoint, but {output} holds a run's checkpoint" in stderr
+
+
+def test_a_folder_whose_run_stopped_on_its_error_is_started_again_as_it_is(data, tmp_path):
+    output = tmp_path / "run"
+    with nan_at_steps((2,)):
+        status, stderr = run_here(data, output, "max_nonfinite_steps=1")
+    assert status == 1 and not (output / POINTER_NAME).exists(), stderr
+    assert run_here(data, output, "max_steps=1") == (0, "")  # its error line ended it: nothing to name
 
 
 def test_every_due_save_is_written_and_a_save_that_waits_for_the_one_before_says_so(data, tmp_path, monkeypatch):
