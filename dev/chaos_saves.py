@@ -3,7 +3,7 @@ moments (saves included) under CPU load, each resumed (`resume="auto"`) until it
 uninterrupted run: every tensor saved, the loader positions, the random generators, backbone.pth and the logged
 scalars must be equal, bit for bit (CPU training resumes exactly: docs/operations.md). Not part of `make test`.
 
-    python -m dev.chaos_saves                      # 5 runs, up to 3 kills each, 2 busy cores beside them
+    python -m dev.chaos_saves                      # 4 runs, up to 3 kills each, 2 busy processes beside them
     python -m dev.chaos_saves --runs 10 --kills 4 --load 4 --work /tmp/chaos
 
 After every kill it checks what a restart would find: the last published checkpoint is still there, whole (it
@@ -33,7 +33,7 @@ from tools import make_synthetic
 ROOT = Path(__file__).resolve().parent.parent
 POINTER = "checkpoint.json"
 # 40 two-view records, batch 2: 20 steps an epoch; a save every 2 steps, so that kills land in saves often
-SETTINGS = ("batch_size=2", "num_workers=1", "save_every_steps=2", "max_steps=16", "resume=auto")
+SETTINGS = ("batch_size=2", "num_workers=1", "save_every_steps=2", "max_steps=10", "resume=auto")
 PREEMPTED = re.compile(r"preempted at global step (\d+): checkpoint saved")
 
 
@@ -74,17 +74,30 @@ def saving(output: Path) -> bool:
     return any(output.glob(".tmp-checkpoint-*"))
 
 
-def kill_at_random(process: subprocess.Popen, output: Path, rng: random.Random, figures: Figures) -> str | None:
-    """Send SIGKILL or SIGTERM at a random moment (half of the time while a save is being written); the signal
-    sent, or None when the run finished first."""
+def steps_logged(output: Path, start: int) -> int:
+    """How many step lines this launch has logged (its part of training.log begins at byte `start`)."""
+    try:
+        with open(output / "training.log", "rb") as log:
+            log.seek(start)
+            return log.read().count(b"Global Step: ")
+    except OSError:
+        return 0
+
+
+def kill_at_random(process: subprocess.Popen, output: Path, start: int, rng: random.Random,
+                   figures: Figures) -> str | None:
+    """Send SIGKILL or SIGTERM at a random moment of training (a start-up takes most of a launch on a loaded
+    machine, and is not what this checks): half of the time 0-20 ms into a save being written, else 0-0.3 s after
+    a random step of this launch. The signal sent, or None when the run finished first."""
     number = rng.choice((signal.SIGKILL, signal.SIGTERM))
-    if rng.random() < 0.5:  # mid-save: once a checkpoint folder is being written, 0-20 ms into it
-        deadline = time.monotonic() + 60
-        while not saving(output) and process.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.001)
-        time.sleep(rng.uniform(0, 0.02))
-    else:
-        time.sleep(rng.uniform(0.5, 8.0))
+    mid_save = rng.random() < 0.5
+    after = rng.randint(1, 6)
+    deadline = time.monotonic() + 600
+    while process.poll() is None and time.monotonic() < deadline:
+        if (saving(output) if mid_save else steps_logged(output, start) >= after):
+            break
+        time.sleep(0.001)
+    time.sleep(rng.uniform(0, 0.02) if mid_save else rng.uniform(0, 0.3))
     if process.poll() is not None:
         return None
     figures.saves_interrupted += saving(output)
@@ -96,8 +109,10 @@ def kill_at_random(process: subprocess.Popen, output: Path, rng: random.Random, 
 def one_run(data: Path, output: Path, reference: Path, kills: int, rng: random.Random, figures: Figures) -> None:
     before = None
     for _ in range(kills):
+        log = output / "training.log"
+        start = log.stat().st_size if log.exists() else 0
         process = launch(data, output)
-        sent = kill_at_random(process, output, rng, figures)
+        sent = kill_at_random(process, output, start, rng, figures)
         _, stderr = process.communicate(timeout=600)
         try:
             now = published(output)
@@ -138,7 +153,7 @@ def one_run(data: Path, output: Path, reference: Path, kills: int, rng: random.R
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--runs", type=int, default=5)
+    parser.add_argument("--runs", type=int, default=4)
     parser.add_argument("--kills", type=int, default=3, help="signals sent to each run at most before it may finish")
     parser.add_argument("--load", type=int, default=2, help="busy processes beside the runs")
     parser.add_argument("--seed", type=int, default=0)
@@ -150,7 +165,7 @@ def main(argv: list[str] | None = None) -> int:
         work = Path(args.work or tmp)
         data = work / "data"
         make_synthetic.main(["--output", str(data), "--identities", "20", "--images-per-identity", "4",
-                             "--workers", "1"])
+                             "--val-identities", "10", "--val-pairs", "20", "--workers", "1"])
         load = [multiprocessing.Process(target=busy, daemon=True) for _ in range(args.load)]
         for process in load:
             process.start()

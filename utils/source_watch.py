@@ -3,13 +3,15 @@
 A checkout updated under a running training process (git pull, a branch switched) leaves it running the old
 modules it imported, while anything it imports later would come from the new files: a newer module against
 older ones is an ImportError or, worse, a silent mismatch. `SourceWatch` records every source file of the
-project's packages when the process starts (size, mtime and a digest of its bytes) and names the files that
-differ since; reading the sizes and mtimes again costs about a millisecond, and a digest is taken again only
-for a file whose size or mtime moved (a file touched but not changed is not a change).
+project's packages when the process starts (size, mtime and a digest of its bytes) and names the files of the
+modules the process has loaded that differ since (a change to a tool it never imports changes nothing it runs);
+reading the sizes and mtimes again costs about a millisecond, and a digest is taken again only for a file whose
+size or mtime moved (a file touched but not changed is not a change).
 """
 from __future__ import annotations
 
 import hashlib
+import sys
 import time
 from pathlib import Path
 
@@ -55,16 +57,20 @@ class SourceWatch:
         return time.monotonic() - self._checked >= self.every
 
     def changed(self) -> list[str]:
-        """The files (relative to the root) whose bytes differ from the start's, or that are gone."""
+        """The files (relative to the root) of the modules loaded now whose bytes differ from the start's, or that
+        are gone."""
         self._checked = time.monotonic()
+        moved = [path for path, (stamp, _) in self._files.items() if _stamp(path) != stamp]
+        if not moved:
+            return []
+        loaded = {Path(file).resolve() for module in list(sys.modules.values())
+                  if isinstance(file := getattr(module, "__file__", None), str)}
         changed = []
-        for path, (stamp, digest) in self._files.items():
-            now = _stamp(path)
-            if now == stamp:
-                continue
+        for path in moved:
+            now, digest = _stamp(path), self._files[path][1]
             if now is not None and _digest(path) == digest:
                 self._files[path] = (now, digest)  # touched, not changed
-            else:
+            elif path.resolve() in loaded:
                 changed.append(str(path.relative_to(self.root)))
         return changed
 

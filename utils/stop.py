@@ -4,9 +4,9 @@ SIGTERM and SIGUSR1 (what SLURM, Kubernetes and spot-instance notices send; torc
 SIGTERM to every worker) ask the run to save a checkpoint and stop; SIGINT (Ctrl-C) asks it to stop
 without saving, and a second Ctrl-C stops it at once. A change of the project's code on disk under the
 running process (utils/source_watch.py, checked at step boundaries about once a second) asks it to save and
-stop too: it saves with the code it started with, and a resume runs the new code. A signal only records the request: the
-training loop reads it at each step boundary, where every rank agrees on the strongest request any
-rank received (a signal to one rank stops them all at the same step), so no signal ever lands in the
+stop too: it saves with the code it started with, and a resume runs the new code. A signal only records
+the request: the training loop reads it at each step boundary, where every rank agrees on the strongest
+request any rank received (a signal to one rank stops them all at the same step), so no signal ever lands in the
 middle of a step or of a save. Repeated SIGTERMs or SIGUSR1s, as a scheduler or torchrun may send them
 while the run saves, change nothing. Before the steps begin, and after they end, there is nothing to
 wait for: a Ctrl-C stops the run at once (KeyboardInterrupt); a SIGTERM before the first step stops it
