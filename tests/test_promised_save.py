@@ -16,8 +16,11 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
+
+import pytest
 
 from checkpoint.pointer import POINTER_NAME
 from gpu_acceptance.runs import arguments
@@ -27,6 +30,7 @@ from tests.run_helpers import ROOT, file_states, run_here, start_child, start_cl
 from utils.source_watch import project_sources
 
 EXIT_PREEMPTED = 75
+pytestmark = pytest.mark.slow  # ten starts of train.py, two of them new interpreters
 PREEMPTED = re.compile(r"preempted at global step (\d+): checkpoint saved; continue with: .* --resume")
 
 
@@ -110,17 +114,23 @@ def test_a_folder_whose_run_stopped_on_its_error_is_started_again_as_it_is(data,
 
 
 def test_every_due_save_is_written_and_a_save_that_waits_for_the_one_before_says_so(data, tmp_path, monkeypatch):
-    real_fsync = os.fsync
+    output, real_fsync = tmp_path / "run", os.fsync
+    released = threading.Event()
 
-    def slow_fsync(fd: int) -> None:  # slow storage: a save takes longer than the 3 steps between two
-        time.sleep(0.1)
+    def slow_fsync(fd: int) -> None:
+        # Storage slower than the steps, whatever the machine's load: the first save's writer is held until
+        # training has logged step 6, whose save is then due while that one is still being written.
+        if threading.current_thread().name == "checkpoint-writer" and not released.is_set():
+            deadline = time.monotonic() + 300
+            while "Global Step: 6 " not in (output / "training.log").read_text() and time.monotonic() < deadline:
+                time.sleep(0.01)
+            released.set()
         real_fsync(fd)
 
     monkeypatch.setattr(os, "fsync", slow_fsync)
     terminal = io.StringIO()
-    assert run_here(data, tmp_path / "run", "batch_size=2", "save_every_steps=3", "max_steps=15",
-                    stdout=terminal) == (0, "")
-    log, shown = (tmp_path / "run" / "training.log").read_text(), terminal.getvalue()
+    assert run_here(data, output, "batch_size=2", "save_every_steps=3", "max_steps=15", stdout=terminal) == (0, "")
+    log, shown = (output / "training.log").read_text(), terminal.getvalue()
     assert re.findall(r"saved \S+ at global step (\d+)", log) == ["3", "6", "9", "12", "15"]
     # The terminal shows one save per ten log lines, and the next one it shows names those it did not.
     assert re.findall(r"saved \S+ at global step (\d+)", shown) == ["3", "15"]
