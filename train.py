@@ -26,6 +26,7 @@ import torch
 
 from backbones.trained import BACKBONE_NAME, MODEL_INFO_NAME, find_saved_backbone
 from checkpoint.checkpointer import Checkpointer, Renumbering, last_good
+from checkpoint.last_start import KilledStart, killed_start
 from checkpoint.restored import Restored
 from checkpoint.run_dir import (
     AUTO,
@@ -51,7 +52,7 @@ from eval.callback import VerificationCallback, check_keep_best, check_val_targe
 from training.best_model import BestModel
 from training.components import exported_backbone
 from training.config import load_config
-from training.memory_plan import describe, describe_fit, device_bytes, fit, memory_plan
+from training.memory_plan import check_world_size, describe, describe_fit, device_bytes, fit, memory_plan
 from training.speedups import layout_advice
 from training.state import (
     CENTRES_GROUP,
@@ -71,12 +72,13 @@ from utils.device import choose_device, configure_numerics, describe_device
 from utils.distributed import backend, cleanup, init_distributed, is_main, lost_peer, nodes, rank, run_on_rank0, world
 from utils.errors import ConfigError, TrainingError, UserError
 from utils.launcher import adopt_srun_environment, launched_rank, local_process, torchrun_run_id
-from utils.log import SpeedLogger, log_to_file_only, setup_logging
+from utils.log import FILE_ONLY, SpeedLogger, log_to_file_only, setup_logging
 from utils.metrics import Metrics, open_metrics
 from utils.network import describe_host
 from utils.rank0_verdict import CONFIG_ERROR, NO_CONFIG_ERROR, announce_verdict, rank0_had_config_error
 from utils.sizes import parse_size
-from utils.stop import EXIT_INTERRUPTED, EXIT_PREEMPTED, RunStopped, StopRequest, StopSignals
+from utils.source_watch import SourceWatch
+from utils.stop import EXIT_INTERRUPTED, EXIT_PREEMPTED, EXIT_SAVE_FAILED, RunStopped, StopRequest, StopSignals
 from utils.watchdog import EXIT_STATUS, exit_within
 
 log = logging.getLogger("train")
@@ -91,6 +93,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                         help="override a config key, any of configs/base.py's (value parsed as a Python literal); "
                              "repeatable")
     parser.add_argument("--resume", action="store_true", help="continue the run in the config's output folder")
+    parser.add_argument("--start-over", action="store_true",
+                        help="start a run again in an output folder whose run was killed before its first whole "
+                             "checkpoint (nothing in it is deleted)")
     parser.add_argument("--dry-run", action="store_true",
                         help="print the resolved config and each process's memory plan; read no data, start no "
                              "process group, write nothing")
@@ -105,6 +110,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
+    sources = SourceWatch()  # the code this process runs, before any of it can change under it
     cfg, phase = None, "startup"
     try:
         require_supported_torch()
@@ -127,7 +133,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if launched_rank() == 0:
             announce_verdict(phase, NO_CONFIG_ERROR)
         phase = "training"
-        _train_in_process_group(cfg, device, RunSettings(args.config, overrides, kept))
+        _train_in_process_group(cfg, device, RunSettings(args.config, overrides, kept, args.start_over), sources)
     except UserError as error:
         _report_user_error(error, phase)
         return 1
@@ -140,13 +146,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
-def _train_in_process_group(cfg: SimpleNamespace, device: torch.device, settings: RunSettings) -> None:
-    """train() among the processes of the job, with stop signals caught until the process group is gone."""
+def _train_in_process_group(cfg: SimpleNamespace, device: torch.device, settings: RunSettings,
+                            sources: SourceWatch | None = None) -> None:
+    """train() among the processes of the job, with stop signals caught (and `sources` watched) until the process
+    group is gone."""
     init_distributed(device, cfg.timeout_minutes, cfg.network_check_seconds)
     if device.type == "cpu":
         _share_cpu(cfg.num_workers)
     try:
-        with StopSignals() as signals:
+        with StopSignals(sources) as signals:
             train(cfg, device, settings, signals)
     except RunStopped:  # its line is written (a lost peer's too, whose words would match it again)
         raise
@@ -198,6 +206,7 @@ def _report_interrupt(output: str | None, continue_with: str) -> None:
 def dry_run_report(cfg: SimpleNamespace, world_size: int, as_json: bool, available: int | None) -> str:
     """The resolved configuration and the memory plan of one process of `world_size`; with `available`
     bytes per process, whether it fits and the largest batch_size and fewest processes that would."""
+    check_world_size(cfg, world_size)
     from_header = classes_in_header(cfg.rec) if cfg.num_classes is None and cfg.rec != "synthetic" else None
     num_classes = cfg.num_classes if from_header is None else from_header
     plan = memory_plan(cfg, num_classes, world_size)
@@ -306,6 +315,7 @@ class RunSettings:
     config_file: str
     overrides: Sequence[str] = ()
     kept: Sequence[str] = ()
+    start_over: bool = False  # --start-over: a run killed before its first whole checkpoint starts again in its folder
 
     @property
     def resume_command(self) -> ResumeCommand:
@@ -323,11 +333,12 @@ def train(cfg: SimpleNamespace, device: torch.device, settings: RunSettings,
     joins) continues the run in its folder, as resume="auto" does, whatever `resume` says."""
     restarted = run_on_rank0(lambda: continues_torchrun_run(cfg.output, torchrun_run_id()))
     source = run_on_rank0(lambda: resolve_resume(cfg.output, AUTO if restarted else cfg.resume,
-                                           settings.resume_command.with_sets))
+                                           settings.resume_command.with_sets, settings.start_over))
+    killed = run_on_rank0(lambda: killed_start(cfg.output), share=False)  # read before this start writes its log
     made = not os.path.isdir(cfg.output)
     lock = run_on_rank0(lambda: lock_run_dir(cfg.output, torchrun_run_id()), share=False)
     try:
-        return _train_in_folder(cfg, device, source, restarted, settings, signals)
+        return _train_in_folder(cfg, device, source, restarted, settings, signals, killed)
     except UserError:
         # One process alone: another one's error line may still be on its way into training.log.
         if lock is not None and made and world() == 1:
@@ -341,8 +352,9 @@ def train(cfg: SimpleNamespace, device: torch.device, settings: RunSettings,
 
 
 def _train_in_folder(cfg: SimpleNamespace, device: torch.device, source, restarted: bool, settings: RunSettings,
-                     signals: StopSignals) -> dict[str, float]:
-    """Config -> data -> training state -> resume -> loop (with its saves) in the locked run folder."""
+                     signals: StopSignals, killed: KilledStart | None = None) -> dict[str, float]:
+    """Config -> data -> training state -> resume -> loop (with its saves) in the locked run folder. `killed`: how
+    the run's last start in this folder ended, when it was killed (checkpoint.last_start), said once logging is up."""
     setup_logging(cfg.output)
     # For whoever reads the log, as arcface_torch's does; what tools read back is the run's record of its config,
     # config.json (checkpoint/run_dir.write_run_config).
@@ -376,6 +388,10 @@ def _train_in_folder(cfg: SimpleNamespace, device: torch.device, source, restart
     restored = checkpointer.resume(source, counter) if source else None  # replaces those streams with the saved ones
     if restarted:
         _log_restart(restored, counter, cfg.save_every_steps)
+    if killed is not None:
+        log.warning("the run in %s: %s; %s", cfg.output, killed.describe(),
+                    "resuming from its last whole checkpoint (the steps after it are trained again)" if restored
+                    else "starting it over (nothing was deleted; training.log and TensorBoard go on)")
     wrap_for_the_step(state, cfg, device)
     _log_fine_tuning(cfg, state)
     if source is not None and isinstance(source.importer, BareBackbone):
@@ -396,6 +412,8 @@ def _train_in_folder(cfg: SimpleNamespace, device: torch.device, source, restart
         checkpointer.finish_save_before_stop()
         if stopped is not None:
             raise stopped from error
+        if signals.requested.saves and isinstance(error, Exception) and not isinstance(error, RunStopped):
+            raise _save_failed(error, counter, checkpointer, signals) from error
         raise
     finally:
         loader.close()  # its workers end here, on every way out of the loop (they would outlive the process)
@@ -505,7 +523,7 @@ def _loop(cfg, state: TrainingState, loader: FaceLoader, counter: StepCounter, c
                 speed(counter.shown_step, losses, epoch, lr, grad_scale)
             final = counter.global_step == stop
             if (request := signals.strongest_request()) and not final:  # at the last step, finishing stops sooner
-                _stop(request, counter, checkpointer)
+                _stop(request, counter, checkpointer, loader, signals)
             with speed.paused():
                 # The last step is always verified, before the last save: model.json records its thresholds.
                 exported = exported_backbone(state)  # the trained backbone, or what a component makes of it (EMA)
@@ -530,13 +548,22 @@ def _loop(cfg, state: TrainingState, loader: FaceLoader, counter: StepCounter, c
     return results
 
 
-def _stop(request: StopRequest, counter: StepCounter, checkpointer: Checkpointer) -> NoReturn:
-    """Stop between two steps, at the strongest request of any rank: preempted (save first) or interrupted by Ctrl-C."""
+def _stop(request: StopRequest, counter: StepCounter, checkpointer: Checkpointer, loader: FaceLoader,
+          signals: StopSignals) -> NoReturn:
+    """Stop between two steps, at the strongest request of any rank: preempted or the code changed (save first), or
+    interrupted by Ctrl-C."""
     step = counter.shown_step
-    if request == StopRequest.PREEMPT:
+    if request.saves:
+        # The data workers are ended first: one that died during the save (the OOM killer's pick) would have
+        # DataLoader's SIGCHLD handler raise into it; and their memory is the save's.
+        loader.close()
         checkpointer.save_for_exit(counter)
         saved = (f"checkpoint saved; continue with: {checkpointer.continue_with}" if checkpointer.save_all_states
                  else "backbone.pth saved (save_all_states=False: --resume starts from it with new class centres)")
+        if request == StopRequest.CODE_CHANGED:
+            raise _stopped(f"stopped at global step {step}: the code of this run changed on disk ("
+                           f"{_changed_sources(signals)}) since it started; {saved} (it runs the new code)",
+                           EXIT_PREEMPTED)
         raise _stopped(f"preempted at global step {step}: {saved}", EXIT_PREEMPTED)
     checkpointer.finish_save_before_stop()  # a save in flight is published first, so that the line says what is on disk
     last_save = (f" (last saved at global step {counter.shown(checkpointer.saved_at)})" if checkpointer.saved_at >= 0
@@ -544,6 +571,24 @@ def _stop(request: StopRequest, counter: StepCounter, checkpointer: Checkpointer
     raise _stopped(f"stopped by Ctrl-C at global step {step}, without saving{last_save}; "
                    f"{last_good(checkpointer.output, checkpointer.continue_with)}; to save before stopping, send "
                    "SIGTERM or SIGUSR1 instead of Ctrl-C", EXIT_INTERRUPTED)
+
+
+def _changed_sources(signals: StopSignals) -> str:
+    return signals.describe_changes() if signals.changed_sources else "seen by another process"
+
+
+def _save_failed(error: Exception, counter: StepCounter, checkpointer: Checkpointer,
+                 signals: StopSignals) -> RunStopped:
+    """The stop of a run whose promised checkpoint could not be saved: one line saying why, the last good
+    checkpoint left as it was; the error's traceback, when it is not a user error's, in training.log."""
+    if not isinstance(error, UserError):
+        log.error("the error that kept the checkpoint from being saved:", exc_info=error, extra=FILE_ONLY)
+    why = str(error) if isinstance(error, UserError) else f"{type(error).__name__}: {error}".strip()
+    asked = signals.signal_name or "a signal"
+    if signals.requested == StopRequest.CODE_CHANGED:
+        asked = f"a change of the code on disk ({_changed_sources(signals)})"
+    return _stopped(f"stopped at global step {counter.shown_step} without the checkpoint {asked} asked for: {why}; "
+                    f"{last_good(checkpointer.output, checkpointer.continue_with)}", EXIT_SAVE_FAILED)
 
 
 def _stopped(line: str, exit_code: int) -> RunStopped:

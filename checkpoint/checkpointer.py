@@ -16,7 +16,10 @@ Every file is written atomically (utils/atomic.py): a crash at any moment costs 
 With `async_save`, a save copies the state to host memory and a background thread writes it
 (HostStaging, BackgroundSave below): the step waits for the copy only. The host buffers are kept from one
 save to the next (the memory plan counts them as `host_checkpoint_staging`); at most one save is in flight, so
-one set of buffers serves every save.
+one set of buffers serves every save. A save due while the one before is still being written waits for it
+(the step stalls, and the log says so): no due save is ever skipped. The last save of a run, and the save of a
+run stopping on a signal, are waited for anyway: they are written from the live tensors, with no host copy (a
+process about to exit needs no more memory for its last save, nor a thread it could leave behind).
 """
 from __future__ import annotations
 
@@ -24,6 +27,7 @@ import json
 import logging
 import os
 import threading
+import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -96,11 +100,16 @@ class Checkpointer:
         self._waiting = False  # a save fell inside a non-finite streak
         self._staging = HostStaging() if async_save and save_all_states else None
         self._group = checkpoint_group() if self._staging else None  # the writer thread's own collectives
-        self._in_flight: tuple[BackgroundSave, int, bool] | None = None  # the save, its shown step, on the terminal
+        self._in_flight: tuple[BackgroundSave, int, str | None] | None = None  # the save, its shown step, its note
         self.config_file, self.overrides = str(config_file), list(overrides)
         self.continue_with = continue_with  # the command line that continues the run, for its stop lines
         self._logged_save_at: int | None = None  # the step of the last save said on the terminal
+        self._unsaid: list[int] = []  # the shown steps of saves said in training.log alone since then
+        self._said_waiting = False  # a save waiting for the one before is said on the terminal once
         self.renumbering: Renumbering | None = None  # how resume() renumbered the saved step, if it did
+        # Imported now, not at the first save: a checkout updated under a running process would otherwise give
+        # that save a newer checkpoint module against the older training modules it imported (an ImportError).
+        _sharded()
 
     def resume(self, source: Source, counter: StepCounter) -> Restored | None:
         """Load `source` (from find_resume_source) into the run and `counter`; what was restored (None for a
@@ -169,51 +178,84 @@ class Checkpointer:
         return not self._waiting
 
     def save(self, counter: StepCounter, final: bool = False) -> None:
-        """Save the state at this step (`final`: the run's last save, which returns only once it is
-        published, before the process exits). A save still in flight is waited for first."""
-        self.wait_for_save()
-        step, on_terminal = counter.global_step, self._save_on_terminal(counter, final)
+        """Save the state at this step (`final`: the run's last save, written from the live tensors and published
+        before this returns). A save still in flight is waited for first."""
+        self._wait_before(counter)
+        step, note = counter.global_step, self._terminal_note(counter, final)
         if not self.save_all_states:
             path = run_on_rank0(lambda: save_backbone(exported_backbone(self.state), self.output, self.architecture,
                                                 counter.verification))
-            log.info("saved %s at global step %d (save_all_states=False: the backbone alone)", path,
-                     counter.shown_step, extra=None if on_terminal else FILE_ONLY)
+            log.info("saved %s at global step %d (save_all_states=False: the backbone alone)%s", path,
+                     counter.shown_step, note or "", extra=FILE_ONLY if note is None else None)
         else:
             sharded = _sharded()
+            staging = None if final else self._staging
             staged = sharded.stage_state(self.state, counter, self.loader, self.architecture,
-                                         self.config, self._staging.copy if self._staging else None)
-            if self._staging:
+                                         self.config, staging.copy if staging else None)
+            if staging:
                 self._in_flight = (BackgroundSave(lambda: sharded.write_state(self.output, staged, self._group),
                                                   self.state.pfc.weight.device),
-                                   counter.shown_step, on_terminal)
+                                   counter.shown_step, note)
             else:
-                self._published(sharded.write_state(self.output, staged), counter.shown_step, on_terminal)
+                self._published(sharded.write_state(self.output, staged), counter.shown_step, note)
         self.saved_at = step
-        if final:
+
+    def _wait_before(self, counter: StepCounter) -> None:
+        """Wait for the save in flight before another; when it is still being written, say so: the step waits
+        for it, and saves that come faster than the disk takes them stall training."""
+        if self._in_flight is None:
+            return
+        save, shown_step, _ = self._in_flight
+        if save.done():
             self.wait_for_save()
+            return
+        started = time.monotonic()
+        self.wait_for_save()
+        every = f"save_every_steps={self.save_every_steps} steps" if self.save_every_steps else "an epoch"
+        log.warning("the save at global step %d waited %.1f s for the save of global step %d, still being written: "
+                    "a save takes longer than %s; every due save is written, the steps wait for it (raise "
+                    "save_every_steps to keep them from waiting)", counter.shown_step, time.monotonic() - started,
+                    shown_step, every, extra=FILE_ONLY if self._said_waiting else None)
+        self._said_waiting = True
 
     def wait_for_save(self) -> None:
         """Return once the save in flight (if any) is published; its CheckpointError (the same on every
-        rank) if it failed, the previous checkpoint then still published. Collective."""
+        rank) if it failed, the previous checkpoint then still published. Collective.
+
+        An exception that interrupts the wait (a signal handler's: DataLoader's for a data worker that died, a
+        second Ctrl-C) leaves the save in flight, for finish_save_before_stop to wait for: a daemon thread still
+        writing when the process exits is cut off, and its save lost."""
         if self._in_flight is None:
             return
-        save, shown_step, on_terminal = self._in_flight
-        self._in_flight = None
-        self._published(save.wait(), shown_step, on_terminal)
+        save, shown_step, note = self._in_flight
+        try:
+            folder = save.wait()
+        finally:
+            if save.done():
+                self._in_flight = None
+        self._published(folder, shown_step, note)
 
-    def _published(self, folder: Path, shown_step: int, on_terminal: bool) -> None:
-        log.info("saved %s at global step %d", folder, shown_step, extra=None if on_terminal else FILE_ONLY)
+    def _published(self, folder: Path, shown_step: int, note: str | None) -> None:
+        log.info("saved %s at global step %d%s", folder, shown_step, note or "",
+                 extra=FILE_ONLY if note is None else None)
         run_on_rank0(lambda: write_run_config(self.output, self.config_file, self.overrides, self.config), share=False)
 
-    def _save_on_terminal(self, counter: StepCounter, final: bool) -> bool:
+    def _terminal_note(self, counter: StepCounter, final: bool) -> str | None:
         """Every save is said in training.log (a stopped run's last line names the last one, and the log must
         show it); on the terminal, the last save and at most one per ten log lines (`frequent` steps each): the
-        others would crowd it when epochs are short."""
+        others would crowd it when epochs are short. None for a save said in training.log alone; for one said
+        on the terminal, what its line adds: the saves since the one said there before, which went to
+        training.log alone (so that the terminal never seems to skip a save)."""
         every = 10 * self.config["frequent"]
-        if final or self._logged_save_at is None or counter.global_step - self._logged_save_at >= every:
-            self._logged_save_at = counter.global_step
-            return True
-        return False
+        if not (final or self._logged_save_at is None or counter.global_step - self._logged_save_at >= every):
+            self._unsaid.append(counter.shown_step)
+            return None
+        self._logged_save_at = counter.global_step
+        unsaid, self._unsaid = self._unsaid, []
+        if not unsaid:
+            return ""
+        steps = ", ".join(map(str, unsaid)) if len(unsaid) <= 4 else f"{unsaid[0]} to {unsaid[-1]}"
+        return f" (after {len(unsaid)} save(s) said in training.log alone, at global step(s) {steps})"
 
     def finish_save_before_stop(self) -> None:
         """For a run stopping (on an error, a Ctrl-C): let a save in flight publish or fail as it would (its
@@ -305,6 +347,9 @@ class BackgroundSave:
             self._result = write()
         except BaseException as error:  # handed to the training thread, which reports it
             self._error = error
+
+    def done(self) -> bool:
+        return not self._thread.is_alive()
 
     def wait(self) -> Path:
         self._thread.join()

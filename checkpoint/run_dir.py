@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
 
+from checkpoint.last_start import killed_start
 from checkpoint.manifest import IntegrityError, read_checked_json
 from checkpoint.pointer import FOLDER_PREFIX, POINTER_NAME
 from checkpoint.sources import WEIGHTS_NAMES, Source, find_resume_source
@@ -34,17 +35,28 @@ AUTO = "auto"  # resume = "auto": continue the run in the output folder if there
 
 
 def resolve_resume(output: str, resume: bool | str,
-                   continue_with: Callable[..., str] | None = None) -> Source | None:
+                   continue_with: Callable[..., str] | None = None, start_over: bool = False) -> Source | None:
     """What to start from: None for a fresh run, else what find_resume_source finds.
 
     A fresh run (or one starting from another folder's weights) needs an empty or missing output
     folder; `resume=True` continues the run already in `output`; `resume="auto"` continues it if
     there is one, else starts a fresh run there. `continue_with(*KEY=VALUE)`: the command line that continues
-    this run (with those overrides too), for the refusal to start over a run.
+    this run (with those overrides too), for the refusal to start over a run. A folder whose run was killed
+    before it saved a whole checkpoint (checkpoint/last_start.py) is started over only with `start_over` (or
+    resume="auto", which asks for a start when there is nothing to continue); nothing in it is deleted.
     """
     held = _run_files(Path(output))
     if held and (owner := lock_holder(output)) is not None:  # said first: --resume would be refused for it too
         raise RunDirError(_in_use(output, owner))
+    if held and start_over:
+        raise RunDirError(f"--start-over starts a run again in a folder whose run was killed before its first whole "
+                          f"checkpoint, but {output} holds a run's checkpoint ({', '.join(held[:3])}); continue it "
+                          "with --resume, or choose a new folder with --set output=<folder>")
+    if not held and resume != AUTO and not start_over and lock_holder(output) is None and \
+            (killed := killed_start(output)) is not None:
+        how = "start it over there with --start-over (nothing is deleted: training.log and tensorboard/ go on)"
+        raise RunDirError(f"output folder {output} holds a run without a whole checkpoint: {killed.describe()}; "
+                          f"{how}, or choose another folder with --set output=<folder>")
     if resume == AUTO:
         return find_resume_source(output) if held else None
     if resume is True:

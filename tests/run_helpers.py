@@ -52,16 +52,18 @@ def digest(path: Path) -> str:
 
 
 def run_here(data: Path, output: Path, *overrides: str, resume: bool = False, config: str = CONFIG,
-             base: Sequence[str] = QUIET, stdout: io.StringIO | None = None) -> tuple[int, str]:
+             base: Sequence[str] = QUIET, stdout: io.StringIO | None = None,
+             flags: Sequence[str] = ()) -> tuple[int, str]:
     """train.main in this process: (exit status, what it wrote to stderr); what it wrote to stdout (the
-    terminal's log lines) goes to ``stdout`` when given."""
+    terminal's log lines) goes to ``stdout`` when given. `flags`: more options of train.py (--start-over)."""
     root = logging.getLogger()
     handlers, level = list(root.handlers), root.level
     stderr = io.StringIO()
     try:
         with contextlib.chdir(ROOT), contextlib.redirect_stderr(stderr), \
                 contextlib.redirect_stdout(stdout or io.StringIO()):
-            status = train.main(arguments(data, output, *overrides, resume=resume, config=config, base=base))
+            status = train.main([*arguments(data, output, *overrides, resume=resume, config=config, base=base),
+                                 *flags])
     finally:
         # train.py's logging setup replaced the root handlers (pytest's among them): put them back.
         for handler in root.handlers:

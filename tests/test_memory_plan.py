@@ -31,7 +31,7 @@ from tests.forked_commands import ForkedCommand
 from tests.run_helpers import ROOT, run_here, start_command
 from tools.step_memory import _recording, compare
 from training.components import SavedPosition
-from training.memory_plan import describe, fit, memory_plan
+from training.memory_plan import describe, describe_fit, fit, memory_plan
 from training.state import build_training_state
 from training.step import train_step
 from utils.config import load_config
@@ -376,3 +376,19 @@ def test_the_memory_plan_counts_the_async_staging_copy(ema):
     assert memory_plan(cfg, 10, 1)["host_checkpoint_staging"] == staged
     assert memory_plan(load_config(ROOT / "configs" / "synthetic_pair.py", ["async_save=False"]), 10, 1)[
         "host_checkpoint_staging"] == 0
+
+
+def test_no_plan_counts_on_more_processes_than_the_sst_queue_holds_a_step_of(capsys):
+    # A step of W processes enqueues 64 * W gallery features: a queue of 256 holds a step of 4 processes at most.
+    sets = ["network=r18", "num_classes=2000000", "batch_size=64", "num_views=2", "sst=True", "sst_queue_size=256"]
+    status, out, err = dry_run(capsys, *(word for item in sets for word in ("--set", item)), "--world-size", "8")
+    assert status == 1 and not out
+    assert err.strip() == ("error: config key 'sst_queue_size' (256) is smaller than the 512 gallery features a step "
+                           "of 8 process(es) enqueues; raise it to at least that, or plan for at most 4 process(es)")
+    cfg = load_config(ROOT / CONFIG, sets)
+    # Memory that 6 processes' share would fit and 4 processes' does not: the fewest that fit are too many.
+    result = fit(cfg, 2_000_000, 2, memory_plan(cfg, 2_000_000, 6)["total"])
+    assert result.fewest_processes is None and result.most_processes == 4
+    assert result.largest_batch_size * 2 <= 256  # the queue holds a step of the batch it names on 2 processes
+    assert "no number of processes up to 4 (the most whose step sst_queue_size=256 holds) fits batch_size 64" in \
+        describe_fit(result, cfg, 2, memory_plan(cfg, 2_000_000, 2))

@@ -40,6 +40,7 @@ from partial_fc import class_range
 from training.backbone_trace import backbone_memory, inference_memory
 from training.state import precision
 from utils.compat import half_gemm_inputs
+from utils.errors import ConfigError
 from utils.image import IMAGE_SIZE
 
 FLOAT32, HALF, INDEX = 4, 2, 8
@@ -215,6 +216,31 @@ def _sampled_columns(cfg: SimpleNamespace, rows: int, world_size: int) -> int | 
     return max(num_sample, min(rows, cfg.batch_size * world_size))
 
 
+def most_processes(cfg: SimpleNamespace) -> int | None:
+    """With semi-siamese training, the most processes whose step the prototype queue holds: a step of W processes
+    enqueues batch_size * gradient_acc * W gallery features (twice that with sst_enqueue="both"), and a queue
+    smaller than one step would overwrite features of that very step. None without sst: no such bound."""
+    if not cfg.sst:
+        return None
+    return cfg.sst_queue_size // _enqueued_per_process(cfg, cfg.batch_size)
+
+
+def _enqueued_per_process(cfg: SimpleNamespace, batch_size: int) -> int:
+    return batch_size * cfg.gradient_acc * (2 if cfg.sst_enqueue == "both" else 1)
+
+
+def check_world_size(cfg: SimpleNamespace, world_size: int) -> None:
+    """A ConfigError when the prototype queue cannot hold one step of `world_size` processes (the start of such a
+    run refuses it in the same words: training/semi_siamese.py)."""
+    most = most_processes(cfg)
+    if most is not None and world_size > most:
+        enqueued = _enqueued_per_process(cfg, cfg.batch_size) * world_size
+        fewer = f"plan for at most {most} process(es)" if most else "lower batch_size"
+        raise ConfigError(f"config key 'sst_queue_size' ({cfg.sst_queue_size}) is smaller than the {enqueued} gallery "
+                          f"features a step of {world_size} process(es) enqueues; raise it to at least that, or "
+                          f"{fewer}")
+
+
 @dataclass(frozen=True)
 class Fit:
     """Whether a plan fits in `available` bytes per process, and what would."""
@@ -223,6 +249,7 @@ class Fit:
     total: int
     largest_batch_size: int  # at the planned number of processes; 0: not even one record
     fewest_processes: int | None  # at the configured batch size; None: no number of processes
+    most_processes: int | None = None  # the most whose step the prototype queue holds (sst); None: no such bound
 
     @property
     def fits(self) -> bool:
@@ -236,11 +263,16 @@ def fit(cfg: SimpleNamespace, num_classes: int, world_size: int, available: int)
         return memory_plan(SimpleNamespace(**{**vars(cfg), "batch_size": batch_size}), num_classes,
                            processes)["total"]
 
+    def queue_holds(batch_size: int, processes: int) -> bool:
+        return not cfg.sst or _enqueued_per_process(cfg, batch_size) * processes <= cfg.sst_queue_size
+
     # Not a bisection: more processes hold fewer centres each, but the softmax's rows (the global batch) grow.
-    fewest = next((processes for processes in range(1, min(num_classes, MAX_PROCESSES) + 1)
+    most = most_processes(cfg)
+    fewest = next((processes for processes in range(1, min(num_classes, MAX_PROCESSES, most or MAX_PROCESSES) + 1)
                    if total(cfg.batch_size, processes) <= available), None)
-    return Fit(available, total(cfg.batch_size, world_size),
-               _largest(lambda batch_size: total(batch_size, world_size) <= available), fewest)
+    largest = _largest(lambda batch_size: queue_holds(batch_size, world_size)
+                       and total(batch_size, world_size) <= available)
+    return Fit(available, total(cfg.batch_size, world_size), largest, fewest, most)
 
 
 def _largest(fits) -> int:
@@ -313,9 +345,15 @@ def describe_fit(result: Fit, cfg: SimpleNamespace, world_size: int, plan: dict[
     largest = (f"the largest batch_size that fits on {world_size} process(es) is {result.largest_batch_size}"
                if result.largest_batch_size else
                f"not even batch_size 1 fits on {world_size} process(es)")
-    processes = (f"batch_size {cfg.batch_size} fits from {result.fewest_processes} processes on"
-                 if result.fewest_processes else
-                 f"no number of processes fits batch_size {cfg.batch_size} (the backbone's share alone is too large)")
+    if result.fewest_processes:
+        processes = f"batch_size {cfg.batch_size} fits from {result.fewest_processes} processes on"
+        if result.most_processes is not None:
+            processes += f" (up to {result.most_processes}, the most whose step sst_queue_size holds)"
+    elif result.most_processes is not None:
+        processes = (f"no number of processes up to {result.most_processes} (the most whose step sst_queue_size="
+                     f"{cfg.sst_queue_size} holds) fits batch_size {cfg.batch_size}")
+    else:
+        processes = f"no number of processes fits batch_size {cfg.batch_size} (the backbone's share alone is too large)"
     if result.fits:
         return (f"fits: {result.total / GIB:.2f} GiB of {result.available / GIB:.2f} GiB per process; "
                 f"{largest}; {processes}")

@@ -2,9 +2,11 @@
 
 SIGTERM and SIGUSR1 (what SLURM, Kubernetes and spot-instance notices send; torchrun forwards
 SIGTERM to every worker) ask the run to save a checkpoint and stop; SIGINT (Ctrl-C) asks it to stop
-without saving, and a second Ctrl-C stops it at once. A signal only records the request: the
-training loop reads it at each step boundary, where every rank agrees on the strongest request any
-rank received (a signal to one rank stops them all at the same step), so no signal ever lands in the
+without saving, and a second Ctrl-C stops it at once. A change of the project's code on disk under the
+running process (utils/source_watch.py, checked at step boundaries about once a second) asks it to save and
+stop too: it saves with the code it started with, and a resume runs the new code. A signal only records
+the request: the training loop reads it at each step boundary, where every rank agrees on the strongest
+request any rank received (a signal to one rank stops them all at the same step), so no signal ever lands in the
 middle of a step or of a save. Repeated SIGTERMs or SIGUSR1s, as a scheduler or torchrun may send them
 while the run saves, change nothing. Before the steps begin, and after they end, there is nothing to
 wait for: a Ctrl-C stops the run at once (KeyboardInterrupt); a SIGTERM before the first step stops it
@@ -23,10 +25,14 @@ from types import FrameType, TracebackType
 import torch
 
 from utils.distributed import all_reduce_max, host_group
+from utils.source_watch import SourceWatch
 
 log = logging.getLogger(__name__)
 
 EXIT_PREEMPTED = os.EX_TEMPFAIL  # 75, "temporary failure: try again", for a scheduler to requeue on
+# 74, "input/output error": a stop that promised a checkpoint and could not save it (its line says why); the
+# previous checkpoint is whole, and a resume trains again the steps after it
+EXIT_SAVE_FAILED = os.EX_IOERR
 EXIT_INTERRUPTED = 128 + signal.SIGINT  # 130, what a shell reports for a command stopped by Ctrl-C
 
 
@@ -34,8 +40,13 @@ class StopRequest(IntEnum):
     """What the signals received ask of the run; ranks agree on the largest."""
 
     NONE = 0
-    INTERRUPT = 1  # Ctrl-C: stop at the step boundary without saving
-    PREEMPT = 2    # SIGTERM, SIGUSR1: save a checkpoint at the step boundary, then stop
+    INTERRUPT = 1     # Ctrl-C: stop at the step boundary without saving
+    CODE_CHANGED = 2  # the project's code changed on disk: save at the step boundary, then stop
+    PREEMPT = 3       # SIGTERM, SIGUSR1: save a checkpoint at the step boundary, then stop
+
+    @property
+    def saves(self) -> bool:
+        return self >= StopRequest.CODE_CHANGED
 
 
 _REQUESTS = {signal.SIGINT: StopRequest.INTERRUPT, signal.SIGTERM: StopRequest.PREEMPT,
@@ -55,10 +66,14 @@ class StopSignals:
     `signals.strongest_request()` turns into one decision for every rank; outside, they act as they did before,
     except that once a stop was asked for, the process ignores SIGTERM and SIGUSR1 until it exits.
 
+    `watch`: the project's sources as the process started with them, checked at step boundaries (CODE_CHANGED).
     Collective to create (it may create the process group that carries the decision)."""
 
-    def __init__(self) -> None:
+    def __init__(self, watch: SourceWatch | None = None) -> None:
         self.requested = StopRequest.NONE
+        self.signal_name = ""  # the signal that asked for a save ("SIGTERM"), for the stop's line
+        self.changed_sources: list[str] = []  # what CODE_CHANGED found
+        self._watch = watch
         self.stepping = False  # set by the training loop while it runs steps: a Ctrl-C waits for the step's end
         self._interrupted = False
         self._group = host_group()
@@ -102,10 +117,15 @@ class StopSignals:
             if self._interrupted or not self.stepping:
                 raise KeyboardInterrupt  # nothing to wait for, or the user insists: every file written stays whole
             self._interrupted = True
+            if self.requested == StopRequest.PREEMPT:
+                self._announcements.put("Ctrl-C: the checkpoint asked for first is saved before the run stops "
+                                        "(Ctrl-C again stops at once, without it)")
         request = _REQUESTS[number]
         if request <= self.requested:
             return
         self.requested = request
+        if request == StopRequest.PREEMPT:
+            self.signal_name = signal.Signals(number).name
         if not self.stepping:  # before the first step (which it stops after) or after the last: nothing to say
             return
         if request == StopRequest.INTERRUPT:
@@ -115,10 +135,18 @@ class StopSignals:
             name = signal.Signals(number).name
             self._announcements.put(f"{name}: saving a checkpoint after this step, then stopping")
 
+    def describe_changes(self) -> str:
+        """The changed sources that asked this process to stop (CODE_CHANGED), in a few words."""
+        return self._watch.describe(self.changed_sources) if self._watch else ""
+
     def strongest_request(self) -> StopRequest:
         """The strongest request any rank has received. Collective: every rank calls it at each step boundary.
 
         It travels through a host-side (gloo) group, so that asking costs the step no wait for the device."""
+        if self._watch is not None and self.requested < StopRequest.CODE_CHANGED and self._watch.due():
+            self.changed_sources = self._watch.changed()
+            if self.changed_sources:
+                self.requested = StopRequest.CODE_CHANGED
         if self.requested != StopRequest.NONE:
             self._wait_for_announcements()  # this rank's signal line comes before what the stop writes
         strongest = StopRequest(int(all_reduce_max(torch.tensor(float(self.requested)), group=self._group).item()))
