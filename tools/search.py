@@ -49,6 +49,7 @@ from backbones.trained import (
     deciding_set,
     far_words,
     load_backbone_from_args,
+    weak_threshold_caution,
 )
 from dataset import (
     Preparation,
@@ -164,10 +165,11 @@ def pair_threshold(saved: SavedBackbone, threshold_set: str | None) -> tuple[flo
     if not saved.verification:
         return None, (f"pair threshold: none: {saved.info_path} records no verification (python -m eval.verification "
                       f"--model {saved.weights.parent} --bins YOUR_SET.bin records one)")
-    name, why = deciding_set(saved.verification, threshold_set, saved.info_path)
+    name, why = deciding_set(saved.verification, threshold_set, saved.info_path, saved.threshold_set)
     point = saved.verification[name]
+    caution = "".join(f"\n{line}" for line in [weak_threshold_caution(name, point)] if line)
     return point["threshold"], (f"pair threshold {point['threshold']:.4f} of {name} ({far_words(point)} on "
-                                f"{point['pairs']} pairs; {point['by']}): {why}")
+                                f"{point['pairs']} pairs; {point['by']}): {why}{caution}")
 
 
 def deciding_threshold(gallery: PersonGallery, saved: SavedBackbone, args: argparse.Namespace
