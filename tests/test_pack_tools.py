@@ -193,6 +193,13 @@ def test_make_synthetic_writes_train_rec_and_val_bin(tmp_path, capsys):
     assert len(bins) == 40 and len(issame) == 20 and sum(issame) == 10
     assert all(isinstance(b, bytes) and b[:2] == b"\xff\xd8" for b in bins)
     assert decode_jpeg(torch.frombuffer(bytearray(bins[0]), dtype=torch.uint8)).shape == (3, 112, 112)
+    # Recorded as the photo tools record theirs (issue 58: the demo's model.json said no preparation): 112x112
+    # faces, which every fit leaves as drawn, and a verification set none of whose identities is trained on.
+    recorded = {"photo_preparation": "resize", "landmarks_file": None, "written_by": "tools.make_synthetic",
+                "same_pixels_as": ["resize", "crop", "pad"]}
+    assert json.loads((tmp_path / "train.rec.preparation.json").read_text()) == recorded
+    assert json.loads((tmp_path / "synthetic_val.bin.preparation.json").read_text()) == {
+        **recorded, "people_in_training": 0}
     # Never overwrites silently.
     assert "already holds" in exits_with(capsys, make_synthetic.main, args)
     assert "--val-pairs 3" in exits_with(capsys, make_synthetic.main, [*args, "--val-pairs", "3"])

@@ -19,10 +19,20 @@ from multiprocessing import Pool
 
 import numpy as np
 
-from dataset import InsightfaceWriter, check_output, encode, identity_records, verification_pairs
+from dataset import (
+    TRAINING_RECORDS,
+    InsightfaceWriter,
+    Preparation,
+    check_output,
+    encode,
+    identity_records,
+    verification_pairs,
+    write_preparation,
+)
 from utils.atomic import atomic_save
 from utils.cli import exit_on_user_error, ignore_ctrl_c
 from utils.errors import ConfigError
+from utils.image import IMAGE_SIZE
 from utils.progress import progress
 
 VAL_NAME = "synthetic_val.bin"
@@ -70,6 +80,13 @@ def main(argv: list[str] | None = None) -> int:
         faces, issame = verification_pairs(val_identities, args.val_pairs, args.seed)
         val_set = ([encode(face, quality=args.quality) for face in faces], issame)
         atomic_save(val_set, os.path.join(args.output, VAL_NAME), write=partial(pickle.dump, protocol=4))
+        # Drawn as 112x112 faces, which every preparation leaves as they are: recorded as tools.pack_rec and
+        # tools.make_bin record theirs, so that a model trained on them says how its photos were prepared, and its
+        # verification set is known to hold none of the training identities.
+        drawn = [(IMAGE_SIZE, IMAGE_SIZE)]
+        write_preparation(os.path.join(args.output, TRAINING_RECORDS), Preparation(), "tools.make_synthetic", drawn)
+        write_preparation(os.path.join(args.output, VAL_NAME), Preparation(), "tools.make_synthetic", drawn,
+                          {"people_in_training": 0})
     print(f"{args.output}: {writer.num_records} records of {args.views} view(s) for {args.identities} identities, "
           f"{VAL_NAME} with {args.val_pairs} pairs of {args.val_identities} held-out identities "
           f"({time.time() - start:.1f} s)")
