@@ -448,3 +448,7 @@ def record_operating_points(network: EvaluatedNetwork, operating_points: dict[st
         return (f"threshold: {summary}; not recorded: {saved.weights} has no model.json beside it (pass the run "
                 f"folder train.py wrote, so that tools.inference can judge pairs by it){caution}")
     return f"threshold recorded in {where} for tools.inference and tools.search: {summary}{caution}"
+
+
+if __name__ == "__main__":
+    sys.exit(main())
