@@ -7,8 +7,8 @@ as arcface_torch saves it, so either project loads the other's with strict=True)
 training data recorded one: what ``save_backbone`` is given; and ``verification``: per verification set,
 the operating point of the model's last verification, during training or by eval.verification, which
 tools.inference's verdict uses; ``threshold_set``: the set among them whose threshold decides, which a set
-evaluated later does not change unless asked). Given the folder, or a ``.pth`` with a ``model.json`` beside it, nothing
-else is needed. A bare ``.pth`` (e.g. from arcface_torch) needs its network and the options it was trained
+evaluated later does not change unless asked). Given the folder, or a ``.pth`` with a ``model.json`` beside
+it, nothing else is needed. A bare ``.pth`` (e.g. from arcface_torch) needs its network and the options it was trained
 with: ``--network r50 --network-kw width_mult=0.25 num_features=256``.
 """
 from __future__ import annotations
