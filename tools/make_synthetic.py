@@ -64,6 +64,17 @@ def check_args(args: argparse.Namespace) -> None:
                           "more and an even --val-pairs of 2 or more")
 
 
+def record_preparation(folder: str | os.PathLike) -> None:
+    """Record beside the data in ``folder`` how its faces were prepared, as tools.pack_rec and tools.make_bin
+    record theirs: drawn as 112x112 faces, which every preparation leaves as they are, and a verification set none
+    of whose identities is trained on; so that a model trained on them (the demo's) says so in its model.json. The
+    tool itself leaves it out: its data stands for records packed elsewhere, which record nothing."""
+    drawn = [(IMAGE_SIZE, IMAGE_SIZE)]
+    write_preparation(os.path.join(folder, TRAINING_RECORDS), Preparation(), "tools.make_synthetic", drawn)
+    write_preparation(os.path.join(folder, VAL_NAME), Preparation(), "tools.make_synthetic", drawn,
+                      {"people_in_training": 0})
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     with exit_on_user_error():
@@ -80,13 +91,6 @@ def main(argv: list[str] | None = None) -> int:
         faces, issame = verification_pairs(val_identities, args.val_pairs, args.seed)
         val_set = ([encode(face, quality=args.quality) for face in faces], issame)
         atomic_save(val_set, os.path.join(args.output, VAL_NAME), write=partial(pickle.dump, protocol=4))
-        # Drawn as 112x112 faces, which every preparation leaves as they are: recorded as tools.pack_rec and
-        # tools.make_bin record theirs, so that a model trained on them says how its photos were prepared, and its
-        # verification set is known to hold none of the training identities.
-        drawn = [(IMAGE_SIZE, IMAGE_SIZE)]
-        write_preparation(os.path.join(args.output, TRAINING_RECORDS), Preparation(), "tools.make_synthetic", drawn)
-        write_preparation(os.path.join(args.output, VAL_NAME), Preparation(), "tools.make_synthetic", drawn,
-                          {"people_in_training": 0})
     print(f"{args.output}: {writer.num_records} records of {args.views} view(s) for {args.identities} identities, "
           f"{VAL_NAME} with {args.val_pairs} pairs of {args.val_identities} held-out identities "
           f"({time.time() - start:.1f} s)")
