@@ -18,8 +18,8 @@ threshold chosen for one pair (verification's, at its false-accept rate) lets fa
 The search threshold is set on the gallery itself: each gallery photo searched among the *other* people is a
 face the gallery does not hold, and the threshold is the similarity that --fpir (default 0.01) of those best
 scores pass (eval.identification's placement, as the IJB 1:N evaluation places it). n photos place no rate
-below 2/n (the threshold is the k-th highest of their scores, k = n * FPIR, and one passes fewer than it: the
-rate needs k >= 2): a gallery too small for --fpir (32 photos for 0.01 or 0.05) says so and sets the threshold
+below 2/n (the threshold is their k-th highest score, k = int(n * FPIR), which k - 1 of them pass: a rate
+needs k >= 2): a gallery too small for --fpir (32 photos for 0.01 or 0.05) says so and sets the threshold
 at 2/n, the lowest rate it can place, instead. A known person must also pass the pair threshold of the set
 --threshold-set names (by default the set model.json names, else the largest recorded set of people kept out of
 training, as tools.inference and eval.verification choose it): the higher of the two decides. The first lines
