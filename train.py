@@ -16,7 +16,7 @@ import json
 import logging
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
@@ -25,6 +25,7 @@ from typing import NoReturn
 import torch
 
 from backbones.trained import BACKBONE_NAME, MODEL_INFO_NAME, find_saved_backbone
+from checkpoint.backbone_network import NETWORK_KEYS, backbone_network_sets, network_words
 from checkpoint.checkpointer import Checkpointer, Renumbering, last_good
 from checkpoint.last_start import KilledStart, killed_start
 from checkpoint.restored import Restored
@@ -67,7 +68,7 @@ from training.state import (
 from training.step import StepOutcome, train_step
 from utils.cli import report
 from utils.compat import require_supported_torch
-from utils.config import check_data_path, planned_world_size
+from utils.config import check_data_path, planned_world_size, set_item
 from utils.device import choose_device, configure_numerics, describe_device
 from utils.distributed import backend, cleanup, init_distributed, is_main, lost_peer, nodes, rank, run_on_rank0, world
 from utils.errors import ConfigError, TrainingError, UserError
@@ -121,6 +122,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         if kept:  # what the run was started with, unless said otherwise now
             overrides = kept + overrides
             cfg = load_config(args.config, overrides)
+        config_said = {key: getattr(cfg, key) for key in NETWORK_KEYS}
+        if adopted := backbone_network_sets(cfg, overrides):  # the backbone's network keys, where the config's differ
+            overrides = overrides + [set_item(key, value) for key, value in adopted.items()]
+            cfg = load_config(args.config, overrides)
         if args.dry_run:
             print(dry_run_report(cfg, planned_world_size(args.world_size, os.environ), args.json, _device_memory(args)))
             return 0
@@ -133,7 +138,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if launched_rank() == 0:
             announce_verdict(phase, NO_CONFIG_ERROR)
         phase = "training"
-        _train_in_process_group(cfg, device, RunSettings(args.config, overrides, kept, args.start_over), sources)
+        settings = RunSettings(args.config, overrides, kept, config_said if adopted else None, args.start_over)
+        _train_in_process_group(cfg, device, settings, sources)
     except UserError as error:
         _report_user_error(error, phase)
         return 1
@@ -315,6 +321,8 @@ class RunSettings:
     config_file: str
     overrides: Sequence[str] = ()
     kept: Sequence[str] = ()
+    # The config's network keys, when the backbone it starts from replaced them (its model.json's, now --set values)
+    replaced_network: Mapping[str, object] | None = None
     start_over: bool = False  # --start-over: a run killed before its first whole checkpoint starts again in its folder
 
     @property
@@ -334,6 +342,12 @@ def train(cfg: SimpleNamespace, device: torch.device, settings: RunSettings,
     restarted = run_on_rank0(lambda: continues_torchrun_run(cfg.output, torchrun_run_id()))
     source = run_on_rank0(lambda: resolve_resume(cfg.output, AUTO if restarted else cfg.resume,
                                            settings.resume_command.with_sets, settings.start_over))
+    if source is None and (cfg.freeze_backbone or cfg.freeze_backbone_steps):
+        frozen = "freeze_backbone=True" if cfg.freeze_backbone else f"freeze_backbone_steps={cfg.freeze_backbone_steps}"
+        raise ConfigError(f"{frozen} keeps the backbone as it starts, but this run starts it from nothing (resume "
+                          "names no trained backbone), so the class centres would learn random features; set "
+                          "resume=path/to/backbone.pth to fine-tune a trained one, or freeze_backbone=False and "
+                          "freeze_backbone_steps=0 to train from nothing")
     killed = run_on_rank0(lambda: killed_start(cfg.output), share=False)  # read before this start writes its log
     made = not os.path.isdir(cfg.output)
     lock = run_on_rank0(lambda: lock_run_dir(cfg.output, torchrun_run_id()), share=False)
@@ -363,6 +377,10 @@ def _train_in_folder(cfg: SimpleNamespace, device: torch.device, source, restart
     if settings.kept:
         log.info("kept from the run's earlier start (%s): --set %s; give --set again to change one",
                  RUN_CONFIG_NAME, " --set ".join(settings.kept))
+    if settings.replaced_network:
+        log.info("network %s: from %s beside the backbone it starts from (resume), in place of the config's %s",
+                 network_words(vars(cfg)), Path(cfg.resume).parent / MODEL_INFO_NAME,
+                 network_words(settings.replaced_network))
     log.info("device %s, backend %s, %d process(es) on %d node(s)", describe_device(device), backend(), world(),
              nodes())
     if cfg.fp16 and device.type == "cpu":
@@ -393,7 +411,7 @@ def _train_in_folder(cfg: SimpleNamespace, device: torch.device, source, restart
                     "resuming from its last whole checkpoint (the steps after it are trained again)" if restored
                     else "starting it over (nothing was deleted; training.log and TensorBoard go on)")
     wrap_for_the_step(state, cfg, device)
-    _log_fine_tuning(cfg, state)
+    _log_fine_tuning(cfg, state, counter.steps_per_epoch)
     if source is not None and isinstance(source.importer, BareBackbone):
         _log_backbone_preparation(source.path, cfg.rec)
     total_steps = counter.steps_per_epoch * cfg.num_epoch
@@ -425,7 +443,7 @@ def _train_in_folder(cfg: SimpleNamespace, device: torch.device, source, restart
     return results
 
 
-def _log_fine_tuning(cfg: SimpleNamespace, state: TrainingState) -> None:
+def _log_fine_tuning(cfg: SimpleNamespace, state: TrainingState, steps_per_epoch: int) -> None:
     if cfg.backbone_lr_mult != 1.0:
         log.info("the backbone's lr is backbone_lr_mult=%g times the scheduled lr (the class centres')",
                  cfg.backbone_lr_mult)
@@ -433,9 +451,9 @@ def _log_fine_tuning(cfg: SimpleNamespace, state: TrainingState) -> None:
         log.info("every step trains the class centres alone (freeze_backbone): the backbone's weights and BatchNorm "
                  "statistics stay as they are")
     elif backbone_frozen(state, cfg):  # not after a resume past those steps: they are behind it
-        log.info("steps %d to %d of the LR schedule train the class centres alone (freeze_backbone_steps): the "
-                 "backbone's weights and BatchNorm statistics stay as they are", state.scheduler.last_epoch + 1,
-                 cfg.freeze_backbone_steps)
+        log.info("steps %d to %d of the LR schedule train the class centres alone (freeze_backbone_steps; %.3g "
+                 "epochs of this data): the backbone's weights and BatchNorm statistics stay as they are",
+                 state.scheduler.last_epoch + 1, cfg.freeze_backbone_steps, cfg.freeze_backbone_steps / steps_per_epoch)
 
 
 def _log_backbone_preparation(weights: Path, rec: str) -> None:

@@ -6,8 +6,9 @@ as arcface_torch saves it, so either project loads the other's with strict=True)
 (``network``, ``network_kwargs``, ``embedding_size``, ``num_classes``, and ``photo_preparation`` when the
 training data recorded one: what ``save_backbone`` is given; and ``verification``: per verification set,
 the operating point of the model's last verification, during training or by eval.verification, which
-tools.inference's verdict uses). Given the folder, or a ``.pth`` with a ``model.json`` beside it, nothing
-else is needed. A bare ``.pth`` (e.g. from arcface_torch) needs its network and the options it was trained
+tools.inference's verdict uses; ``threshold_set``: the set among them whose threshold decides, which a set
+evaluated later does not change unless asked). Given the folder, or a ``.pth`` with a ``model.json`` beside
+it, nothing else is needed. A bare ``.pth`` (e.g. from arcface_torch) needs its network and the options it was trained
 with: ``--network r50 --network-kw width_mult=0.25 num_features=256``.
 """
 from __future__ import annotations
@@ -50,28 +51,55 @@ def save_backbone(backbone: nn.Module, output_dir: str | os.PathLike, architectu
     return path
 
 
-def record_verification(saved: SavedBackbone, verification: Mapping) -> Path | None:
+def record_verification(saved: SavedBackbone, verification: Mapping, decides: str | None = None) -> Path | None:
     """Put `verification` ({set name: operating point}) in the model.json beside `saved`'s weights, replacing
     what was recorded before for those sets (the others stay: a set evaluated alone does not take the place of
-    the held-out one); the file written, or None when the weights have no model.json (a bare .pth)."""
+    the held-out one), and name the set whose threshold decides: `decides` when given, else the one that decided
+    before, so that evaluating another set never changes the verdicts of tools.inference and tools.search unless
+    asked (with nothing recorded before, the one deciding_set picks). The file written, or None when the weights
+    have no model.json (a bare .pth)."""
     info_path = saved.weights.parent / MODEL_INFO_NAME
     if not info_path.is_file():
         return None
-    info = {key: value for key, value in json.loads(info_path.read_text()).items() if key != "verification"}
-    _write_model_info(info_path, model_info(info, {**saved.verification, **verification}))
+    recorded = {**saved.verification, **verification}
+    if decides is None:
+        decides = deciding_set(saved.verification or recorded, None, info_path, saved.threshold_set)[0]
+    _write_model_info(info_path, {**_info_without_verification(info_path), THRESHOLD_SET_KEY: decides,
+                                  "verification": recorded})
     return info_path
 
 
 def forget_verification(saved: SavedBackbone, names: Sequence[str]) -> Path | None:
     """Take the sets `names` out of the model.json beside `saved`'s weights (their thresholds no longer judge
-    pairs); the file written, or None when the weights have no model.json."""
+    pairs; a forgotten deciding set leaves the choice to deciding_set's rule); the file written, or None when the
+    weights have no model.json."""
     info_path = saved.weights.parent / MODEL_INFO_NAME
     if not info_path.is_file():
         return None
-    info = {key: value for key, value in json.loads(info_path.read_text()).items() if key != "verification"}
-    _write_model_info(info_path, model_info(info, {name: point for name, point in saved.verification.items()
-                                                   if name not in names}))
+    kept = {name: point for name, point in saved.verification.items() if name not in names}
+    decides = {THRESHOLD_SET_KEY: saved.threshold_set} if saved.threshold_set in kept else {}
+    _write_model_info(info_path, {**_info_without_verification(info_path), **decides, **model_info({}, kept)})
     return info_path
+
+
+def _info_without_verification(info_path: Path) -> dict:
+    return {key: value for key, value in json.loads(info_path.read_text()).items()
+            if key not in ("verification", THRESHOLD_SET_KEY)}
+
+
+# A threshold this loose (more than this share of different-person pairs pass it) judges pairs little better than
+# a guess of "same person": recorded and used, but said each time it is.
+WEAK_FAR = 0.1
+
+
+def weak_threshold_caution(name: str, point: Mapping) -> str | None:
+    """The caution line for a recorded threshold that lets more than WEAK_FAR of different-person pairs pass, else
+    None."""
+    if point["far"] <= WEAK_FAR:
+        return None
+    return (f"caution: the threshold of {name} ({point['threshold']:.4f}) lets {point['far']:.2g} of its different-"
+            f"person pairs pass (FAR {point['far']:.2g}, above {WEAK_FAR:g}): a weak model, whose 'same person' is "
+            "often wrong; train it further or on more people before trusting its verdicts")
 
 
 def far_words(point: Mapping) -> str:
@@ -82,8 +110,11 @@ def far_words(point: Mapping) -> str:
     return f"FAR {point['far']:.4g}"
 
 
-THRESHOLD_SET_DEFAULT = ("the largest (by pairs) of the recorded sets whose people were kept out of training, else "
-                         "the largest not known to hold training people, else the largest recorded")
+THRESHOLD_SET_KEY = "threshold_set"
+THRESHOLD_SET_DEFAULT = ("the set model.json names (threshold_set: the one deciding when eval.verification first "
+                         "recorded a set there, or the one its --threshold-set named), else the largest (by pairs) of "
+                         "the recorded sets whose people were kept out of training, else the largest not known to "
+                         "hold training people, else the largest recorded")
 THRESHOLD_SET_HELP = ("which verification set recorded in the model's model.json decides, by its threshold (a set is "
                       "named by its .bin file name without .bin, as model.json lists it); default: "
                       f"{THRESHOLD_SET_DEFAULT}")
@@ -95,16 +126,20 @@ def add_threshold_set_argument(parser: argparse.ArgumentParser, help_text: str =
     parser.add_argument("--threshold-set", metavar="NAME", help=help_text)
 
 
-def deciding_set(verification: Mapping[str, Mapping], requested: str | None, where: str | os.PathLike
-                 ) -> tuple[str, str]:
+def deciding_set(verification: Mapping[str, Mapping], requested: str | None, where: str | os.PathLike,
+                 named: str | None = None) -> tuple[str, str]:
     """The recorded set (of ``verification``, model.json's at ``where``) whose threshold decides, and why:
-    ``requested`` (--threshold-set), else as THRESHOLD_SET_HELP says. The largest set, since a threshold chosen
-    on a few pairs moves with every pair; ties go to the set recorded first."""
+    ``requested`` (--threshold-set), else ``named`` (model.json's threshold_set) while it is recorded, else as
+    THRESHOLD_SET_HELP says. The largest set, since a threshold chosen on a few pairs moves with every pair; ties
+    go to the set recorded first."""
     if requested is not None:
         if requested not in verification:
             raise ConfigError(f"--threshold-set {requested}: {where} records no set of that name (recorded: "
                               f"{', '.join(verification) or 'none'}); pass one of those")
         return requested, "--threshold-set"
+    if named in verification:
+        return named, (f"the set {MODEL_INFO_NAME} names ({THRESHOLD_SET_KEY}; eval.verification --threshold-set "
+                       "NAME names another)")
     for wanted, why in ((True, "the largest recorded set of people kept out of training"),
                         (None, "the largest recorded set not known to hold training people")):
         candidates = [name for name, point in verification.items() if point.get("held_out") is wanted]
@@ -132,6 +167,7 @@ class SavedBackbone:
     options: dict[str, object] = field(default_factory=dict)
     verification: dict[str, dict] = field(default_factory=dict)  # model.json's, see the module doc
     photo_preparation: str | None = None  # how its training photos were prepared (model.json), if known
+    threshold_set: str | None = None  # the recorded set whose threshold decides (model.json), if it names one
 
     @property
     def info_path(self) -> Path:
@@ -159,9 +195,9 @@ def parse_network_kw(items: Sequence[str]) -> dict[str, object]:
     return options
 
 
-def _read_model_info(path: Path) -> tuple[str, dict[str, object], dict[str, dict], str | None]:
-    """``(network, get_model options, verification, photo preparation)`` from a model.json; the embedding size
-    becomes num_features."""
+def _read_model_info(path: Path) -> tuple[str, dict[str, object], dict[str, dict], str | None, str | None]:
+    """``(network, get_model options, verification, photo preparation, deciding set)`` from a model.json; the
+    embedding size becomes num_features."""
     fix = "pass the .pth file with --network NAME instead, or the run folder train.py wrote"
     try:
         info = json.loads(path.read_text())
@@ -183,7 +219,9 @@ def _read_model_info(path: Path) -> tuple[str, dict[str, object], dict[str, dict
     if preparation is not None and preparation not in PREPARATIONS:
         raise WeightsError(f"{path} records photo_preparation {preparation!r}, not one of {', '.join(PREPARATIONS)}; "
                            "remove that key, or use the model.json train.py wrote")
-    return info["network"], options, verification if isinstance(verification, dict) else {}, preparation
+    decides = info.get(THRESHOLD_SET_KEY)
+    return (info["network"], options, verification if isinstance(verification, dict) else {}, preparation,
+            decides if isinstance(decides, str) else None)
 
 
 def _merge(info_path: Path, saved_network: str, saved_options: dict[str, object], network: str | None,
@@ -215,9 +253,9 @@ def find_saved_backbone(path: str | Path, network: str | None = None,
         raise WeightsError(f"weights file {located(path)} does not exist; pass a run folder written by train.py or "
                            "a backbone .pth file")
     info_path = weights.parent / MODEL_INFO_NAME
-    verification, preparation = {}, None
+    verification, preparation, decides = {}, None, None
     if info_path.is_file():
-        saved_network, saved_options, verification, preparation = _read_model_info(info_path)
+        saved_network, saved_options, verification, preparation, decides = _read_model_info(info_path)
         network, options = _merge(info_path, saved_network, saved_options, network, options)
     elif network is None:
         suggestion = suggest_network(read_state_dict(weights))
@@ -225,7 +263,7 @@ def find_saved_backbone(path: str | Path, network: str | None = None,
         raise ConfigError(f"{weights} is a bare backbone without a {MODEL_INFO_NAME} beside it; pass --network NAME "
                           f"and the options it was trained with as --network-kw KEY=VALUE{hint}")
     return SavedBackbone(weights=weights, network=network, options=options, verification=verification,
-                         photo_preparation=preparation)
+                         photo_preparation=preparation, threshold_set=decides)
 
 
 def load_saved_backbone(path: str | Path, network: str | None = None, options: Mapping[str, object] | None = None,

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -69,6 +70,12 @@ def _fits(state_dict: dict, name: str, **options) -> bool:
 
 def suggest_network(state_dict: dict[str, torch.Tensor]) -> str | None:
     """'network r18, width_mult=0.5, num_features=512' for the network the weights fit, else None."""
+    fitting = fitting_network(state_dict)
+    return None if fitting is None else f"network {fitting[0]}, width_mult={fitting[1]:g}, num_features={fitting[2]}"
+
+
+def fitting_network(state_dict: dict[str, torch.Tensor]) -> tuple[str, float, int] | None:
+    """``(network, width_mult, num_features)`` the weights fit, else None."""
     embedding_keys = [key for key in state_dict if key.endswith("running_mean")]
     if not embedding_keys:
         return None
@@ -81,7 +88,7 @@ def suggest_network(state_dict: dict[str, torch.Tensor]) -> str | None:
     candidates.sort(key=lambda candidate: candidate[1] != 1)
     for name, width_mult in candidates:
         if _fits(state_dict, name, width_mult=width_mult, num_features=num_features):
-            return f"network {name}, width_mult={width_mult:g}, num_features={num_features}"
+            return name, width_mult, int(num_features)
     return None
 
 
@@ -94,12 +101,15 @@ def load_backbone(
     network: str,
     weights: str | Path,
     device: str | torch.device = "cpu",
+    settings_fix: Callable[[str, float, int], str] | None = None,
     **model_options,
 ) -> nn.Module:
     """Backbone ``network`` built with ``model_options`` (see get_model), weights loaded strictly, in eval mode.
 
     Raises WeightsError for a missing file, and naming the missing, unexpected and
-    mis-shaped keys (and the network the file does fit, when one does) for anything else.
+    mis-shaped keys (and the network the file does fit, when one does) for anything else;
+    ``settings_fix(network, width_mult, num_features)`` words how to give the fitting network's settings where the
+    caller takes them (default: "use those settings").
     """
     model = get_model(network, **model_options)
     state_dict = read_state_dict(weights)
@@ -112,9 +122,10 @@ def load_backbone(
             if items
         ]
         options = ", ".join(f"{k}={v}" for k, v in model_options.items())
-        suggestion = suggest_network(state_dict)
-        fix = (f"it fits {suggestion}: use those settings" if suggestion
-               else "pass the network (and width/embedding size) it was trained with")
+        fitting = fitting_network(state_dict)
+        fix = ("pass the network (and width/embedding size) it was trained with" if fitting is None else
+               f"it fits {suggest_network(state_dict)}: "
+               f"{'use those settings' if settings_fix is None else settings_fix(*fitting)}")
         raise WeightsError(
             f"{weights} does not fit network {network}{f' ({options})' if options else ''}: "
             f"{', '.join(problems)}; {fix}"

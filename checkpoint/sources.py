@@ -27,6 +27,7 @@ from checkpoint.pointer import POINTER_NAME, complete_folders, folder_step
 from checkpoint.restored import Restored, check_architecture
 from training.components import optimizer_index
 from training.state import TrainingState, restore_components
+from utils.config import set_arguments
 from utils.distributed import rank, world
 from utils.errors import CheckpointError, located
 from utils.torch_files import load_torch_file
@@ -127,8 +128,14 @@ class BareBackbone:
         return path if path.is_file() else None
 
     def restore(self, path: Path, architecture: Mapping, state: TrainingState) -> None:
+        def as_sets(network: str, width_mult: float, num_features: int) -> str:
+            options = {key: value for key, value in architecture["network_kwargs"].items() if key != "width_mult"}
+            options |= {"width_mult": width_mult} if width_mult != 1 else {}
+            return "start with " + set_arguments({"network": network, "network_kwargs": options,
+                                                  "embedding_size": num_features})
+
         weights = load_backbone(architecture["network"], path, num_features=architecture["embedding_size"],
-                                **architecture["network_kwargs"])
+                                settings_fix=as_sets, **architecture["network_kwargs"])
         restore_components(state, {"backbone": weights.state_dict()})  # an EMA, too, starts from these weights
         log.info("initialised the backbone from %s (a bare backbone: class centres, optimizer and schedule "
                  "start fresh)", path)

@@ -29,11 +29,13 @@ from torch import nn
 
 from backbones.trained import (
     THRESHOLD_SET_DEFAULT,
+    THRESHOLD_SET_KEY,
     add_threshold_set_argument,
     deciding_set,
     far_words,
     forget_verification,
     record_verification,
+    weak_threshold_caution,
 )
 from dataset import held_out, preparation_note
 from eval.cli import EvaluatedNetwork, add_network_arguments, check_positive, open_network, output_prefix
@@ -319,8 +321,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                              "its file name without .bin, as model.json lists it), so that tools.inference and "
                              "tools.search no longer judge pairs by them")
     add_threshold_set_argument(parser, "the set (of those model.json records after this evaluation) whose threshold "
-                               "the last line names as the one that decides the verdicts of tools.inference and "
-                               "tools.search, as their --threshold-set picks it; default, as theirs: "
+                               "decides the verdicts of tools.inference and tools.search from now on: model.json "
+                               f"names it ({THRESHOLD_SET_KEY}); default: the set that decided before (evaluating a "
+                               "set does not change it), with none recorded before, as those tools pick one: "
                                f"{THRESHOLD_SET_DEFAULT}")
     parser.add_argument("--batch-size", type=int, default=64,
                         help="images per forward pass (memory only: the scores do not depend on it)")
@@ -421,21 +424,30 @@ def forget(network: EvaluatedNetwork, names: Sequence[str]) -> str:
 def record_operating_points(network: EvaluatedNetwork, operating_points: dict[str, dict],
                             threshold_set: str | None = None) -> str:
     """Record this evaluation's thresholds in the model.json beside PyTorch weights, for the verdicts of
-    tools.inference and tools.search; the line that says what happened and which recorded set's threshold
-    decides (``threshold_set``, else the one backbones.trained.deciding_set picks, as those tools do)."""
-    recorded = {**(network.saved.verification if network.saved is not None else {}),
-                **{name: {**point, "by": "eval.verification"} for name, point in operating_points.items()}}
-    name, why = deciding_set(recorded, threshold_set, "this evaluation or the model's model.json")
+    tools.inference and tools.search, with the set whose threshold decides them: ``threshold_set`` when asked,
+    else the one that decided before (backbones.trained.record_verification); the line that says what happened
+    and which set decides."""
+    saved = network.saved
+    before = {} if saved is None else saved.verification
+    recorded = {**before, **{name: {**point, "by": "eval.verification"} for name, point in operating_points.items()}}
+    if threshold_set is not None:
+        name, why = deciding_set(recorded, threshold_set, "this evaluation or the model's model.json")
+    elif before:
+        name, why = deciding_set(before, None, saved.info_path, saved.threshold_set)
+        why += "; kept: evaluating a set does not change the deciding one unless --threshold-set names it"
+    else:
+        name, why = deciding_set(recorded, None, "this evaluation")
     point = recorded[name]
     summary = (f"same person above cosine similarity {point['threshold']:.4f} ({far_words(point)} on {name}, "
                f"{point['pairs']} pairs: {why})")
-    if network.saved is None:
-        return f"threshold: {summary}; not recorded for an --onnx model"
-    where = record_verification(network.saved, {name: recorded[name] for name in operating_points})
+    caution = "".join(f"\n{line}" for line in [weak_threshold_caution(name, point)] if line)
+    if saved is None:
+        return f"threshold: {summary}; not recorded for an --onnx model{caution}"
+    where = record_verification(saved, {name: recorded[name] for name in operating_points}, name)
     if where is None:
-        return (f"threshold: {summary}; not recorded: {network.saved.weights} has no model.json beside it (pass the "
-                "run folder train.py wrote, so that tools.inference can judge pairs by it)")
-    return f"threshold recorded in {where} for tools.inference and tools.search: {summary}"
+        return (f"threshold: {summary}; not recorded: {saved.weights} has no model.json beside it (pass the run "
+                f"folder train.py wrote, so that tools.inference can judge pairs by it){caution}")
+    return f"threshold recorded in {where} for tools.inference and tools.search: {summary}{caution}"
 
 
 if __name__ == "__main__":

@@ -65,6 +65,20 @@ def test_the_walk_through_is_the_six_steps_the_readme_explains():
         ["python", "-m", "tools.inference"]]
 
 
+def test_what_the_readmes_commands_write_in_a_checkout_is_ignored_by_git():
+    """Run in a checkout, the walk-through leaves photos_val/ beside photos/, tools.search its gallery file beside the
+    gallery and eval.compare its plot: none of them shows as untracked (issue 58)."""
+    written = ["photos/s1/1.png", "photos_val/s21/1.png", "photos.gallery.npz", "runs_compared.png",
+               "runs_compared-2.png"]
+    checked = subprocess.run(["git", "check-ignore", "--no-index", *written], cwd=ROOT, capture_output=True, text=True)
+    assert checked.stdout.split() == written
+
+
+def test_the_own_photos_section_names_keep_best():
+    section = (ROOT / "README.md").read_text().split("## Your own photos", 1)[1].split("\n## ", 1)[0]
+    assert "--set keep_best=my_faces_val" in section and "output/my_faces/best" in section
+
+
 def test_records_and_the_bin_set_are_prepared_alike_without_stretching(walked):
     assert "60 records of 2 view(s), 20 identities (classes 0..19), crop to 112x112" in walked["tools.pack_rec"].stdout
     assert "100 pairs (50 same person, 50 different)" in walked["tools.make_bin"].stdout

@@ -15,9 +15,9 @@ import torch
 from PIL import Image
 from torchvision.io import decode_jpeg
 
-from dataset import RecordReader, build_dataset, unpack
+from dataset import RecordReader, build_dataset, recorded_preparation, unpack
 from tests.run_helpers import start_command
-from tools import make_synthetic, pack_rec
+from tools import demo, make_synthetic, pack_rec
 
 # (size, PIL mode, file suffix) per image: mixed sizes, grayscale, alpha and palette images.
 IMAGE_KINDS = [((130, 150), "RGB", ".jpg"), ((80, 60), "L", ".png"), ((112, 112), "RGBA", ".png"),
@@ -232,6 +232,23 @@ def ctrl_c_once_it_says(arguments: list[str], console: Path, text: str) -> tuple
 def assert_stopped_by_ctrl_c(status: int, output: str) -> None:
     assert status == 130 and "Traceback" not in output and "KeyboardInterrupt" not in output, output[-3000:]
     assert output.splitlines()[-1] == "stopped by Ctrl-C" and output.count("stopped by Ctrl-C") == 1, output[-3000:]
+
+
+def test_the_demos_data_records_its_preparation_as_the_photo_tools_record_theirs(tmp_path, capsys):
+    """Issue 58: the demo's model.json said nothing of how its photos were prepared. Its data, made now or by an
+    earlier demo: 112x112 faces, which every fit leaves as drawn, and a verification set of identities none of
+    which is trained on."""
+    assert make_synthetic.main(["--output", str(tmp_path), "--identities", "4", "--images-per-identity", "2",
+                                "--val-identities", "2", "--val-pairs", "2", "--workers", "1"]) == 0
+    assert not (tmp_path / "train.rec.preparation.json").exists()  # the tool alone: data as if packed elsewhere
+    demo.ensure_data(tmp_path)
+    assert f"demo: using the synthetic data in {tmp_path}" in capsys.readouterr().out
+    recorded = {"photo_preparation": "resize", "landmarks_file": None, "written_by": "tools.make_synthetic",
+                "same_pixels_as": ["resize", "crop", "pad"]}
+    assert json.loads((tmp_path / "train.rec.preparation.json").read_text()) == recorded
+    assert json.loads((tmp_path / "synthetic_val.bin.preparation.json").read_text()) == {
+        **recorded, "people_in_training": 0}
+    assert recorded_preparation(str(tmp_path)) == "resize"  # what training carries into model.json
 
 
 def test_ctrl_c_stops_pack_rec_and_make_synthetic_in_one_line_leaving_no_output_folder(tmp_path):

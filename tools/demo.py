@@ -31,13 +31,16 @@ TARGET = 0.95
 
 
 def ensure_data(folder: Path) -> None:
+    """The demo's data in ``folder``, made when missing, with its preparation recorded (also in data an earlier
+    demo made without the record), so that the demo's model.json says how its photos were prepared."""
     wanted = ("train.rec", "train.idx", make_synthetic.VAL_NAME)
     if all((folder / name).is_file() for name in wanted):
         print(f"demo: using the synthetic data in {folder}")
-        return
-    print(f"demo: making synthetic two-view data in {folder}")
-    if make_synthetic.main(["--output", str(folder), *DATA_ARGS, "--overwrite"]) != 0:
-        raise SystemExit("demo: could not make the synthetic data (see the error above)")
+    else:
+        print(f"demo: making synthetic two-view data in {folder}")
+        if make_synthetic.main(["--output", str(folder), *DATA_ARGS, "--overwrite"]) != 0:
+            raise SystemExit("demo: could not make the synthetic data (see the error above)")
+    make_synthetic.record_preparation(folder)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -15,10 +15,12 @@ embedding is the photo's and its mirror image's summed and L2-normalised, as ver
 photo: its embedding is printed, or saved as a float32 .npy of shape (num_features,). Two photos: their
 cosine similarity, the verdict at the threshold of every verification set recorded in model.json (by training
 or eval.verification: the similarity above which a pair is the same person, and the false-accept rate it gave
-on that set), and the one verdict that decides: by the set --threshold-set names, by default the largest (by
-pairs) of the recorded sets whose people were kept out of training, else the largest not known to hold
-training people, else the largest recorded (eval.verification and tools.search choose it the same way);
---save writes both embeddings, shape (2, num_features).
+on that set), and the one verdict that decides: by the set --threshold-set names, by default the set model.json
+names (threshold_set: the first set eval.verification recorded, unless its --threshold-set named another; a set
+evaluated later does not change it), else the largest (by pairs) of the recorded sets whose people were kept
+out of training, else the largest not known to hold training people, else the largest recorded
+(eval.verification and tools.search choose it the same way); a caution line when that threshold lets more than
+a tenth of its set's different-person pairs pass; --save writes both embeddings, shape (2, num_features).
 """
 from __future__ import annotations
 
@@ -31,7 +33,7 @@ import numpy as np
 import torch
 
 from backbones import flip_fused_embeddings, read_face_image
-from backbones.trained import add_threshold_set_argument, deciding_set, far_words
+from backbones.trained import add_threshold_set_argument, deciding_set, far_words, weak_threshold_caution
 from dataset import add_preparation_arguments, preparation_following
 from eval.cli import EvaluatedNetwork, add_network_arguments, open_network
 from utils.cli import exit_on_user_error
@@ -71,10 +73,11 @@ def verdicts(similarity: float, network: EvaluatedNetwork, threshold_set: str | 
         said[name] = "same person" if similarity > point["threshold"] else "different people"
         lines.append(f"{said[name]} at threshold {point['threshold']:.4f} ({far_words(point)} on {name}, "
                      f"{point['pairs']} pairs; {point['by']})")
-    name, why = deciding_set(saved.verification, threshold_set, saved.info_path)
+    name, why = deciding_set(saved.verification, threshold_set, saved.info_path, saved.threshold_set)
     if len(lines) > 1 or threshold_set is not None:
         lines.append(f"verdict: {said[name]}, by the threshold of {name} ({why})")
-    return lines
+    caution = weak_threshold_caution(name, saved.verification[name])
+    return lines + ([caution] if caution else [])
 
 
 def report(embeddings: np.ndarray, save: Path | None, network: EvaluatedNetwork, threshold_set: str | None) -> None:

@@ -19,10 +19,20 @@ from multiprocessing import Pool
 
 import numpy as np
 
-from dataset import InsightfaceWriter, check_output, encode, identity_records, verification_pairs
+from dataset import (
+    TRAINING_RECORDS,
+    InsightfaceWriter,
+    Preparation,
+    check_output,
+    encode,
+    identity_records,
+    verification_pairs,
+    write_preparation,
+)
 from utils.atomic import atomic_save
 from utils.cli import exit_on_user_error, ignore_ctrl_c
 from utils.errors import ConfigError
+from utils.image import IMAGE_SIZE
 from utils.progress import progress
 
 VAL_NAME = "synthetic_val.bin"
@@ -52,6 +62,17 @@ def check_args(args: argparse.Namespace) -> None:
         raise ConfigError(f"--identities {args.identities}, --val-identities {args.val_identities} and --val-pairs "
                           f"{args.val_pairs} make no data set; pass --identities 1 or more, --val-identities 2 or "
                           "more and an even --val-pairs of 2 or more")
+
+
+def record_preparation(folder: str | os.PathLike) -> None:
+    """Record beside the data in ``folder`` how its faces were prepared, as tools.pack_rec and tools.make_bin
+    record theirs: drawn as 112x112 faces, which every preparation leaves as they are, and a verification set none
+    of whose identities is trained on; so that a model trained on them (the demo's) says so in its model.json. The
+    tool itself leaves it out: its data stands for records packed elsewhere, which record nothing."""
+    drawn = [(IMAGE_SIZE, IMAGE_SIZE)]
+    write_preparation(os.path.join(folder, TRAINING_RECORDS), Preparation(), "tools.make_synthetic", drawn)
+    write_preparation(os.path.join(folder, VAL_NAME), Preparation(), "tools.make_synthetic", drawn,
+                      {"people_in_training": 0})
 
 
 def main(argv: list[str] | None = None) -> int:

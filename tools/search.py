@@ -17,10 +17,13 @@ Open-set search, as identification systems decide it: every query meets every pe
 threshold chosen for one pair (verification's, at its false-accept rate) lets far too many strangers through.
 The search threshold is set on the gallery itself: each gallery photo searched among the *other* people is a
 face the gallery does not hold, and the threshold is the similarity that --fpir (default 0.01) of those best
-scores pass (eval.identification's placement, as the IJB 1:N evaluation places it; with fewer than 2/FPIR
-photos, their highest score, which none passes). A known person must also pass the pair threshold of the set
---threshold-set names (by default the largest recorded set of people kept out of training, as tools.inference
-and eval.verification choose it): the higher of the two decides. The first lines say both and which decides.
+scores pass (eval.identification's placement, as the IJB 1:N evaluation places it). n photos place no rate
+below 2/n (the threshold is their k-th highest score, k = int(n * FPIR), which k - 1 of them pass: a rate
+needs k >= 2): a gallery too small for --fpir (32 photos for 0.01 or 0.05) says so and sets the threshold
+at 2/n, the lowest rate it can place, instead. A known person must also pass the pair threshold of the set
+--threshold-set names (by default the set model.json names, else the largest recorded set of people kept out of
+training, as tools.inference and eval.verification choose it): the higher of the two decides. The first lines
+say both and which decides; --threshold SIMILARITY decides by that similarity alone.
 
 For each query: the --top most similar people with their cosine similarity, then "known person NAME" when the
 best similarity is above the deciding threshold, else "unknown".
@@ -29,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 import os
 import sys
 import time
@@ -45,6 +49,7 @@ from backbones.trained import (
     deciding_set,
     far_words,
     load_backbone_from_args,
+    weak_threshold_caution,
 )
 from dataset import (
     Preparation,
@@ -85,6 +90,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="the false-identification rate the search threshold is set for: the fraction of the "
                              "gallery's own photos, each searched among the other people, whose best similarity "
                              "passes it (default 0.01)")
+    parser.add_argument("--threshold", type=float, metavar="SIMILARITY",
+                        help="decide by this cosine similarity alone (a known person's best similarity is above it), "
+                             "in place of the search and pair thresholds, which are still said")
     add_threshold_set_argument(parser)
     add_skip_bad_argument(parser, "a gallery person left without photos is left out of the gallery; a query, of "
                                   "the search")
@@ -130,16 +138,25 @@ def current_gallery(args: argparse.Namespace, model: torch.nn.Module, saved: Sav
 
 
 def search_threshold(gallery: PersonGallery, fpir: float) -> tuple[float | None, str]:
-    """The threshold set on the gallery's own stranger scores at ``fpir`` (None when the gallery cannot set one)
-    and the line that says what it means, or why there is none."""
+    """The threshold set on the gallery's own stranger scores at ``fpir``, or at the lowest rate the gallery can
+    place when ``fpir`` is below it (None when the gallery cannot set one), and the line that says what it means,
+    or why there is none."""
     scores = gallery.nonmated
     if scores is None or scores.size == 0:
         return None, "search threshold: none: a gallery of one person has no other people to set it on"
-    threshold = threshold_at_fpir(scores, fpir)
+    placeable = int(scores.size * fpir) >= 2  # threshold_at_fpir's placement: the rate's k-th score, k >= 2
+    # Unplaceable: the second highest score, where the lowest rate that can be placed, 2/n, puts it.
+    threshold = threshold_at_fpir(scores, fpir) if placeable else float(np.sort(scores)[-2])
     passed = int((scores > threshold).sum())
+    counted = (f"of the gallery's {scores.size} photos, each searched among the other people only, {passed} passed "
+               "it")
+    if not placeable:
+        return threshold, (f"search threshold {threshold:.4f}: set at {2 / scores.size:.3g} of the faces not in the "
+                           f"gallery, the lowest rate its {scores.size} photos can place: --fpir {fpir:g} needs "
+                           f"{math.ceil(2 / fpir)} photos or more (add photos, or decide by --threshold SIMILARITY); "
+                           f"{counted}")
     return threshold, (f"search threshold {threshold:.4f}: set so that about {fpir:g} of the faces not in the gallery "
-                       f"pass it (--fpir): of the gallery's {scores.size} photos, each searched among the other "
-                       f"people only, {passed} passed it")
+                       f"pass it (--fpir): {counted}")
 
 
 def pair_threshold(saved: SavedBackbone, threshold_set: str | None) -> tuple[float | None, str]:
@@ -148,21 +165,26 @@ def pair_threshold(saved: SavedBackbone, threshold_set: str | None) -> tuple[flo
     if not saved.verification:
         return None, (f"pair threshold: none: {saved.info_path} records no verification (python -m eval.verification "
                       f"--model {saved.weights.parent} --bins YOUR_SET.bin records one)")
-    name, why = deciding_set(saved.verification, threshold_set, saved.info_path)
+    name, why = deciding_set(saved.verification, threshold_set, saved.info_path, saved.threshold_set)
     point = saved.verification[name]
+    caution = "".join(f"\n{line}" for line in [weak_threshold_caution(name, point)] if line)
     return point["threshold"], (f"pair threshold {point['threshold']:.4f} of {name} ({far_words(point)} on "
-                                f"{point['pairs']} pairs; {point['by']}): {why}")
+                                f"{point['pairs']} pairs; {point['by']}): {why}{caution}")
 
 
-def deciding_threshold(gallery: PersonGallery, saved: SavedBackbone, fpir: float, threshold_set: str | None
+def deciding_threshold(gallery: PersonGallery, saved: SavedBackbone, args: argparse.Namespace
                        ) -> tuple[float | None, list[str]]:
-    """The similarity a known person's best match must pass (the higher of the search and the pair threshold;
-    None when there is neither), and the lines that say so."""
-    found = [search_threshold(gallery, fpir), pair_threshold(saved, threshold_set)]
+    """The similarity a known person's best match must pass (--threshold, else the higher of the search and the
+    pair threshold; None when there is none), and the lines that say so."""
+    found = [search_threshold(gallery, args.fpir), pair_threshold(saved, args.threshold_set)]
     lines = [line for _, line in found]
+    if args.threshold is not None:
+        return args.threshold, [*lines, f"known person: a best similarity above {args.threshold:.4f} (--threshold, in "
+                                        "place of those); below it, unknown"]
     thresholds = [threshold for threshold, _ in found if threshold is not None]
     if not thresholds:
-        return None, [*lines, "known person: no threshold to decide by; the list above says who is most similar"]
+        return None, [*lines, "known person: no threshold to decide by; the list above says who is most similar "
+                              "(pass --threshold SIMILARITY to decide by one)"]
     threshold = max(thresholds)
     which = "the one threshold there is" if len(thresholds) == 1 else "the higher of the two"
     return threshold, [*lines, f"known person: a best similarity above {threshold:.4f} ({which}); below it, unknown"]
@@ -197,6 +219,9 @@ def main(argv: list[str] | None = None) -> int:
                 raise ConfigError(f"{option} {value} is not a positive number; pass {option} 1 or more")
         if not 0 < args.fpir < 1:
             raise ConfigError(f"--fpir {args.fpir} is not a rate between 0 and 1; pass e.g. --fpir 0.01")
+        if args.threshold is not None and not -1 <= args.threshold <= 1:
+            raise ConfigError(f"--threshold {args.threshold} is not a cosine similarity (-1 to 1); pass e.g. "
+                              "--threshold 0.4")
         model, saved = load_backbone_from_args(args)
         if args.threshold_set is not None:  # a misspelt name is said before any work
             deciding_set(saved.verification, args.threshold_set, saved.info_path)
@@ -218,7 +243,7 @@ def main(argv: list[str] | None = None) -> int:
             print(warning, file=sys.stderr)
         images = torch.stack([image for image, _ in faces])
         gallery = current_gallery(args, model, saved, preparation_following(args, recorded, where, args.gallery)[0])
-        threshold, said = deciding_threshold(gallery, saved, args.fpir, args.threshold_set)
+        threshold, said = deciding_threshold(gallery, saved, args)
         print("\n".join(said))
         report(queries, flip_fused_embeddings(model, images).numpy(), gallery, args.top, threshold)
     if said := skipped_line([*gallery.skipped, *(skipped or [])]):  # last: every photo left out, named once

@@ -12,7 +12,9 @@ import ast
 import difflib
 import math
 import os
+import re
 import runpy
+import shlex
 import types
 import typing
 from collections.abc import Callable, Mapping, Sequence
@@ -126,16 +128,35 @@ def override_key(item: str) -> str:
     return item.partition("=")[0].strip()
 
 
+def set_item(key: str, value: object) -> str:
+    """The `KEY=VALUE` that `--set` parses back to `value` (a bare word for a string, as --set network=r18)."""
+    return f"{key}={value if isinstance(value, str) else repr(value)}"
+
+
+def set_arguments(values: Mapping[str, object]) -> str:
+    """The `--set` options that give each key its value, as a shell takes them: ``--set network=r18 --set
+    "network_kwargs={'width_mult': 0.0625}"`` (double quotes where the shell would split or strip the item)."""
+    words = []
+    for item in (set_item(key, value) for key, value in values.items()):
+        words.append(f"--set {item}" if re.fullmatch(r"[\w.,=/+:-]+", item) else
+                     f'--set "{item}"' if not re.search(r'["$`\\!]', item) else f"--set {shlex.quote(item)}")
+    return " ".join(words)
+
+
 def _parse_override(item: str, types_by_key: dict) -> tuple[str, object]:
     key, sep, text = item.partition("=")
     key = key.strip()
     if not sep or not key:
         raise ConfigError(f"--set {item!r} is not key=value; write e.g. --set lr=0.05")
-    _require_known(key, types_by_key, f"--set {item}")
     try:
         value = ast.literal_eval(text)
     except (ValueError, SyntaxError):
         value = text  # bare words such as --set network=r18 are strings
+    if key in NETWORK_OPTION_TYPES and key not in types_by_key:
+        raise ConfigError(f"--set {item}: {key} is an option of the network, not a config key; write it in "
+                          f"network_kwargs, e.g. {set_arguments({'network_kwargs': {key: value}})} (that dict replaces "
+                          "the config's: give the network's other options in it too)")
+    _require_known(key, types_by_key, f"--set {item}")
     if _accepts_str(types_by_key[key]) and not _matches(value, types_by_key[key]):
         value = text
     return key, value
@@ -176,11 +197,22 @@ def _checked(key: str, value, types_by_key: dict, where: str, examples: Mapping[
 def _spelling(key: str, value, expected, where: str, examples: Mapping[str, str]) -> str:
     """How to write a value that does not fit: a lone item of a tuple key as a one-item tuple, in the syntax
     of where it came from; else a declared key's example, or where the key is described."""
+    if isinstance(value, str) and where.startswith("--set") and (meant := _dict_unquoted(value)) is not None:
+        return f"the shell took the quotes off: quote the whole item, {set_arguments({key: meant})}"
     if not _matches((value,), expected):
         return f"e.g. {key}={examples[key]}" if key in examples else "see configs/base.py"
     if where.startswith("--set"):
         return f'write a tuple, e.g. --set "{key}={(value,)!r}"'
     return f"write a tuple, e.g. {key} = {(value,)!r}"
+
+
+def _dict_unquoted(text: str) -> dict | None:
+    """The dict ``{width_mult:0.0625}`` meant, once a shell has taken the quotes off its keys (None: not that)."""
+    try:
+        value = ast.literal_eval(re.sub(r"([{,]\s*)([A-Za-z_]\w*)\s*:", r"\1'\2':", text))
+    except (ValueError, SyntaxError):
+        return None
+    return value if isinstance(value, dict) else None
 
 
 def _matches(value, expected) -> bool:
