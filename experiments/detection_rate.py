@@ -3,7 +3,9 @@ raw ``images/``): every photo read, detected and aligned as the tools prepare it
 
     python -m experiments.detection_rate /path/to/lfw/images [--limit N]
 
-Prints the photos in which no face was found (each by name), how many held several, and the CPU time per photo (of
+Prints the photos in which no face was found (each by name), how many held several (and in how many of those the
+largest face, the one the tools take, is not the one nearest the photo's centre: on LFW, whose photos are centred
+on their subject, a sign that the largest was someone else), and the CPU time per photo (of
 this process, on one thread, so that work beside it does not change the figure): the detection alone (on the
 decoded photo) and the whole preparation (reading the file, detection, alignment).
 """
@@ -35,7 +37,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     paths = sorted(path for path in args.photos.rglob("*") if path.suffix.lower() in PACKABLE_SUFFIXES)
     paths = paths[:args.limit] if args.limit else paths
     preparation = Preparation(detector=detector)
-    missed, found, detect_seconds, prepare_seconds, sizes = [], [], 0.0, 0.0, set()
+    missed, found, off_centre, detect_seconds, prepare_seconds, sizes = [], [], [], 0.0, 0.0, set()
     for path in paths:
         with Image.open(path) as image:
             image.load()
@@ -44,6 +46,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             faces = detect_faces(image)
             detect_seconds += time.process_time() - began
         found.append(len(faces))
+        if len(faces) > 1:
+            centre = np.array(image.size) / 2
+            distances = [np.linalg.norm((face.box[:2] + face.box[2:]) / 2 - centre) for face in faces]
+            if int(np.argmin(distances)) != 0:  # faces come largest first
+                off_centre.append(path)
         began = time.process_time()
         try:
             preparation.face(path)
@@ -54,11 +61,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     shown = ", ".join(f"{w}x{h}" for w, h in sorted(sizes)[:3]) + (" ..." if len(sizes) > 3 else "")
     print(f"{detector}, score > {SCORE_THRESHOLD}, one thread, {len(paths)} photos ({shown}) in {args.photos}")
     print(f"a face found in {len(paths) - len(missed)} of {len(paths)} ({1 - len(missed) / len(paths):.2%}); "
-          f"several faces in {int((found > 1).sum())} (the largest used)")
+          f"several faces in {int((found > 1).sum())} (the largest used; in {len(off_centre)} of them another face is "
+          "nearer the photo's centre)")
     print(f"CPU time per photo: detection {1000 * detect_seconds / len(paths):.1f} ms; the whole preparation (reading "
           f"the file, detection, alignment) {1000 * prepare_seconds / len(paths):.1f} ms")
     for path in missed:
         print(f"no face: {path}")
+    for path in off_centre:
+        print(f"largest face not the most central: {path}")
     return 0
 
 

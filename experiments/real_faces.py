@@ -20,9 +20,10 @@ pairsDevTest (500 same-person, 500 different-person pairs of 1,711 people none o
 
 ``--prepare detect`` prepares LFW's raw photos (``images/``, not deep-funneled) as a user's ordinary photos are
 prepared: the face detector's five points on each photo (``--detect``: the largest face where it finds several),
-warped onto the same template, into ``lfw_devtrain_detect/``; a DevTrain photo in which it finds no face is left
-out of training (``--skip-bad``, named), and pairsDevTest must keep all its pairs. Its runs go to folders of their
-own (``...+prepare=detect``), so one --work folder holds both preparations, and ``--against mean_points`` (or
+warped onto the same template, into ``lfw_devtrain_detect/``. A DevTrain photo in which it finds no face is left
+out of training (``--skip-bad``, named); pairsDevTest keeps all its pairs (a photo that a copy of LFW lacks in
+``images/`` is taken from ``images_deepfunneled/``, said). Its runs go to folders of their own
+(``...+prepare=detect``), so one --work folder holds both preparations, and ``--against mean_points`` (or
 ``--against detect``) adds each row's verdict against the same row, seeds and images trained on the other
 preparation (its runs trained first by the same command with that ``--prepare``), over the same pairsDevTest pairs.
 
@@ -152,6 +153,40 @@ def pair_people(pairs_file: Path) -> set[str]:
     return names
 
 
+def pair_photos(pairs_file: Path) -> set[tuple[str, int]]:
+    """Every (name, photo number) a pairs*.txt file names."""
+    photos = set()
+    for line in pairs_file.read_text().split("\n")[1:]:
+        fields = line.split()
+        if len(fields) == 3:
+            photos |= {(fields[0], int(fields[1])), (fields[0], int(fields[2]))}
+        elif len(fields) == 4:
+            photos |= {(fields[0], int(fields[1])), (fields[2], int(fields[3]))}
+    return photos
+
+
+def raw_pair_photos(lfw: Path, work: Path) -> Path:
+    """A folder of links to the raw photos pairsDevTest names (``work/devtest_images``), for tools.make_bin; a
+    photo missing from the raw folder (some copies of LFW lack one) is linked from the deep-funneled one, and said,
+    so that the set keeps every pair and stays paired with the fixed crop's."""
+    folder = work / f"devtest_{RAW_IMAGES}"
+    substituted = []
+    for name, number in sorted(pair_photos(lfw / "pairsDevTest.txt")):
+        photo = f"{name}/{name}_{number:04d}.jpg"
+        link = folder / photo
+        link.parent.mkdir(parents=True, exist_ok=True)
+        source = lfw / RAW_IMAGES / photo
+        if not source.is_file():
+            source = lfw / IMAGES / photo
+            substituted.append(photo)
+        if not link.is_symlink():
+            link.symlink_to(source.resolve())
+    if substituted:
+        print(f"note: {len(substituted)} photo(s) of pairsDevTest missing from {lfw / RAW_IMAGES} (e.g. "
+              f"{substituted[0]}): their deep-funneled copies are used in their place")
+    return folder
+
+
 def check_lfw(lfw: Path, images: str = IMAGES) -> None:
     needed = [lfw / images, lfw / "peopleDevTrain.txt", lfw / "pairsDevTest.txt"]
     missing = [str(path) for path in needed if not path.exists()]
@@ -179,6 +214,8 @@ def data_folder(work: Path, how: str) -> Path:
 def prepare(lfw: Path, work: Path, workers: int, how: str = "mean_points") -> Path:
     """The records of DevTrain's people and the pairsDevTest .bin under ``work``, prepared as ``how`` says (made
     once); their folder."""
+    from dataset import read_preparation  # noqa: PLC0415 (torch: seconds to import, not needed for --help)
+
     data = data_folder(work, how)
     bin_path = data / f"{VAL_SET}.bin"
     if bin_path.is_file():
@@ -198,19 +235,20 @@ def prepare(lfw: Path, work: Path, workers: int, how: str = "mean_points") -> Pa
         if not link.exists():
             link.symlink_to((lfw / images / name).resolve(), target_is_directory=True)
     if how == "detect":
-        run_tool("tools.pack_rec", [people_folder, data, "--views", "1", "--detect", "--skip-bad", "--overwrite",
-                                    "--workers", workers])
-        run_tool("tools.make_bin", [lfw / images, bin_path, "--pairs", lfw / "pairsDevTest.txt", "--detect",
-                                    "--force"])
-        return data
-    landmarks = work / "landmarks.txt"
-    points = " ".join(map(str, MEAN_LANDMARKS))
-    photos = sorted((lfw / IMAGES).glob("*/*.jpg"))
-    landmarks.write_text("".join(f"{photo.parent.name}/{photo.name} {points}\n" for photo in photos))
-    run_tool("tools.pack_rec", [people_folder, data, "--views", "1", "--landmarks", landmarks, "--overwrite",
-                                "--workers", workers])
-    run_tool("tools.make_bin", [lfw / IMAGES, bin_path, "--pairs", lfw / "pairsDevTest.txt", "--landmarks",
-                                landmarks, "--force"])
+        option, pair_folder = ["--detect"], raw_pair_photos(lfw, work)
+    else:
+        landmarks = work / "landmarks.txt"
+        points = " ".join(map(str, MEAN_LANDMARKS))
+        photos = sorted((lfw / IMAGES).glob("*/*.jpg"))
+        landmarks.write_text("".join(f"{photo.parent.name}/{photo.name} {points}\n" for photo in photos))
+        option, pair_folder = ["--landmarks", landmarks], lfw / IMAGES
+    # Records whose preparation is recorded are whole (tools.pack_rec writes the record last): a preparation
+    # stopped at the .bin keeps them.
+    if read_preparation(data / "train.rec") != ("detect" if how == "detect" else "landmarks"):
+        # --skip-bad: a DevTrain photo the detector finds no face in is left out of training, named.
+        run_tool("tools.pack_rec", [people_folder, data, "--views", "1", *option, "--overwrite", "--workers", workers,
+                                    *(["--skip-bad"] if how == "detect" else [])])
+    run_tool("tools.make_bin", [pair_folder, bin_path, "--pairs", lfw / "pairsDevTest.txt", *option, "--force"])
     return data
 
 
@@ -476,14 +514,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     work = args.work.resolve()
     if args.against == args.prepare:
         raise SystemExit(f"error: --against {args.against} is the preparation this command trains; pass the other one")
+    other_data = None if args.against is None else data_folder(work, args.against)
+    if other_data is not None and not (other_data / f"{VAL_SET}.bin").is_file():
+        raise SystemExit(f"error: {other_data} holds no prepared data to compare with; run this command with "
+                         f"--prepare {args.against} first")
     data = prepare(args.lfw.resolve(), work, args.workers, args.prepare)
     schedule = common_schedule(size, data, args.rows)
     runs = runs_folder(work, schedule, args.extra, args.prepare)
-    if args.against:  # before any training: the other preparation's data is there and holds the same pairs
-        other_data = data_folder(work, args.against)
-        if not (other_data / f"{VAL_SET}.bin").is_file():
-            raise SystemExit(f"error: {other_data} holds no prepared data to compare with; run this command with "
-                             f"--prepare {args.against} first")
+    if other_data is not None:  # before any training
         same_pairs(data, other_data)
     threads = max(1, (os.cpu_count() or 1) // args.parallel)
 
@@ -495,7 +533,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     with ThreadPoolExecutor(args.parallel) as pool:  # each run its own process: side by side, threads split
         results = list(pool.map(run, [(name, seed) for name in args.rows for seed in args.seeds]))
     report = table(results, schedule)
-    if args.against:
+    if other_data is not None:
         other_schedule = common_schedule(size, other_data, args.rows)
         other_runs = runs_folder(work, other_schedule, args.extra, args.against)
         others = [train_row(name, other_schedule, other_data, other_runs, seed, args.extra, threads, train=False)
