@@ -79,7 +79,7 @@ def _session():
     path = importlib.metadata.distribution(DISTRIBUTION).locate_file(WEIGHTS_FILE)
     try:
         # A literal, read as one: the package's module is not run (its package imports opencv).
-        model = ast.literal_eval(ast.parse(open(path).read()).body[0].value)  # noqa: SIM115
+        model = ast.literal_eval(ast.parse(path.read_text()).body[0].value)
         if not isinstance(model, bytes):
             raise ValueError("WEIGHTS is not bytes")
     except (OSError, SyntaxError, ValueError, IndexError, AttributeError) as error:

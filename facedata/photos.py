@@ -10,12 +10,11 @@ Each photo is fitted to 112x112 in one of three ways, the same options in every 
 or, where a landmarks file gives its five points, warped onto the ArcFace template by the similarity that
 maps them there (facedata/alignment.py, as the IJB evaluation aligns its faces and insightface's ``norm_crop``
 does); or, with ``--detect``, warped the same way by the five points a face detector finds in the photo
-(facedata/detector.py: the largest face when it finds several, and a photo with none cannot be prepared). A
-landmarks file is
-text, one photo per line: ``PHOTO x1 y1 x2 y2 x3 y3 x4 y4 x5 y5`` (left eye, right eye, nose tip, left
-and right mouth corner, in the photo's pixels; numbers after the ten, such as a detector's score, are
-ignored). PHOTO is the path relative to the image folder the tool reads, or as given on the command
-line; with a landmarks file, every photo must have its line.
+(facedata/detector.py: the largest face when it finds several; a photo with none cannot be prepared). A
+landmarks file is text, one photo per line: ``PHOTO x1 y1 x2 y2 x3 y3 x4 y4 x5 y5`` (left eye, right eye, nose
+tip, left and right mouth corner, in the photo's pixels; numbers after the ten, such as a detector's score, are
+ignored). PHOTO is the path relative to the image folder the tool reads, or as given on the command line; with a
+landmarks file, every photo must have its line.
 """
 from __future__ import annotations
 

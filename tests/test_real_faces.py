@@ -174,3 +174,19 @@ def test_the_recipe_config_is_the_row_the_bench_measured():
     assert {key for key in measured if measured[key] != recipe[key]} <= {"output", "frequent", "verbose",
                                                                          "view_source"}
     assert recipe["num_views"] == 1 and recipe["margin_scale"] == 32.0
+
+
+def test_a_pair_photo_missing_from_the_raw_folder_is_taken_from_the_deep_funneled_one_and_said(tmp_path, capsys):
+    lfw = tmp_path / "lfw"
+    for folder in (real_faces.IMAGES, real_faces.RAW_IMAGES):
+        for name, numbers in (("Ann", (1, 2)), ("Bob", (1,))):
+            (lfw / folder / name).mkdir(parents=True)
+            for number in numbers:
+                if (folder, name, number) != (real_faces.RAW_IMAGES, "Ann", 2):
+                    (lfw / folder / name / f"{name}_{number:04d}.jpg").write_bytes(f"{folder}".encode())
+    (lfw / "pairsDevTest.txt").write_text("1\nAnn\t1\t2\nAnn\t2\tBob\t1\n")
+    linked = real_faces.raw_pair_photos(lfw, tmp_path / "work")
+    assert {path.relative_to(linked).as_posix(): path.read_bytes().decode() for path in linked.glob("*/*.jpg")} == {
+        "Ann/Ann_0001.jpg": "images", "Ann/Ann_0002.jpg": "images_deepfunneled", "Bob/Bob_0001.jpg": "images"}
+    assert capsys.readouterr().out == (f"note: 1 photo(s) of pairsDevTest missing from {lfw / 'images'} (e.g. "
+                                       "Ann/Ann_0002.jpg): their deep-funneled copies are used in their place\n")
