@@ -5,7 +5,7 @@
 
 IMAGE_FOLDER holds one sub-folder of face photos per identity. Each photo becomes a 112x112 face as in
 every tool that reads photos (facedata/photos.py): ``--resize`` (the default; a warning names the photos
-whose aspect ratio that changed), ``--crop``, ``--pad``, or ``--landmarks FILE``. Use the option the
+whose aspect ratio that changed), ``--crop``, ``--pad``, ``--landmarks FILE`` or ``--detect``. Use the option the
 training records were packed with (tools.pack_rec), so that evaluation sees faces as training did: when
 OUT.bin goes beside a train.rec whose preparation tools.pack_rec recorded, that one is the default (an
 option that differs gets a warning). The preparation is recorded beside OUT.bin too

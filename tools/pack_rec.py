@@ -6,9 +6,9 @@ Any image size and grayscale images are fine: every photo becomes a 112x112 RGB 
 that reads photos (facedata/photos.py): stretched (``--resize``, the default; a warning names the photos
 whose aspect ratio that changed), centre-cropped (``--crop``), shrunk to fit and centred on black
 (``--pad``), or aligned by its five landmarks (``--landmarks FILE``, photos named relative to the input
-folder). The preparation is recorded beside the records (``train.rec.preparation.json``): training
-carries it into the run's model.json, and tools.make_bin (writing beside train.rec) and tools.inference
-prepare their photos the same way by default.
+folder) or by those a face detector finds (``--detect``, for ordinary photos). The preparation is recorded
+beside the records (``train.rec.preparation.json``): training carries it into the run's model.json, and
+tools.make_bin (writing beside train.rec) and tools.inference prepare their photos the same way by default.
 
 With ``--views V`` each record holds V different images of one identity side by side (112 x 112V); an
 identity's images are taken V at a time in name order, its last record topped up with its first images,

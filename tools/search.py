@@ -8,7 +8,7 @@ embeds every photo and keeps each person's template (their photos' embeddings av
 the folder, ``photos.gallery.npz``; later searches reuse it while the model and the photos are unchanged
 (by each file's size and modification time) and the photos' preparation are unchanged, and build it
 again, saying which of them changed, when one did (--rebuild forces it). Photos, gallery and queries
-alike, are prepared as every tool prepares them (--resize, --crop, --pad or --landmarks): by default as
+alike, are prepared as every tool prepares them (--resize, --crop, --pad, --landmarks or --detect): by default as
 the training photos were (model.json records the option tools.pack_rec packed them with; --resize when
 it records none), as tools.inference does; a landmarks file names gallery photos relative to the gallery
 folder and queries as given here.
