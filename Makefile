@@ -12,9 +12,11 @@ INSTALLED_FROM := $(shell $(PY) -I -c 'import importlib.metadata as m, json; \
 	print(json.loads(m.distribution("pairface").read_text("direct_url.json"))["url"])' 2>/dev/null)
 
 # constraints.txt: the exact torch/torchvision the suite runs on here (requirements.txt has ranges).
-$(STAMP): requirements.txt requirements-dev.txt constraints.txt
+# requirements-detect.txt: the optional face detector (--detect), without the dependencies it declares.
+$(STAMP): requirements.txt requirements-dev.txt requirements-detect.txt constraints.txt
 	test -x $(PY) || python3 -m venv .venv
 	$(PY) -m pip install -q -c constraints.txt -r requirements-dev.txt
+	$(PY) -m pip install -q --no-deps -r requirements-detect.txt
 	touch $(STAMP)
 
 $(EDITABLE): $(STAMP) pyproject.toml $(if $(filter file://$(CURDIR),$(INSTALLED_FROM)),,FORCE)

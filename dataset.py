@@ -30,6 +30,7 @@ from facedata.photos import (
     preparation_following,
     preparation_from_args,
     prepare_or_skip,
+    several_faces_line,
     skipped_line,
     stretch_warning,
 )
@@ -53,5 +54,5 @@ __all__ = ["PACKABLE_SAID", "PACKABLE_SUFFIXES", "PREPARATIONS", "TRAINING_RECOR
            "check_output", "classes_in_header", "empty_folders", "encode", "held_out", "identity_records", "pack",
            "pack_identity", "prepare_or_skip", "preparation_following", "preparation_from_args", "preparation_note",
            "read_preparation", "read_record", "record_path", "recorded_preparation", "render_faces",
-           "scan_identities", "side_by_side", "skipped_folders_line", "skipped_line", "stretch_warning", "unpack",
-           "verification_pairs", "write_preparation"]
+           "scan_identities", "several_faces_line", "side_by_side", "skipped_folders_line", "skipped_line",
+           "stretch_warning", "unpack", "verification_pairs", "write_preparation"]

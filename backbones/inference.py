@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dataset import Preparation, PreparedFace, stretch_warning
+from dataset import Preparation, PreparedFace, several_faces_line, stretch_warning
 from utils.image import normalize
 
 logger = logging.getLogger(__name__)
@@ -28,11 +28,14 @@ def face_tensor(face: PreparedFace) -> tuple[torch.Tensor, tuple[int, int] | Non
 
 
 def read_face_image(path: str | Path, preparation: Preparation | None = None) -> torch.Tensor:
-    """``prepared_face``'s tensor, with a logged warning when ``resize`` changed the photo's aspect ratio."""
-    image, stretched_from = prepared_face(path, preparation)
-    if stretched_from is not None:
-        logger.warning(stretch_warning([(str(path), stretched_from)], 1).removeprefix("warning: "))
-    return image
+    """The photo prepared as a (3, 112, 112) tensor (``prepared_face``'s), with a logged warning when ``resize``
+    changed its aspect ratio, and a note when the detector found several faces in it."""
+    face = (preparation or Preparation()).face(path)
+    if face.stretched_from is not None:
+        logger.warning(stretch_warning([(str(path), face.stretched_from)], 1).removeprefix("warning: "))
+    if face.crowded:
+        logger.warning(several_faces_line([(str(path), face.faces_found)], 1).removeprefix("note: "))
+    return face_tensor(face)[0]
 
 
 @torch.no_grad()

@@ -1,7 +1,7 @@
 """Your own photos, trained on a CPU: the README's "Your own photos" walk-through.
 
-    python -m tools.pack_rec photos/ data/my_faces --views 2 --crop
-    python -m tools.make_bin photos_val/ data/my_faces/my_faces_val.bin --random 50 --crop
+    python -m tools.pack_rec photos/ data/my_faces --views 2 --detect
+    python -m tools.make_bin photos_val/ data/my_faces/my_faces_val.bin --random 50 --detect
     python train.py configs/my_faces.py
 
 Sized for a few dozen people with a handful of photos each on 2 CPU cores (minutes): a tiny network and

@@ -30,7 +30,14 @@ from torch import nn
 
 from backbones import face_tensor, flip_fused_embeddings
 from backbones.trained import SavedBackbone
-from dataset import PACKABLE_SAID, PACKABLE_SUFFIXES, Preparation, prepare_or_skip, stretch_warning
+from dataset import (
+    PACKABLE_SAID,
+    PACKABLE_SUFFIXES,
+    Preparation,
+    prepare_or_skip,
+    several_faces_line,
+    stretch_warning,
+)
 from utils.atomic import atomic_save
 from utils.errors import DataError, located
 from utils.progress import progress
@@ -115,18 +122,20 @@ class PersonGallery:
 
 def build_gallery(model: nn.Module, people: Sequence[tuple[str, Sequence[str]]], preparation: Preparation,
                   model_stamp: str, photos_stamp: str, batch_size: int = 64, stream: TextIO | None = None,
-                  skip_bad: bool = False) -> tuple[PersonGallery, str | None]:
+                  skip_bad: bool = False) -> tuple[PersonGallery, list[str]]:
     """Embed every photo (flip-fused, unit length) and average each person's into their template; with it, the
-    one warning line for the photos ``resize`` stretched out of their aspect ratio (None when none was). A photo
+    lines to say once about the photos: those ``resize`` stretched out of their aspect ratio, those in which the
+    detector found several faces (none when no photo was either). A photo
     that cannot be prepared raises its FaceImageError, or, with ``skip_bad``, is left out and named in the
     gallery's ``skipped`` (a person left without photos is left out too)."""
     paths = [photo for _, photos in people for photo in photos]
     owner = np.repeat(np.arange(len(people)), [len(photos) for _, photos in people])
     batches = [range(start, min(start + batch_size, len(paths))) for start in range(0, len(paths), batch_size)]
-    chunks, stretched, kept = [], [], []
+    chunks, stretched, crowded, kept = [], [], [], []
     skipped: list[str] | None = [] if skip_bad else None
     for batch in progress(batches, len(batches), "embedding gallery photos", stream):
         prepared = [(index, prepare_or_skip(preparation, paths[index], skipped)) for index in batch]
+        crowded += [(paths[index], face.faces_found) for index, face in prepared if face and face.crowded]
         faces = [(index, face_tensor(face)) for index, face in prepared if face is not None]
         stretched += [(paths[index], size) for index, (_, size) in faces if size is not None]
         kept += [index for index, _ in faces]
@@ -144,7 +153,8 @@ def build_gallery(model: nn.Module, people: Sequence[tuple[str, Sequence[str]]],
     gallery = PersonGallery([people[person][0] for person in present], features, model_stamp, photos_stamp,
                             preparation_stamp(preparation), nonmated_scores(embeddings, owner, features),
                             skipped or [])
-    return gallery, stretch_warning(stretched, len(kept))
+    said = [stretch_warning(stretched, len(kept)), several_faces_line(crowded, len(kept))]
+    return gallery, [line for line in said if line]
 
 
 def nonmated_scores(embeddings: np.ndarray, owner: np.ndarray, features: np.ndarray) -> np.ndarray:

@@ -1,6 +1,7 @@
 """Does pairface learn real faces? LFW under its own protocol: train on DevTrain's people, verify on pairsDevTest.
 
     python -m experiments.real_faces /path/to/lfw [--work data/lfw_bench] [--quick] [--rows two_view one_view ...]
+    python -m experiments.real_faces /path/to/lfw --prepare detect --against mean_points --rows one_view_s32 ...
 
 LFW_FOLDER is Labeled Faces in the Wild as its project distributes it: ``images_deepfunneled/<Name>/<Name>_NNNN.jpg``
 (deep-funneled, aligned: 250x250 colour JPEGs) beside its protocol files ``peopleDevTrain.txt`` and
@@ -16,6 +17,15 @@ tighter than the central 150 pixels LFW's site points to, so the background and 
 The DevTrain people (4,038, 9,525 photos) are packed one photo per record (``lfw_devtrain/train.rec``), and
 pairsDevTest (500 same-person, 500 different-person pairs of 1,711 people none of whom is trained on) becomes
 ``lfw_devtrain/lfw_devtest.bin``.
+
+``--prepare detect`` prepares LFW's raw photos (``images/``, not deep-funneled) as a user's ordinary photos are
+prepared: the face detector's five points on each photo (``--detect``: the largest face where it finds several),
+warped onto the same template, into ``lfw_devtrain_detect/``. A DevTrain photo in which it finds no face is left
+out of training (``--skip-bad``, named); pairsDevTest keeps all its pairs (a photo that a copy of LFW lacks in
+``images/`` is taken from ``images_deepfunneled/``, said). Its runs go to folders of their own
+(``...+prepare=detect``), so one --work folder holds both preparations, and ``--against mean_points`` (or
+``--against detect``) adds each row's verdict against the same row, seeds and images trained on the other
+preparation (its runs trained first by the same command with that ``--prepare``), over the same pairsDevTest pairs.
 
 Each row is train.py runs of configs/lfw_r18_pair.py (the recipe) with the row's ``--set`` values and nothing
 else different, one run per seed (``--seeds``, three by default). Every run sees the same images (``--images``) in
@@ -66,6 +76,9 @@ ROOT = Path(__file__).resolve().parent.parent
 CONFIG = "configs/lfw_r18_pair.py"
 VAL_SET = "lfw_devtest"
 IMAGES = "images_deepfunneled"
+RAW_IMAGES = "images"
+# How the photos become faces (--prepare): the fixed crop of the deep-funneled photos, or the detector on raw ones.
+PREPARATIONS = {"mean_points": IMAGES, "detect": RAW_IMAGES}
 # The mean deep-funneled face's eyes, nose tip and mouth corners (x, y in the 250x250 photo): the darkest points
 # of the mean image's eyes and mouth, and the nose tip between them.
 MEAN_LANDMARKS = (104, 111, 146, 111, 125, 135, 109, 157, 141, 157)
@@ -140,49 +153,102 @@ def pair_people(pairs_file: Path) -> set[str]:
     return names
 
 
-def check_lfw(lfw: Path) -> None:
-    needed = [lfw / IMAGES, lfw / "peopleDevTrain.txt", lfw / "pairsDevTest.txt"]
+def pair_photos(pairs_file: Path) -> set[tuple[str, int]]:
+    """Every (name, photo number) a pairs*.txt file names."""
+    photos = set()
+    for line in pairs_file.read_text().split("\n")[1:]:
+        fields = line.split()
+        if len(fields) == 3:
+            photos |= {(fields[0], int(fields[1])), (fields[0], int(fields[2]))}
+        elif len(fields) == 4:
+            photos |= {(fields[0], int(fields[1])), (fields[2], int(fields[3]))}
+    return photos
+
+
+def raw_pair_photos(lfw: Path, work: Path) -> Path:
+    """A folder of links to the raw photos pairsDevTest names (``work/devtest_images``), for tools.make_bin; a
+    photo missing from the raw folder (some copies of LFW lack one) is linked from the deep-funneled one, and said,
+    so that the set keeps every pair and stays paired with the fixed crop's."""
+    folder = work / f"devtest_{RAW_IMAGES}"
+    substituted = []
+    for name, number in sorted(pair_photos(lfw / "pairsDevTest.txt")):
+        photo = f"{name}/{name}_{number:04d}.jpg"
+        link = folder / photo
+        link.parent.mkdir(parents=True, exist_ok=True)
+        source = lfw / RAW_IMAGES / photo
+        if not source.is_file():
+            source = lfw / IMAGES / photo
+            substituted.append(photo)
+        if not link.is_symlink():
+            link.symlink_to(source.resolve())
+    if substituted:
+        print(f"note: {len(substituted)} photo(s) of pairsDevTest missing from {lfw / RAW_IMAGES} (e.g. "
+              f"{substituted[0]}): their deep-funneled copies are used in their place")
+    return folder
+
+
+def check_lfw(lfw: Path, images: str = IMAGES) -> None:
+    needed = [lfw / images, lfw / "peopleDevTrain.txt", lfw / "pairsDevTest.txt"]
     missing = [str(path) for path in needed if not path.exists()]
     if missing:
+        kind = "the deep-funneled photos" if images == IMAGES else "the raw photos"
         raise SystemExit(f"error: {lfw} is not an LFW folder: missing {', '.join(missing)}; pass the folder holding "
-                         f"{IMAGES}/ (the deep-funneled photos) and LFW's peopleDevTrain.txt and pairsDevTest.txt")
+                         f"{images}/ ({kind}) and LFW's peopleDevTrain.txt and pairsDevTest.txt")
 
 
 def run_tool(module: str, args: Sequence[str]) -> None:
+    """Run a tool; print its summary (its last line) and what it noted or warned about (photos left out)."""
     command = [sys.executable, "-m", module, *map(str, args)]
     result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, check=False)
     if result.returncode:
         raise SystemExit(f"error: {' '.join(command)} failed:\n{result.stderr[-2000:]}")
-    print(result.stdout.strip().splitlines()[-1])
+    said = [line for line in (result.stdout + result.stderr).splitlines() if line.startswith(("note:", "warning:"))]
+    print("\n".join([*said, result.stdout.strip().splitlines()[-1]]))
 
 
-def prepare(lfw: Path, work: Path, workers: int) -> Path:
-    """The records of DevTrain's people and the pairsDevTest .bin under ``work`` (made once); their folder."""
-    data = work / "lfw_devtrain"
+def data_folder(work: Path, how: str) -> Path:
+    """Where ``prepare`` puts the records and the .bin of preparation ``how``."""
+    return work / ("lfw_devtrain" if how == "mean_points" else f"lfw_devtrain_{how}")
+
+
+def prepare(lfw: Path, work: Path, workers: int, how: str = "mean_points") -> Path:
+    """The records of DevTrain's people and the pairsDevTest .bin under ``work``, prepared as ``how`` says (made
+    once); their folder."""
+    from dataset import read_preparation  # noqa: PLC0415 (torch: seconds to import, not needed for --help)
+
+    data = data_folder(work, how)
     bin_path = data / f"{VAL_SET}.bin"
     if bin_path.is_file():
         print(f"using the prepared data in {data}")
         return data
-    check_lfw(lfw)
+    images = PREPARATIONS[how]
+    check_lfw(lfw, images)
     trained, held_out = people(lfw / "peopleDevTrain.txt"), pair_people(lfw / "pairsDevTest.txt")
     if overlap := set(trained) & held_out:
         raise SystemExit(f"error: {len(overlap)} people are in both peopleDevTrain.txt and pairsDevTest.txt (e.g. "
                          f"{sorted(overlap)[0]}); these are not LFW's protocol files")
     # tools.pack_rec packs a folder of people: DevTrain's, linked from LFW's folder (nothing copied).
-    people_folder = work / "devtrain_people"
+    people_folder = work / ("devtrain_people" if images == IMAGES else f"devtrain_people_{images}")
     people_folder.mkdir(parents=True, exist_ok=True)
     for name in trained:
         link = people_folder / name
         if not link.exists():
-            link.symlink_to((lfw / IMAGES / name).resolve(), target_is_directory=True)
-    landmarks = work / "landmarks.txt"
-    points = " ".join(map(str, MEAN_LANDMARKS))
-    photos = sorted((lfw / IMAGES).glob("*/*.jpg"))
-    landmarks.write_text("".join(f"{photo.parent.name}/{photo.name} {points}\n" for photo in photos))
-    run_tool("tools.pack_rec", [people_folder, data, "--views", "1", "--landmarks", landmarks, "--overwrite",
-                                "--workers", workers])
-    run_tool("tools.make_bin", [lfw / IMAGES, bin_path, "--pairs", lfw / "pairsDevTest.txt", "--landmarks",
-                                landmarks, "--force"])
+            link.symlink_to((lfw / images / name).resolve(), target_is_directory=True)
+    if how == "detect":
+        option, pair_folder = ["--detect"], raw_pair_photos(lfw, work)
+    else:
+        landmarks = work / "landmarks.txt"
+        points = " ".join(map(str, MEAN_LANDMARKS))
+        photos = sorted((lfw / IMAGES).glob("*/*.jpg"))
+        landmarks.write_text("".join(f"{photo.parent.name}/{photo.name} {points}\n" for photo in photos))
+        option, pair_folder = ["--landmarks", landmarks], lfw / IMAGES
+    # Records whose preparation is recorded are whole (tools.pack_rec writes the record last): a preparation
+    # stopped at the .bin keeps them.
+    if read_preparation(data / "train.rec") != ("detect" if how == "detect" else "landmarks"):
+        # --skip-bad: a DevTrain photo the detector finds no face in is left out of training, named.
+        run_tool("tools.pack_rec", [people_folder, data, "--views", "1", *option, "--overwrite", "--workers", workers,
+                                    *(["--skip-bad"] if how == "detect" else [])])
+    run_tool("tools.make_bin", [pair_folder, bin_path, "--pairs", lfw / "pairsDevTest.txt", *option, "--force"])
     return data
 
 
@@ -259,11 +325,17 @@ def common_schedule(size: Size, data: Path, rows: Sequence[str]) -> Schedule:
 
 
 def train_row(name: str, schedule: Schedule, data: Path, runs: Path, seed: int, extra: Sequence[str],
-              threads: int) -> Result:
+              threads: int, train: bool = True) -> Result:
+    """The row's run of this seed, trained unless it is finished already (``train`` False: it must be)."""
     output = runs / f"{name}-seed{seed}"
     timing = output / TIMING
     log_path = output / "training.log"
-    if log_path.is_file() and f"training finished at global step {schedule.steps}:" in log_path.read_text():
+    finished = log_path.is_file() and f"training finished at global step {schedule.steps}:" in log_path.read_text()
+    if not finished and not train:
+        raise SystemExit(f"error: {output} holds no finished run of {name} (seed {seed}, {schedule.steps} steps) to "
+                         "compare with; train it first: this command with that --prepare, the same rows, seeds, "
+                         "--images and --set values")
+    if finished:
         print(f"{name} (seed {seed}): using the finished run in {output}", flush=True)
         # Its wall time from its own log; its CPU time as this command measured it, when it trained the run.
         stamps = [datetime.strptime(stamp, "%Y-%m-%d %H:%M:%S,%f") for stamp in LOG_TIME.findall(log_path.read_text())]
@@ -381,11 +453,35 @@ def plot(results: Sequence[Result], path: Path) -> None:
     plt.close(figure)
 
 
-def runs_folder(work: Path, schedule: Schedule, extra: Sequence[str]) -> Path:
-    """Where this schedule's runs go: one folder per set of --set values, so that a finished run is reused only by
-    the command that asks for what it trained."""
+def runs_folder(work: Path, schedule: Schedule, extra: Sequence[str], how: str = "mean_points") -> Path:
+    """Where this schedule's runs go: one folder per preparation and set of --set values, so that a finished run
+    is reused only by the command that asks for what it trained."""
     settings = [UNSAFE_IN_NAME.sub("_", setting).strip("_") for setting in extra]
-    return work / "+".join([f"runs-{schedule.images}", *settings])
+    prepared = [] if how == "mean_points" else [f"prepare={how}"]
+    return work / "+".join([f"runs-{schedule.images}", *prepared, *settings])
+
+
+def against_table(results: Sequence[Result], others: Sequence[Result], how: str, other: str) -> str:
+    """Each row's verdict against the same row trained on the other preparation (last models, the same pairs)."""
+    lines = [f"--prepare {how} against --prepare {other}, row by row (last models; paired bootstrap over the same "
+             "pairsDevTest pairs and the seeds)",
+             f"{'row':<22}{how:>12}{other:>12}  verdict"]
+    theirs = by_row(others)
+    for name, runs in by_row(results).items():
+        verdict = paired_verdict(np.stack([run.right for run in runs]), np.stack([run.right for run in theirs[name]]))
+        lines.append(f"{name:<22}{np.mean([run.last[0] for run in runs]):>12.4f}"
+                     f"{np.mean([run.last[0] for run in theirs[name]]):>12.4f}  {verdict}")
+    return "\n".join(lines)
+
+
+def same_pairs(data: Path, other: Path) -> None:
+    """Refuse a comparison of two preparations whose .bin files do not hold the same pairs."""
+    from eval.verification import load_bin  # noqa: PLC0415
+
+    mine, theirs = (load_bin(str(folder / f"{VAL_SET}.bin"))[1] for folder in (data, other))
+    if mine != theirs:
+        raise SystemExit(f"error: {data} and {other} hold different pairs ({len(mine)} and {len(theirs)}); a paired "
+                         "verdict needs the same ones: prepare both from the same pairsDevTest.txt")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -402,6 +498,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--batch", type=int, default=FULL.batch_images, help="images a step, in every row")
     parser.add_argument("--set", dest="extra", action="append", default=[], metavar="KEY=VALUE",
                         help="a config value for every row, after the row's own (e.g. a narrower network)")
+    parser.add_argument("--prepare", choices=list(PREPARATIONS), default="mean_points",
+                        help="how photos become faces: the mean deep-funneled face's five points on "
+                             f"{IMAGES}/ (a fixed crop), or the face detector's on the raw {RAW_IMAGES}/ (--detect)")
+    parser.add_argument("--against", choices=list(PREPARATIONS),
+                        help="also give each row's verdict against the same row trained on photos prepared this "
+                             "other way (its runs finished first by this command with that --prepare)")
     parser.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="processes preparing photos")
     parser.add_argument("--parallel", type=int, default=1,
                         help="rows trained side by side, the cores split between them (one thread each on 2 cores "
@@ -410,9 +512,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     size = QUICK if args.quick else FULL
     size = Size(args.images or size.images, args.batch, size.verifications)
     work = args.work.resolve()
-    data = prepare(args.lfw.resolve(), work, args.workers)
+    if args.against == args.prepare:
+        raise SystemExit(f"error: --against {args.against} is the preparation this command trains; pass the other one")
+    other_data = None if args.against is None else data_folder(work, args.against)
+    if other_data is not None and not (other_data / f"{VAL_SET}.bin").is_file():
+        raise SystemExit(f"error: {other_data} holds no prepared data to compare with; run this command with "
+                         f"--prepare {args.against} first")
+    data = prepare(args.lfw.resolve(), work, args.workers, args.prepare)
     schedule = common_schedule(size, data, args.rows)
-    runs = runs_folder(work, schedule, args.extra)
+    runs = runs_folder(work, schedule, args.extra, args.prepare)
+    if other_data is not None:  # before any training
+        same_pairs(data, other_data)
     threads = max(1, (os.cpu_count() or 1) // args.parallel)
 
     def run(row: tuple[str, int]) -> Result:
@@ -423,6 +533,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     with ThreadPoolExecutor(args.parallel) as pool:  # each run its own process: side by side, threads split
         results = list(pool.map(run, [(name, seed) for name in args.rows for seed in args.seeds]))
     report = table(results, schedule)
+    if other_data is not None:
+        other_schedule = common_schedule(size, other_data, args.rows)
+        other_runs = runs_folder(work, other_schedule, args.extra, args.against)
+        others = [train_row(name, other_schedule, other_data, other_runs, seed, args.extra, threads, train=False)
+                  for name in args.rows for seed in args.seeds]
+        report += "\n\n" + against_table(results, others, args.prepare, args.against)
     print(report)
     (runs / "table.txt").write_text(report + "\n")
     plot(results, runs / "accuracy.png")

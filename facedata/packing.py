@@ -159,11 +159,13 @@ def group_views(paths: list[str], views: int) -> list[list[str]]:
 
 def pack_identity(paths: list[str], views: int, preparation: Preparation, image_format: str, quality: int,
                   skip_bad: bool = False
-                  ) -> tuple[list[bytes], list[tuple[str, tuple[int, int]]], list[str], set[tuple[int, int]]]:
+                  ) -> tuple[list[bytes], list[tuple[str, tuple[int, int]]], list[str], set[tuple[int, int]],
+                             list[tuple[str, int]]]:
     """One identity's encoded records, the photos ``resize`` stretched out of their aspect ratio
     (name, (width, height)), each once, with ``skip_bad``, why each photo left out could not be prepared
-    (without it, the first such photo raises its FaceImageError), and the (width, height) sizes of the photos
-    fitted (for the preparation record). No records when fewer than ``views`` photos are left."""
+    (without it, the first such photo raises its FaceImageError), the (width, height) sizes of the photos
+    fitted (for the preparation record), and the photos in which the detector found several faces (name, how
+    many). No records when fewer than ``views`` photos are left."""
     skipped: list[str] | None = [] if skip_bad else None
     prepared = {path: prepare_or_skip(preparation, path, skipped) for path in paths}
     faces = {path: face for path, face in prepared.items() if face is not None}
@@ -171,4 +173,5 @@ def pack_identity(paths: list[str], views: int, preparation: Preparation, image_
     records = [encode(side_by_side([faces[path].pixels for path in group]), image_format, quality)
                for group in group_views(kept, views)] if len(kept) >= views else []
     return (records, [(path, face.stretched_from) for path, face in faces.items() if face.stretched_from],
-            skipped or [], {face.photo_size for face in faces.values() if face.photo_size})
+            skipped or [], {face.photo_size for face in faces.values() if face.photo_size},
+            [(path, face.faces_found) for path, face in faces.items() if face.crowded])

@@ -8,11 +8,13 @@ Each photo is fitted to 112x112 in one of three ways, the same options in every 
 - ``crop``: the largest centred square, resized: the aspect ratio kept, the ends of the longer side cut;
 - ``pad``: shrunk to fit when larger, centred on black: the whole photo kept, the face smaller;
 or, where a landmarks file gives its five points, warped onto the ArcFace template by the similarity that
-maps them there (facedata/alignment.py, as the IJB evaluation aligns its faces). A landmarks file is
-text, one photo per line: ``PHOTO x1 y1 x2 y2 x3 y3 x4 y4 x5 y5`` (left eye, right eye, nose tip, left
-and right mouth corner, in the photo's pixels; numbers after the ten, such as a detector's score, are
-ignored). PHOTO is the path relative to the image folder the tool reads, or as given on the command
-line; with a landmarks file, every photo must have its line.
+maps them there (facedata/alignment.py, as the IJB evaluation aligns its faces and insightface's ``norm_crop``
+does); or, with ``--detect``, warped the same way by the five points a face detector finds in the photo
+(facedata/detector.py: the largest face when it finds several; a photo with none cannot be prepared). A
+landmarks file is text, one photo per line: ``PHOTO x1 y1 x2 y2 x3 y3 x4 y4 x5 y5`` (left eye, right eye, nose
+tip, left and right mouth corner, in the photo's pixels; numbers after the ten, such as a detector's score, are
+ignored). PHOTO is the path relative to the image folder the tool reads, or as given on the command line; with a
+landmarks file, every photo must have its line.
 """
 from __future__ import annotations
 
@@ -27,55 +29,82 @@ import numpy as np
 import torch
 from PIL import Image
 
-from facedata.alignment import align_face
+from facedata.alignment import ARCFACE_TEMPLATE, align_face, umeyama_similarity
+from facedata.detector import INSTALL, check_detector, detect_faces
 from utils.errors import ConfigError, DataError, FaceImageError, located
 from utils.image import IMAGE_SIZE
 
 FITS = ("resize", "crop", "pad")
 LANDMARKS = "landmarks"
-PREPARATIONS = (*FITS, LANDMARKS)  # the names a preparation is recorded by, each the tools' option --<name>
+DETECT = "detect"
+PREPARATIONS = (*FITS, LANDMARKS, DETECT)  # the names a preparation is recorded by, each the tools' option --<name>
 LANDMARK_NUMBERS = 10  # five (x, y) points
 
 
 @dataclass(frozen=True)
 class PreparedFace:
     """A photo as a face: uint8 RGB (112, 112, 3), the photo's (width, height) when ``resize``
-    stretched it out of its aspect ratio (None otherwise), and its size."""
+    stretched it out of its aspect ratio (None otherwise), its size, and how many faces the detector found in it
+    (``--detect``: the largest was used)."""
 
     pixels: np.ndarray
     stretched_from: tuple[int, int] | None = None
     photo_size: tuple[int, int] | None = None  # (width, height) of the photo a fit prepared (None: aligned)
+    faces_found: int | None = None  # None: no detector ran
+
+    @property
+    def crowded(self) -> bool:
+        """Whether the detector found more than this one face in the photo."""
+        return (self.faces_found or 0) > 1
 
 
 @dataclass(frozen=True)
 class Preparation:
-    """How photos become faces: ``fit`` for every photo, or alignment by its landmarks when ``landmarks``
-    (photo name -> (5, 2) points, read by ``read_landmarks``) is given. A photo's name is its path
-    relative to ``root``, or the path as given when there is no root."""
+    """How photos become faces: ``fit`` for every photo, alignment by its landmarks when ``landmarks``
+    (photo name -> (5, 2) points, read by ``read_landmarks``) is given, or by the points the face detector finds
+    when ``detector`` (its name and version, from ``facedata.detector.check_detector``) is. A photo's name is its
+    path relative to ``root``, or the path as given when there is no root."""
 
     fit: str = "resize"
     landmarks: Mapping[str, np.ndarray] | None = None
     landmarks_file: Path | None = None
     root: Path | None = None
+    detector: str | None = None
 
     def __post_init__(self) -> None:
         if self.fit not in FITS:
             raise ValueError(f"fit {self.fit!r} is not one of {FITS}")
+        if self.detector is not None and self.landmarks is not None:
+            raise ValueError("a preparation aligns by a landmarks file or by a detector, not both")
 
     @property
     def name(self) -> str:
-        """``resize``, ``crop``, ``pad`` or ``landmarks``: what the preparation records say (PREPARATIONS)."""
+        """``resize``, ``crop``, ``pad``, ``landmarks`` or ``detect``: what the preparation records say
+        (PREPARATIONS)."""
+        if self.detector is not None:
+            return DETECT
         return LANDMARKS if self.landmarks is not None else self.fit
 
+    @property
+    def aligns(self) -> bool:
+        """Whether faces are warped by five points (a landmarks file or the detector's), not fitted."""
+        return self.landmarks is not None or self.detector is not None
+
     def describe(self) -> str:
-        """``crop to 112x112`` or ``aligned by the landmarks in X``: for the tools' summary lines."""
+        """``crop to 112x112``, ``aligned by the landmarks in X`` or ``aligned by the five points X finds``: for
+        the tools' summary lines."""
+        if self.detector is not None:
+            return f"aligned by the five points {self.detector} finds"
         if self.landmarks is not None:
             return f"aligned by the landmarks in {self.landmarks_file}"
         return f"{self.fit} to {IMAGE_SIZE}x{IMAGE_SIZE}"
 
     def face(self, path: str | os.PathLike) -> PreparedFace:
-        """The photo at ``path`` prepared; FaceImageError when it cannot be read (or has no landmarks)."""
+        """The photo at ``path`` prepared; FaceImageError when it cannot be read (or has no landmarks, or the
+        detector finds no face in it)."""
         with _open_photo(Path(path)) as image:
+            if self.detector is not None:
+                return _detected(image, path)
             if self.landmarks is None:
                 return fit_photo(image, self.fit)
             name = self._name(Path(path))
@@ -141,8 +170,26 @@ def fit_photo(image: Image.Image, fit: str = "resize", size: int = IMAGE_SIZE) -
     return PreparedFace(np.asarray(canvas), stretched, (width, height))
 
 
+def _detected(image: Image.Image, path: str | os.PathLike) -> PreparedFace:
+    faces = detect_faces(image)
+    if not faces:
+        raise FaceImageError(f"the face detector found no face in {path}; leave the photo out (--skip-bad) or "
+                             "replace it with one that shows the face larger and from the front")
+    return PreparedFace(_aligned(image, faces[0].landmarks), faces_found=len(faces))
+
+
 def _aligned(image: Image.Image, points: np.ndarray) -> np.ndarray:
-    rgb = torch.from_numpy(np.array(image.convert("RGB"))).permute(2, 0, 1)
+    """The face warped onto the ArcFace template by its five points. A face more than twice the template's size
+    is first averaged down by a whole factor (PIL's box reduce), so that the bilinear warp, which samples four
+    pixels per output pixel, does not alias it: on photos where the face is smaller, this is norm_crop's warp."""
+    points = np.asarray(points, dtype=np.float64)
+    matrix = umeyama_similarity(points, ARCFACE_TEMPLATE)
+    factor = int(1.0 / np.sqrt(abs(np.linalg.det(matrix[:, :2]))))
+    image = image.convert("RGB")
+    if factor >= 2:
+        image = image.reduce(factor)
+        points = (points + 0.5) / factor - 0.5  # pixel centres: block k covers photo pixels kf .. kf + f - 1
+    rgb = torch.from_numpy(np.array(image)).permute(2, 0, 1)
     return align_face(rgb, points).permute(1, 2, 0).numpy()
 
 
@@ -219,6 +266,16 @@ def add_skip_bad_argument(parser: argparse.ArgumentParser, left_out: str) -> Non
                              "when the job ends")
 
 
+def several_faces_line(crowded: Sequence[tuple[str, int]], total: int) -> str | None:
+    """One line for the photos in which the detector found several faces (``(name, faces found)`` each), or
+    None."""
+    if not crowded:
+        return None
+    name, found = crowded[0]
+    return (f"note: the face detector found several faces in {len(crowded)} of {total} photos (e.g. {found} in "
+            f"{name}); the largest face of each was used")
+
+
 def skipped_line(skipped: Sequence[str]) -> str | None:
     """One line naming every photo --skip-bad left out, with why (each FaceImageError's sentence, its advice
     left off), or None when none was."""
@@ -242,7 +299,8 @@ class _FitOption(argparse.Action):
 
 def add_preparation_arguments(parser: argparse.ArgumentParser, photo_names: str, recorded_in: str | None = None
                               ) -> None:
-    """``--resize`` / ``--crop`` / ``--pad`` and ``--landmarks FILE``: the same in every tool that reads photos.
+    """``--resize`` / ``--crop`` / ``--pad``, ``--landmarks FILE`` and ``--detect``: the same in every tool that
+    reads photos.
     ``photo_names`` says how this tool's landmarks file names a photo; ``recorded_in`` names the file whose
     recorded preparation is this tool's default (preparation_following), None when --resize is. ``args.fit``
     is ``resize`` unless an option says otherwise (``args.fit_given`` says whether one did)."""
@@ -259,22 +317,33 @@ def add_preparation_arguments(parser: argparse.ArgumentParser, photo_names: str,
     fit.add_argument("--pad", dest="fit", action=_FitOption, const="pad",
                      help=f"keep the whole photo: shrink it to fit {IMAGE_SIZE}x{IMAGE_SIZE} if larger, centre it "
                           "on black")
-    group.add_argument("--landmarks", type=Path, metavar="FILE",
-                       help="align each photo by its five landmarks instead of fitting it, as the IJB evaluation "
-                            "does: lines 'PHOTO x1 y1 ... x5 y5' (eyes, nose tip, mouth corners); PHOTO is "
-                            f"{photo_names}")
+    points = group.add_mutually_exclusive_group()
+    points.add_argument("--landmarks", type=Path, metavar="FILE",
+                        help="align each photo by its five landmarks instead of fitting it, as the IJB evaluation "
+                             "does: lines 'PHOTO x1 y1 ... x5 y5' (eyes, nose tip, mouth corners); PHOTO is "
+                             f"{photo_names}")
+    points.add_argument("--detect", action="store_true",
+                        help="find the face in each photo (RetinaFace, run offline) and align it by the five points "
+                             "found, as insightface aligns faces: for ordinary photos; the largest face when there "
+                             f"are several; needs the detector package: {INSTALL}")
     parser.set_defaults(fit="resize", fit_given=False)
 
 
 def preparation_from_args(args: argparse.Namespace, root: str | os.PathLike | None = None) -> Preparation:
-    """The Preparation ``add_preparation_arguments``' options ask for (the landmarks file read now)."""
+    """The Preparation ``add_preparation_arguments``' options ask for (the landmarks file read now; with
+    ``--detect``, ConfigError naming the install command when the detector is not installed)."""
+    if args.detect:
+        return Preparation(args.fit, detector=check_detector())
     if args.landmarks is None:
         return Preparation(args.fit)
     return Preparation(args.fit, read_landmarks(args.landmarks), args.landmarks, None if root is None else Path(root))
 
 
 def given_preparation(args: argparse.Namespace) -> str | None:
-    """The preparation an option asked for (``--landmarks`` over a fit), or None when none was given."""
+    """The preparation an option asked for (``--detect`` or ``--landmarks`` over a fit), or None when none was
+    given."""
+    if args.detect:
+        return DETECT
     if args.landmarks is not None:
         return LANDMARKS
     return args.fit if getattr(args, "fit_given", False) else None
@@ -296,4 +365,7 @@ def preparation_following(args: argparse.Namespace, recorded: str | None, where:
     if recorded == LANDMARKS:
         raise ConfigError(f"{where} records photos aligned by their landmarks (--landmarks); pass --landmarks FILE "
                           "with these photos' five points (or --resize, --crop or --pad to fit them anyway)")
+    if recorded == DETECT:
+        return Preparation(detector=check_detector()), (
+            f"photos aligned by the face detector (--detect), as {where} records (another option overrides it)")
     return Preparation(recorded), f"photos prepared with --{recorded}, as {where} records (another option overrides it)"

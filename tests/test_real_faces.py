@@ -8,6 +8,7 @@ import json
 import re
 from pathlib import Path
 
+import matplotlib.cbook
 import numpy as np
 import pytest
 from PIL import Image
@@ -29,16 +30,24 @@ def person(index: int) -> str:
 @pytest.fixture(scope="module")
 def lfw(tmp_path_factory) -> Path:
     """LFW's layout: 250x250 JPEGs in images_deepfunneled/<Name>/<Name>_NNNN.jpg, peopleDevTrain.txt and
-    pairsDevTest.txt (folds of same-person 'name n1 n2' and different-person 'name1 n1 name2 n2' lines)."""
+    pairsDevTest.txt (folds of same-person 'name n1 n2' and different-person 'name1 n1 name2 n2' lines); the raw
+    photos in images/<Name>/<Name>_NNNN.jpg: a face the detector finds (Grace Hopper's, which matplotlib ships),
+    moved about, and in the first DevTrain person's last photo none."""
     root = tmp_path_factory.mktemp("lfw")
     everyone = range(TRAIN_PEOPLE + TEST_PEOPLE)
+    portrait = Image.open(matplotlib.cbook.get_sample_data("grace_hopper.jpg", asfileobj=False)).convert("RGB")
     for index in everyone:
         folder = root / real_faces.IMAGES / person(index)
         folder.mkdir(parents=True)
+        (root / real_faces.RAW_IMAGES / person(index)).mkdir(parents=True)
         for number, face in enumerate(render_faces([index] * PHOTOS, range(PHOTOS), seed=7), 1):
             canvas = Image.new("RGB", (250, 250), (90, 90, 90))
             canvas.paste(Image.fromarray(face).resize((130, 130)), (60, 51))  # where MEAN_LANDMARKS frame it
             canvas.save(folder / f"{person(index)}_{number:04d}.jpg", quality=95)
+            raw = Image.new("RGB", (150, 150), (90, 90, 90))
+            if (index, number) != (0, PHOTOS):
+                raw.paste(portrait.resize((110, 129)), (3 * index, 2 * number))
+            raw.save(root / real_faces.RAW_IMAGES / person(index) / f"{person(index)}_{number:04d}.jpg", quality=95)
     (root / "peopleDevTrain.txt").write_text(f"{TRAIN_PEOPLE}\n" + "".join(
         f"{person(index)}\t{PHOTOS}\n" for index in range(TRAIN_PEOPLE)))
     tested = [person(TRAIN_PEOPLE + index) for index in range(TEST_PEOPLE)]
@@ -100,6 +109,30 @@ def test_every_run_trains_the_same_images_under_one_schedule_and_the_table_repor
     assert (runs / "accuracy.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_detected_faces_of_the_raw_photos_train_the_same_rows_and_are_judged_against_the_fixed_crop(lfw, bench_run):
+    work, _ = bench_run
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert real_faces.main([str(lfw), "--work", str(work), "--prepare", "detect", "--against", "mean_points",
+                                "--images", "64", "--batch", "8", "--rows", "one_view", "--seeds", "1", "2",
+                                "--workers", "1", "--set", "embedding_size=32", "--set",
+                                "network_kwargs={'width_mult': 0.0625}"]) == 0
+    printed = out.getvalue()
+    data = work / "lfw_devtrain_detect"
+    packed = json.loads((data / "train.rec.preparation.json").read_text())
+    assert packed["photo_preparation"] == "detect" and packed["people"] == [person(i) for i in range(TRAIN_PEOPLE)]
+    assert f"the face detector found no face in {work / 'devtrain_people_images' / person(0)}" in printed
+    _, issame = verification.load_bin(str(data / "lfw_devtest.bin"))
+    assert issame == [True, False] * TEST_PEOPLE  # every pair kept: the same pairs as the fixed crop's set
+    runs = work / "runs-64+prepare=detect+embedding_size=32+network_kwargs=_width_mult_0.0625"
+    assert "training finished at global step 8:" in (runs / "one_view-seed2" / "training.log").read_text()
+    table = (runs / "table.txt").read_text()
+    assert table in printed
+    against = table.split("\n\n")[-1].splitlines()
+    assert against[0].startswith("--prepare detect against --prepare mean_points, row by row")
+    assert re.fullmatch(r"one_view +[\d.]+ +[\d.]+  (better|worse|can't tell): [+-]\d+\.\dp .*", against[2])
+
+
 def test_rows_whose_epochs_share_no_schedule_near_the_images_asked_for_are_one_error_line(lfw, bench_run):
     """An epoch of 2 and of 4 steps share a schedule every 4 steps: one step asked for would take 4."""
     work, _ = bench_run
@@ -141,3 +174,19 @@ def test_the_recipe_config_is_the_row_the_bench_measured():
     assert {key for key in measured if measured[key] != recipe[key]} <= {"output", "frequent", "verbose",
                                                                          "view_source"}
     assert recipe["num_views"] == 1 and recipe["margin_scale"] == 32.0
+
+
+def test_a_pair_photo_missing_from_the_raw_folder_is_taken_from_the_deep_funneled_one_and_said(tmp_path, capsys):
+    lfw = tmp_path / "lfw"
+    for folder in (real_faces.IMAGES, real_faces.RAW_IMAGES):
+        for name, numbers in (("Ann", (1, 2)), ("Bob", (1,))):
+            (lfw / folder / name).mkdir(parents=True)
+            for number in numbers:
+                if (folder, name, number) != (real_faces.RAW_IMAGES, "Ann", 2):
+                    (lfw / folder / name / f"{name}_{number:04d}.jpg").write_bytes(f"{folder}".encode())
+    (lfw / "pairsDevTest.txt").write_text("1\nAnn\t1\t2\nAnn\t2\tBob\t1\n")
+    linked = real_faces.raw_pair_photos(lfw, tmp_path / "work")
+    assert {path.relative_to(linked).as_posix(): path.read_bytes().decode() for path in linked.glob("*/*.jpg")} == {
+        "Ann/Ann_0001.jpg": "images", "Ann/Ann_0002.jpg": "images_deepfunneled", "Bob/Bob_0001.jpg": "images"}
+    assert capsys.readouterr().out == (f"note: 1 photo(s) of pairsDevTest missing from {lfw / 'images'} (e.g. "
+                                       "Ann/Ann_0002.jpg): their deep-funneled copies are used in their place\n")

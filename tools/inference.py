@@ -8,7 +8,7 @@
 
 (--network-kw takes every value up to the next option, so images go before it.)
 
-Photos are prepared as every tool prepares them (--resize, --crop, --pad or --landmarks). By default, as
+Photos are prepared as every tool prepares them (--resize, --crop, --pad, --landmarks or --detect). By default, as
 the training photos were (model.json records the option tools.pack_rec packed them with; --resize when it
 records none); an option that differs from the recorded one is used, with a warning naming both. Each
 embedding is the photo's and its mirror image's summed and L2-normalised, as verification scores them. One

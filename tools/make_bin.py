@@ -5,7 +5,7 @@
 
 IMAGE_FOLDER holds one sub-folder of face photos per identity. Each photo becomes a 112x112 face as in
 every tool that reads photos (facedata/photos.py): ``--resize`` (the default; a warning names the photos
-whose aspect ratio that changed), ``--crop``, ``--pad``, or ``--landmarks FILE``. Use the option the
+whose aspect ratio that changed), ``--crop``, ``--pad``, ``--landmarks FILE`` or ``--detect``. Use the option the
 training records were packed with (tools.pack_rec), so that evaluation sees faces as training did: when
 OUT.bin goes beside a train.rec whose preparation tools.pack_rec recorded, that one is the default (an
 option that differs gets a warning). The preparation is recorded beside OUT.bin too
@@ -54,6 +54,7 @@ from dataset import (
     read_preparation,
     read_record,
     scan_identities,
+    several_faces_line,
     skipped_folders_line,
     skipped_line,
     stretch_warning,
@@ -215,7 +216,7 @@ def encode_face(path: Path, preparation: Preparation, skipped: list[str] | None 
     data = path.read_bytes()
     with Image.open(io.BytesIO(data)) as image:
         size, source_format = image.size, image.format
-    if preparation.landmarks is None and size == (IMAGE_SIZE, IMAGE_SIZE) and source_format in ("JPEG", "PNG"):
+    if not preparation.aligns and size == (IMAGE_SIZE, IMAGE_SIZE) and source_format in ("JPEG", "PNG"):
         return data, face, False
     return encode(face.pixels, "jpeg" if source_format == "JPEG" else "png", JPEG_QUALITY), face, True
 
@@ -306,6 +307,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     stretched = [(str(path), face.stretched_from) for path, (face, _) in faces.items() if face.stretched_from]
     if warning := stretch_warning(stretched, len(faces)):
         print(warning, file=sys.stderr)
+    crowded = [(str(path), face.faces_found) for path, (face, _) in faces.items() if face.crowded]
+    if note := several_faces_line(crowded, len(faces)):
+        print(note)
     if said := skipped_line(unreadable or []):  # last: every photo left out, named once
         print(f"{said}; the {len(pairs) - len(issame)} pair(s) holding them are not in {args.output}",
               file=sys.stderr)

@@ -6,9 +6,9 @@ Any image size and grayscale images are fine: every photo becomes a 112x112 RGB 
 that reads photos (facedata/photos.py): stretched (``--resize``, the default; a warning names the photos
 whose aspect ratio that changed), centre-cropped (``--crop``), shrunk to fit and centred on black
 (``--pad``), or aligned by its five landmarks (``--landmarks FILE``, photos named relative to the input
-folder). The preparation is recorded beside the records (``train.rec.preparation.json``): training
-carries it into the run's model.json, and tools.make_bin (writing beside train.rec) and tools.inference
-prepare their photos the same way by default.
+folder) or by those a face detector finds (``--detect``, for ordinary photos). The preparation is recorded
+beside the records (``train.rec.preparation.json``): training carries it into the run's model.json, and
+tools.make_bin (writing beside train.rec) and tools.inference prepare their photos the same way by default.
 
 With ``--views V`` each record holds V different images of one identity side by side (112 x 112V); an
 identity's images are taken V at a time in name order, its last record topped up with its first images,
@@ -32,6 +32,7 @@ from dataset import (
     pack_identity,
     preparation_from_args,
     scan_identities,
+    several_faces_line,
     skipped_folders_line,
     skipped_line,
     stretch_warning,
@@ -73,13 +74,14 @@ def main(argv: list[str] | None = None) -> int:
         preparation = preparation_from_args(args, args.input)
         encode_one = partial(pack_identity, views=args.views, preparation=preparation, image_format=args.format,
                              quality=args.quality, skip_bad=args.skip_bad)
-        stretched, unreadable, packed_people, sizes = [], [], [], set()
+        stretched, crowded, unreadable, packed_people, sizes = [], [], [], [], set()
         with InsightfaceWriter(args.output) as writer, Pool(max(1, args.workers), ignore_ctrl_c) as pool:
             packed = zip(kept, pool.imap(encode_one, [paths for _, paths in kept], chunksize=4))
-            for (name, _), (records, identity_stretched, identity_unreadable, identity_sizes) in progress(
-                    packed, len(kept), "packing identities", sys.stderr):
+            for (name, _), (records, identity_stretched, identity_unreadable, identity_sizes, identity_crowded) in \
+                    progress(packed, len(kept), "packing identities", sys.stderr):
                 unreadable += identity_unreadable
                 stretched += identity_stretched
+                crowded += identity_crowded
                 sizes |= identity_sizes
                 if records:  # --skip-bad may leave an identity too few photos: it gets no class
                     writer.write_identity(records)
@@ -92,8 +94,11 @@ def main(argv: list[str] | None = None) -> int:
                                 "replace the photos named above or lower --views")
         # Once the records are whole; the people, so that tools.make_bin can tell whether a set holds others.
         write_preparation(writer.rec_path, preparation, "tools.pack_rec", sizes, {"people": packed_people})
-    if warning := stretch_warning(stretched, sum(len(paths) for _, paths in kept)):
+    photos = sum(len(paths) for _, paths in kept)
+    if warning := stretch_warning(stretched, photos):
         print(warning, file=sys.stderr)
+    if note := several_faces_line(crowded, photos):
+        print(note)
     if skipped := skipped_folders_line(args.input):
         print(skipped)
     if left_out:

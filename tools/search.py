@@ -8,7 +8,7 @@ embeds every photo and keeps each person's template (their photos' embeddings av
 the folder, ``photos.gallery.npz``; later searches reuse it while the model and the photos are unchanged
 (by each file's size and modification time) and the photos' preparation are unchanged, and build it
 again, saying which of them changed, when one did (--rebuild forces it). Photos, gallery and queries
-alike, are prepared as every tool prepares them (--resize, --crop, --pad or --landmarks): by default as
+alike, are prepared as every tool prepares them (--resize, --crop, --pad, --landmarks or --detect): by default as
 the training photos were (model.json records the option tools.pack_rec packed them with; --resize when
 it records none), as tools.inference does; a landmarks file names gallery photos relative to the gallery
 folder and queries as given here.
@@ -57,6 +57,7 @@ from dataset import (
     add_skip_bad_argument,
     preparation_following,
     prepare_or_skip,
+    several_faces_line,
     skipped_line,
     stretch_warning,
 )
@@ -125,11 +126,11 @@ def current_gallery(args: argparse.Namespace, model: torch.nn.Module, saved: Sav
         raise ConfigError(f"the gallery file {path} goes beside --gallery {args.gallery}, but folder {path.parent} is "
                           "not writable; copy the gallery to a folder you can write to")
     start = time.perf_counter()
-    gallery, stretched = build_gallery(model, people, preparation, model_stamp, photos_stamp, args.batch_size,
-                                       sys.stderr, args.skip_bad)
+    gallery, said = build_gallery(model, people, preparation, model_stamp, photos_stamp, args.batch_size,
+                                  sys.stderr, args.skip_bad)
     save_gallery(gallery, path)
-    if stretched:
-        print(stretched, file=sys.stderr)
+    for line in said:
+        print(line, file=sys.stderr)
     photos = sum(len(photos) for _, photos in people) - len(gallery.skipped)
     left_out = f", {len(gallery.skipped)} left out by --skip-bad" if gallery.skipped else ""
     print(f"gallery: {len(gallery.names)} people ({photos} photos{left_out}) embedded in "
@@ -241,6 +242,9 @@ def main(argv: list[str] | None = None) -> int:
         if warning := stretch_warning([(str(path), size) for path, (_, size) in zip(queries, faces) if size],
                                       len(faces)):
             print(warning, file=sys.stderr)
+        if note := several_faces_line([(str(path), face.faces_found) for path, face in prepared
+                                       if face and face.crowded], len(faces)):
+            print(note, file=sys.stderr)
         images = torch.stack([image for image, _ in faces])
         gallery = current_gallery(args, model, saved, preparation_following(args, recorded, where, args.gallery)[0])
         threshold, said = deciding_threshold(gallery, saved, args)
