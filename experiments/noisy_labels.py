@@ -39,7 +39,7 @@ import numpy as np
 
 from dataset import TRAINING_RECORDS, InsightfaceWriter, build_dataset, copy_record, read_record
 from eval.paired import paired_verdict
-from experiments.real_faces import ROOT, VAL_SET, evaluate, prepare, steps_per_epoch, train_run
+from experiments.real_faces import ROOT, UNSAFE_IN_NAME, VAL_SET, evaluate, prepare, steps_per_epoch, train_run
 
 CONFIG = "configs/lfw_r18_recipe.py"
 BATCH = 128  # the recipe's photos a step
@@ -148,6 +148,9 @@ def train(arm: str, seed: int, rec: Path, runs: Path, images: int, extra: Sequen
     per_epoch = steps_per_epoch(rec, BATCH)
     epochs = max(1, round(images / (per_epoch * BATCH)))
     steps = per_epoch * epochs
+    # a rehearsal's --set max_steps=N stops every run there
+    limit = next((int(setting.split("=", 1)[1]) for setting in extra if setting.startswith("max_steps=")), 0)
+    steps = min(steps, limit) if limit else steps
     output = runs / f"{arm}-seed{seed}"
     settings = {"rec": repr(str(rec)), "output": repr(str(output)), "seed": str(seed), "num_epoch": str(epochs),
                 "verbose": str(max(1, steps // 4)), "frequent": str(max(1, steps // 20))}
@@ -217,7 +220,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--arms", nargs="+", default=list(ARMS), choices=ARMS,
                         help="cleaned needs subcenter, which it trains if it is not listed")
     parser.add_argument("--set", dest="extra", action="append", default=[], metavar="KEY=VALUE",
-                        help="a config value for every run (e.g. a narrower network for a rehearsal)")
+                        help="a config value for every run (a rehearsal: a narrower network, max_steps=N)")
     parser.add_argument("--threads", type=int, default=1, help="threads of each run (one run at a time)")
     parser.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="processes preparing photos")
     args = parser.parse_args(argv)
@@ -225,7 +228,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         raise SystemExit(f"error: --noise {args.noise} is not a share; pass a number between 0 and 1, e.g. 0.2")
     work = args.work.resolve()
     data = prepare(args.lfw.resolve(), work, args.workers)
-    runs_folder = work / "+".join([f"runs-{args.images}", *(setting.replace("/", "_") for setting in args.extra)])
+    settings = [UNSAFE_IN_NAME.sub("_", setting).strip("_") for setting in args.extra]
+    runs_folder = work / "+".join([f"runs-{args.images}", *settings])
     runs, finds = [], []
     for seed in args.seeds:
         noisy = corrupt(data, work / f"noisy-{args.noise:g}-seed{seed}", args.noise, seed)
