@@ -45,7 +45,7 @@ CONFIG = "configs/lfw_r18_recipe.py"
 BATCH = 128  # the recipe's photos a step
 ARMS = ("true", "noisy", "subcenter", "cleaned")
 SUBCENTER = ["margin_family='subcenter'", "subcenter_k=3"]
-SWEEP = (40, 50, 60, 65, 70, 75, 80, 85, 90)
+SWEEP = (50, 60, 65, 70, 75, 80, 85, 90, 95)
 # Paired verdicts: (arm, against)
 VERDICTS = (("noisy", "true"), ("cleaned", "noisy"), ("cleaned", "true"), ("subcenter", "noisy"))
 

@@ -111,7 +111,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                              "(default: the paper's 75)")
     parser.add_argument("--batch-size", type=int, default=256, help="records embedded at a time by each process")
     parser.add_argument("--workers", type=int, default=4, help="record-decoding processes beside each process")
-    parser.add_argument("--overwrite", action="store_true", help="replace the files of an earlier cleaning in OUT")
+    parser.add_argument("--overwrite", "--force", dest="overwrite", action="store_true",
+                        help="replace the files of an earlier cleaning in OUT")
     return parser.parse_args(argv)
 
 
