@@ -31,10 +31,10 @@ import argparse
 import json
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, TextIO
+from typing import IO, TextIO, TypeVar
 
 import numpy as np
 import torch
@@ -73,6 +73,7 @@ from utils.errors import CheckpointError, ConfigError, DataError, UserError
 from utils.launcher import adopt_srun_environment, local_process
 from utils.progress import progress
 
+Result = TypeVar("Result")
 REPORT = "clean_report.jsonl"
 HISTOGRAM = "clean_angles.png"
 INDEX = "train.idx"
@@ -148,25 +149,25 @@ def clean(run_folder: Path, rec: Path, out: Path, angle: float, batch_size: int,
     run = run_on_rank0(lambda: read_run(run_folder), group=group)
     verify_shards(run.verified)
     run_on_rank0(lambda: check_output_folder(rec, out, overwrite), group=group)
-    error, part = None, None
-    try:  # every process opens the records itself (checked alike everywhere; the first error stops all)
-        dataset = open_records(rec, run)
-        if world() > run.num_classes:
-            raise ConfigError(f"{world()} processes for {run.num_classes} classes leave a process without any; run "
-                              f"at most {run.num_classes} processes")
-    except UserError as raised:
-        error = raised
-    raise_first(error)
+    dataset = on_every_process(lambda: open_records(rec, run))  # checked alike everywhere
     start, count = class_range(run.num_classes, rank(), world())
     centres = read_rows(run.verified, "centres", start * run.k, count * run.k, group)
+    part = on_every_process(lambda: judge_classes(dataset, run, centres.reshape(count, run.k, -1).double().numpy(),
+                                                  start, batch_size, workers, device, stream))
+    parts = gather_objects(part, group)
+    return run_on_rank0(lambda: write_cleaned(dataset, parts, run, angle, rec, out), group=group)
+
+
+def on_every_process(work: Callable[[], Result]) -> Result:
+    """work() on every process; the first process's UserError raised on all of them, so that none waits for one
+    that stopped."""
+    error, result = None, None
     try:
-        part = judge_classes(dataset, run, centres.reshape(count, run.k, -1).double().numpy(), start, batch_size,
-                             workers, device, stream)
+        result = work()
     except UserError as raised:
         error = raised
     raise_first(error)
-    parts = gather_objects(part, group)
-    return run_on_rank0(lambda: write_cleaned(dataset, parts, run, angle, rec, out), group=group)
+    return result
 
 
 # --- the run and the records ----------------------------------------------------------------------------------
@@ -199,6 +200,9 @@ def open_records(rec: Path, run: SubcenterRun):
     if not (rec / TRAINING_RECORDS).is_file() or not (rec / INDEX).is_file():
         raise DataError(f"{rec} holds no {TRAINING_RECORDS} and {INDEX}; pass the folder of the records "
                         f"{run.folder} was trained on")
+    if world() > run.num_classes:
+        raise ConfigError(f"{world()} processes for {run.num_classes} classes leave a process without any; run at "
+                          f"most {run.num_classes} processes")
     dataset = build_dataset(str(rec), num_views=run.views, view_source="record", flip=False)
     samples = len(dataset)
     trained_on = f"pass the records {run.folder} was trained on"
