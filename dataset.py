@@ -36,6 +36,7 @@ from facedata.photos import (
 )
 from facedata.preparation_record import (
     TRAINING_RECORDS,
+    copy_record,
     held_out,
     preparation_note,
     read_preparation,
@@ -47,12 +48,14 @@ from facedata.preparation_record import (
 from facedata.recordio import IRHeader, RecordReader, RecordWriter, pack, unpack
 from facedata.sources import classes_in_header
 from facedata.synthetic import identity_records, render_faces, verification_pairs
+from facedata.view_sources import VIEW_SOURCES
 
-__all__ = ["PACKABLE_SAID", "PACKABLE_SUFFIXES", "PREPARATIONS", "TRAINING_RECORDS", "FaceLoader", "IRHeader",
-           "InsightfaceWriter", "Preparation", "PreparedFace", "RecordReader", "RecordWriter",
+__all__ = ["PACKABLE_SAID", "PACKABLE_SUFFIXES", "PREPARATIONS", "TRAINING_RECORDS", "VIEW_SOURCES", "FaceLoader",
+           "IRHeader", "InsightfaceWriter", "Preparation", "PreparedFace", "RecordReader", "RecordWriter",
            "add_preparation_arguments", "add_skip_bad_argument", "align_face", "build_dataset", "build_loader",
-           "check_output", "classes_in_header", "empty_folders", "encode", "held_out", "identity_records", "pack",
-           "pack_identity", "prepare_or_skip", "preparation_following", "preparation_from_args", "preparation_note",
-           "read_preparation", "read_record", "record_path", "recorded_preparation", "render_faces",
-           "scan_identities", "several_faces_line", "side_by_side", "skipped_folders_line", "skipped_line",
-           "stretch_warning", "unpack", "verification_pairs", "write_preparation"]
+           "check_output", "classes_in_header", "copy_record", "empty_folders", "encode", "held_out",
+           "identity_records", "pack", "pack_identity", "prepare_or_skip", "preparation_following",
+           "preparation_from_args", "preparation_note", "read_preparation", "read_record", "record_path",
+           "recorded_preparation", "render_faces", "scan_identities", "several_faces_line", "side_by_side",
+           "skipped_folders_line", "skipped_line", "stretch_warning", "unpack", "verification_pairs",
+           "write_preparation"]

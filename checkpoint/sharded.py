@@ -61,7 +61,7 @@ from training.fields import StateFieldError
 from training.progress import StepCounter, as_counter
 from training.state import TrainingState, registry, restore_components
 from utils.atomic import atomic_save, fsync_dir, os_error_behind, write_bytes
-from utils.compat import DCP_ALONE_WARNING, SHARDED_TENSOR_WARNING, dcp_group
+from utils.compat import DCP_ALONE_WARNING, SHARDED_TENSOR_WARNING, dcp_group, row_block
 from utils.distributed import gather_objects, is_initialized, is_main, raise_first, rank, run_on_rank0, world
 from utils.errors import CheckpointError
 from utils.torch_files import load_torch_file
@@ -396,6 +396,21 @@ def read_whole(folder: Path) -> tuple[dict, dict]:
     template["backbone"] = load_torch_file(folder / BACKBONE_NAME,
                                            lambda reason: damaged(folder, f"{BACKBONE_NAME}: {reason}"))
     return template, verified.content
+
+
+def read_rows(verified: Verified, fqn: str, first: int, count: int, group=None) -> torch.Tensor:
+    """Rows first..first+count-1 of the checkpoint's matrix `fqn` (the centres: a tool's share of the classes),
+    read from whichever shard files hold them, whatever number of processes wrote them: no process holds more
+    than its rows. Collective over `group` when there is a process group (DCP plans the reads together)."""
+    shape, dtype = verified.tensors[fqn]
+    rows = torch.empty((count, *shape[1:]), dtype=dtype)
+    try:
+        with _quiet_when_alone():
+            dcp.load({fqn: row_block(rows, shape[0], first)}, storage_reader=SafeReader(verified.folder),
+                     planner=TensorsOnlyPlanner(), **dcp_group(group))
+    except CheckpointException as error:
+        raise _failure("cannot read", verified.folder, error, f"{_DAMAGED}: use another run folder") from None
+    return rows
 
 
 @contextlib.contextmanager

@@ -328,44 +328,57 @@ def train_row(name: str, schedule: Schedule, data: Path, runs: Path, seed: int, 
               threads: int, train: bool = True) -> Result:
     """The row's run of this seed, trained unless it is finished already (``train`` False: it must be)."""
     output = runs / f"{name}-seed{seed}"
-    timing = output / TIMING
-    log_path = output / "training.log"
-    finished = log_path.is_file() and f"training finished at global step {schedule.steps}:" in log_path.read_text()
-    if not finished and not train:
+    if not train and not finished(output, schedule.steps):
         raise SystemExit(f"error: {output} holds no finished run of {name} (seed {seed}, {schedule.steps} steps) to "
                          "compare with; train it first: this command with that --prepare, the same rows, seeds, "
                          "--images and --set values")
-    if finished:
-        print(f"{name} (seed {seed}): using the finished run in {output}", flush=True)
-        # Its wall time from its own log; its CPU time as this command measured it, when it trained the run.
-        stamps = [datetime.strptime(stamp, "%Y-%m-%d %H:%M:%S,%f") for stamp in LOG_TIME.findall(log_path.read_text())]
-        wall_seconds = (stamps[-1] - stamps[0]).total_seconds()
-        cpu_seconds = json.loads(timing.read_text())["cpu_seconds"] if timing.is_file() else float("nan")
-    else:
-        # A run stopped before its end (Ctrl-C, a kill: its last checkpoint and backbone.pth are there) goes on.
-        resume = ["--resume"] if (output / "checkpoint.json").is_file() else []
-        command = [sys.executable, "train.py", CONFIG, *row_settings(name, schedule, data, output, seed, extra),
-                   *resume]
-        output.parent.mkdir(parents=True, exist_ok=True)
-        start = time.perf_counter()
-        with open(output.parent / f"{output.name}.stderr", "w+") as stderr:
-            process = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=stderr,
-                                       env={**os.environ, "OMP_NUM_THREADS": str(threads)})
-            _, status, usage = os.wait4(process.pid, 0)  # this run's own CPU time, whatever runs beside it
-            process.returncode = os.waitstatus_to_exitcode(status)
-            wall_seconds, cpu_seconds = time.perf_counter() - start, usage.ru_utime + usage.ru_stime
-            if process.returncode:
-                stderr.seek(0)
-                raise SystemExit(f"error: the {name} run failed ({' '.join(command)}):\n{stderr.read()[-3000:]}")
-        if resume:  # the CPU time of the part before, when this command measured it
-            cpu_seconds += json.loads(timing.read_text())["cpu_seconds"] if timing.is_file() else float("nan")
-        timing.write_text(json.dumps({"cpu_seconds": cpu_seconds, "wall_seconds": wall_seconds}))
+    cpu_seconds, wall_seconds = train_run(output, row_settings(name, schedule, data, output, seed, extra),
+                                          schedule.steps, threads, f"{name} (seed {seed})")
     log = (output / "training.log").read_text()
     curve = [(int(step) * schedule.batch_images, float(accuracy), float(spread))
              for step, accuracy, spread in ACCURACY.findall(log)]
     *last, right = evaluate(output, data)
     return Result(name, seed, curve, evaluate(output / "best", data)[:3], tuple(last), right,
                   cpu_seconds / 60, wall_seconds / 60)
+
+
+def finished(output: Path, steps: int) -> bool:
+    """Whether `output` holds a run that finished its schedule at step `steps`."""
+    log_path = output / "training.log"
+    return log_path.is_file() and f"training finished at global step {steps}:" in log_path.read_text()
+
+
+def train_run(output: Path, settings: Sequence[str], steps: int, threads: int, what: str,
+              config: str = CONFIG) -> tuple[float, float]:
+    """train.py `config` with `settings` (its --set arguments, output among them) into `output`, unless a run
+    that finished at step `steps` is there already; its CPU and wall seconds."""
+    timing = output / TIMING
+    log_path = output / "training.log"
+    if finished(output, steps):
+        print(f"{what}: using the finished run in {output}", flush=True)
+        # Its wall time from its own log; its CPU time as this command measured it, when it trained the run.
+        stamps = [datetime.strptime(stamp, "%Y-%m-%d %H:%M:%S,%f") for stamp in LOG_TIME.findall(log_path.read_text())]
+        wall_seconds = (stamps[-1] - stamps[0]).total_seconds()
+        cpu_seconds = json.loads(timing.read_text())["cpu_seconds"] if timing.is_file() else float("nan")
+        return cpu_seconds, wall_seconds
+    # A run stopped before its end (Ctrl-C, a kill: its last checkpoint and backbone.pth are there) goes on.
+    resume = ["--resume"] if (output / "checkpoint.json").is_file() else []
+    command = [sys.executable, "train.py", config, *settings, *resume]
+    output.parent.mkdir(parents=True, exist_ok=True)
+    start = time.perf_counter()
+    with open(output.parent / f"{output.name}.stderr", "w+") as stderr:
+        process = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=stderr,
+                                   env={**os.environ, "OMP_NUM_THREADS": str(threads)})
+        _, status, usage = os.wait4(process.pid, 0)  # this run's own CPU time, whatever runs beside it
+        process.returncode = os.waitstatus_to_exitcode(status)
+        wall_seconds, cpu_seconds = time.perf_counter() - start, usage.ru_utime + usage.ru_stime
+        if process.returncode:
+            stderr.seek(0)
+            raise SystemExit(f"error: {what} failed ({' '.join(command)}):\n{stderr.read()[-3000:]}")
+    if resume:  # the CPU time of the part before, when this command measured it
+        cpu_seconds += json.loads(timing.read_text())["cpu_seconds"] if timing.is_file() else float("nan")
+    timing.write_text(json.dumps({"cpu_seconds": cpu_seconds, "wall_seconds": wall_seconds}))
+    return cpu_seconds, wall_seconds
 
 
 def evaluate(model_folder: Path, data: Path) -> tuple[float, float, float, np.ndarray]:

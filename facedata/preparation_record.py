@@ -49,6 +49,18 @@ def write_preparation(data_file: str | os.PathLike, preparation: Preparation, to
     return path
 
 
+def copy_record(source_file: str | os.PathLike, data_file: str | os.PathLike,
+                changes: Mapping[str, object]) -> Path | None:
+    """Record beside ``data_file`` what is recorded beside ``source_file``, with ``changes`` (a data file made from
+    another's records, such as a cleaned train.rec, holds photos prepared as those were); None when nothing is."""
+    content = read_record(source_file)
+    if not content:
+        return None
+    path = record_path(data_file)
+    atomic_save(json.dumps({**content, **changes}, indent=2).encode(), path, write=write_bytes)
+    return path
+
+
 def read_record(data_file: str | os.PathLike) -> dict:
     """Everything recorded beside ``data_file`` ({} when nothing is); DataError naming a damaged record."""
     path = record_path(data_file)
