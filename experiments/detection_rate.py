@@ -21,9 +21,8 @@ import numpy as np
 import torch
 from PIL import Image
 
-from dataset import PACKABLE_SUFFIXES
+from dataset import PACKABLE_SUFFIXES, Preparation
 from facedata.detector import SCORE_THRESHOLD, check_detector, detect_faces
-from facedata.photos import Preparation
 from utils.errors import FaceImageError
 
 

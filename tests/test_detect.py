@@ -26,11 +26,9 @@ import torch
 from PIL import Image
 from torchvision.io import decode_image
 
-from dataset import RecordReader, read_preparation, unpack, write_preparation
+from dataset import Preparation, RecordReader, preparation_note, read_preparation, unpack, write_preparation
 from facedata import detector
 from facedata.alignment import ARCFACE_TEMPLATE
-from facedata.photos import Preparation
-from facedata.preparation_record import preparation_note
 from tests.test_pack_tools import exits_with
 from tests.test_photos import model_folder  # noqa: F401 (the fixture: a tiny r18's run folder)
 from tools import inference, make_bin, pack_rec, prepare_photos, search

@@ -303,6 +303,7 @@ def test_callback_logs_upstream_lines_writes_tensorboard_and_restores_modes(tmp_
                                     batch_size=7, metrics=writer)
     model = TinyNet().train()
     caplog.set_level(logging.INFO, logger="eval.callback")
+    caplog.clear()  # what loading the sets said (a fold note) reaches caplog only when an earlier test left INFO on
 
     def lines() -> list[str]:  # the callback's own lines (whether others reach caplog depends on earlier tests)
         return [record.getMessage() for record in caplog.records if record.name == "eval.callback"]
