@@ -241,17 +241,18 @@ def judge_classes(dataset, run: SubcenterRun, centres: np.ndarray, start: int, b
     labels, record_cos, view_cos = [], [], []
     with eval_mode(backbone) as model:
         for views, batch_labels in progress(loader, len(loader), "embedding records", stream):
+            classes = batch_labels.numpy() - start
+            if (outside := np.flatnonzero((classes < 0) | (classes >= len(centres)))).size:
+                where = dataset.source.describe(samples[sum(map(len, labels)) + outside[0]])
+                raise DataError(f"{where} has label {batch_labels[outside[0]]} but lies among the records of another "
+                                "identity; re-pack the records with tools.pack_rec")
             batch, count = views.shape[:2]
             embeddings = embed_batches(model, [views.flatten(0, 1)]).reshape(batch, count, -1)
-            records_cos, views_cos = subcentre_cosines(embeddings, batch_labels.numpy() - start, centres)
+            records_cos, views_cos = subcentre_cosines(embeddings, classes, centres)
             labels.append(batch_labels.numpy())
             record_cos.append(records_cos)
             view_cos.append(views_cos)
     labels = np.concatenate(labels)
-    outside = np.flatnonzero((labels < start) | (labels >= start + len(centres)))
-    if outside.size:
-        raise DataError(f"{dataset.source.describe(samples[outside[0]])} has label {labels[outside[0]]} but lies among "
-                        "the records of another identity; re-pack the records with tools.pack_rec")
     return Part(samples, labels, judge(np.concatenate(record_cos), np.concatenate(view_cos), labels - start,
                                        len(centres)))
 
